@@ -1,0 +1,1 @@
+//! Audio formats and transforms.

@@ -1,0 +1,1 @@
+//! Stage workers, connectors, requests and the pipeline that joins them.

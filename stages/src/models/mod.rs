@@ -1,0 +1,30 @@
+//! The models stages run. One file (or folder) per model, config struct first.
+
+pub mod gguf_tokenizer;
+pub mod phonemize;
+pub mod piper;
+pub mod quantized_llama;
+
+use std::path::PathBuf;
+
+/// Errors from loading or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid model file: {msg}")]
+    Format { path: PathBuf, msg: String },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("phonemizer: {0}")]
+    Phonemizer(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T> = std::result::Result<T, ModelError>;

@@ -1,0 +1,1 @@
+//! Deploy profiles (YAML in `deploy/`).

@@ -4,3 +4,4 @@
 pub mod engine;
 pub mod models;
 pub mod profile;
+pub mod roles;

@@ -1,1 +1,434 @@
-//! Deploy profiles (YAML in `deploy/`).
+//! Deploy profiles: the YAML in `deploy/` that sets each stage's runtime knobs.
+//!
+//! Topology (which stage feeds which, and what crosses the boundary) is code; the
+//! knobs are YAML. Unknown keys are errors, and so are values that cannot work:
+//! every error names the file and the key.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// A profile error, always naming the file and (where there is one) the key.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error("{file}: cannot read profile: {source}")]
+    Read {
+        file: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{file}: {msg}")]
+    Parse { file: PathBuf, msg: String },
+    #[error("{file}: {key}: {msg}")]
+    Invalid {
+        file: PathBuf,
+        key: String,
+        msg: String,
+    },
+}
+
+/// `ar` stages decode step by step (one token per request per step); `generation`
+/// stages turn a whole input span into output in one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StageKind {
+    Ar,
+    Generation,
+}
+
+/// The models a stage can run. The type fixes which role it can play.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ModelType {
+    /// A llama-architecture GGUF chat model (SmolLM2) as Thinker.
+    GgufLlama,
+    /// Piper VITS text encoder + duration predictor + flow: phonemes to latent frames.
+    PiperTalker,
+    /// Piper's HiFi-GAN decoder: latent frames to PCM.
+    PiperDecoder,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    #[serde(rename = "type")]
+    pub model_type: ModelType,
+    /// Model file, relative to the profile's folder.
+    pub path: PathBuf,
+    /// Second file where a model needs one (Piper's `.onnx.json`); relative to the profile.
+    #[serde(default)]
+    pub config: Option<PathBuf>,
+}
+
+/// Default sampling parameters of a stage. Which keys apply depends on the model;
+/// a key the model does not use is an error, so no knob is silently ignored.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingParams {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<usize>,
+    pub repetition_penalty: Option<f32>,
+    pub max_tokens: Option<usize>,
+    pub seed: Option<u64>,
+    pub noise_scale: Option<f32>,
+    pub length_scale: Option<f32>,
+    pub noise_w: Option<f32>,
+}
+
+impl SamplingParams {
+    fn set_keys(&self) -> Vec<&'static str> {
+        let mut keys = Vec::new();
+        macro_rules! check {
+            ($($f:ident),*) => { $( if self.$f.is_some() { keys.push(stringify!($f)); } )* };
+        }
+        check!(
+            temperature,
+            top_p,
+            top_k,
+            repetition_penalty,
+            max_tokens,
+            seed,
+            noise_scale,
+            length_scale,
+            noise_w
+        );
+        keys
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageSpec {
+    pub stage_id: usize,
+    pub name: String,
+    pub kind: StageKind,
+    pub model: ModelSpec,
+    #[serde(default = "default_device")]
+    pub device: String,
+    /// Requests a stage works on in one step; more are queued, never refused here.
+    pub max_num_seqs: usize,
+    /// Longest prompt chunk an `ar` stage prefills in one step, so a long prompt
+    /// cannot stall the decode steps of everyone else.
+    #[serde(default)]
+    pub max_prefill_tokens: Option<usize>,
+    #[serde(default)]
+    pub sampling: SamplingParams,
+}
+
+fn default_device() -> String {
+    "cpu".to_string()
+}
+
+/// The knobs of the connector between stage `from` and stage `from + 1`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectorSpec {
+    pub from: usize,
+    pub to: usize,
+    /// Bounded channel capacity, in payloads.
+    #[serde(default = "default_capacity")]
+    pub capacity: usize,
+    /// Text connectors: a span is speakable at a clause boundary once it holds at
+    /// least this many characters.
+    #[serde(default)]
+    pub min_span_chars: Option<usize>,
+    /// Text connectors: force a span after this many text deltas (tokens) even
+    /// without a clause boundary (cut at the last word boundary).
+    #[serde(default)]
+    pub max_span_tokens: Option<usize>,
+    /// Frame connectors: frames of audio in the first decoded chunk.
+    #[serde(default)]
+    pub initial_codec_chunk_frames: Option<usize>,
+    /// Frame connectors: frames of audio in every later chunk.
+    #[serde(default)]
+    pub codec_chunk_frames: Option<usize>,
+    /// Frame connectors: 0 = stateful exact streaming; N > 0 = re-decode each chunk
+    /// with N frames of left context and trim (the reference-style decoder, kept to
+    /// show what state buys; not exact).
+    #[serde(default)]
+    pub codec_left_context_frames: Option<usize>,
+}
+
+fn default_capacity() -> usize {
+    64
+}
+
+/// Server-side settings (used by `omnistream serve`).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerSpec {
+    #[serde(default)]
+    pub api_keys: Vec<String>,
+    #[serde(default)]
+    pub allowed_origins: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    pub name: String,
+    /// true: each stage starts on partial input; false: each waits for its whole input.
+    pub async_chunk: bool,
+    pub stages: Vec<StageSpec>,
+    #[serde(default)]
+    pub connectors: Vec<ConnectorSpec>,
+    #[serde(default)]
+    pub server: Option<ServerSpec>,
+    /// Folder of the profile file; model paths are relative to it.
+    #[serde(skip)]
+    pub base_dir: PathBuf,
+    #[serde(skip)]
+    pub file: PathBuf,
+}
+
+/// What kind of payload crosses a connector, from the model types on each side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectorKind {
+    Text,
+    Frames,
+}
+
+impl Profile {
+    pub fn load(path: &Path) -> Result<Self, ProfileError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ProfileError::Read {
+            file: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates `text` as if read from `path`.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ProfileError> {
+        let mut profile: Profile =
+            serde_yaml_ng::from_str(text).map_err(|e| ProfileError::Parse {
+                file: path.to_path_buf(),
+                msg: e.to_string(),
+            })?;
+        profile.file = path.to_path_buf();
+        profile.base_dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_path_buf();
+        profile.validate()?;
+        Ok(profile)
+    }
+
+    fn invalid(&self, key: impl Into<String>, msg: impl Into<String>) -> ProfileError {
+        ProfileError::Invalid {
+            file: self.file.clone(),
+            key: key.into(),
+            msg: msg.into(),
+        }
+    }
+
+    /// A path from the profile, resolved against the profile's folder.
+    pub fn resolve(&self, p: &Path) -> PathBuf {
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            self.base_dir.join(p)
+        }
+    }
+
+    pub fn stage(&self, name: &str) -> Option<&StageSpec> {
+        self.stages.iter().find(|s| s.name == name)
+    }
+
+    pub fn connector(&self, from: usize) -> Option<&ConnectorSpec> {
+        self.connectors.iter().find(|c| c.from == from)
+    }
+
+    pub fn connector_kind(&self, from: usize) -> Option<ConnectorKind> {
+        let up = self.stages.get(from)?;
+        Some(match up.model.model_type {
+            ModelType::GgufLlama => ConnectorKind::Text,
+            ModelType::PiperTalker | ModelType::PiperDecoder => ConnectorKind::Frames,
+        })
+    }
+
+    fn validate(&self) -> Result<(), ProfileError> {
+        if self.stages.is_empty() {
+            return Err(self.invalid("stages", "at least one stage is required"));
+        }
+        for (i, s) in self.stages.iter().enumerate() {
+            let key = |k: &str| format!("stages[{i}].{k}");
+            if s.stage_id != i {
+                return Err(self.invalid(
+                    key("stage_id"),
+                    format!("stages must be listed in order: expected {i}, found {}", s.stage_id),
+                ));
+            }
+            if s.max_num_seqs == 0 {
+                return Err(self.invalid(key("max_num_seqs"), "must be at least 1"));
+            }
+            if s.max_prefill_tokens == Some(0) {
+                return Err(self.invalid(key("max_prefill_tokens"), "must be at least 1"));
+            }
+            if s.device != "cpu" {
+                return Err(self.invalid(
+                    key("device"),
+                    format!("unknown device {:?} (this build supports: cpu)", s.device),
+                ));
+            }
+            let expected_kind = match s.model.model_type {
+                ModelType::GgufLlama => StageKind::Ar,
+                ModelType::PiperTalker | ModelType::PiperDecoder => StageKind::Generation,
+            };
+            if s.kind != expected_kind {
+                return Err(self.invalid(
+                    key("kind"),
+                    format!(
+                        "model type {:?} runs as {:?}, not {:?}",
+                        s.model.model_type, expected_kind, s.kind
+                    ),
+                ));
+            }
+            let model_path = self.resolve(&s.model.path);
+            if !model_path.is_file() {
+                return Err(self.invalid(
+                    key("model.path"),
+                    format!(
+                        "{} does not exist (run `omnistream fetch-models`)",
+                        model_path.display()
+                    ),
+                ));
+            }
+            if let Some(c) = &s.model.config {
+                let p = self.resolve(c);
+                if !p.is_file() {
+                    return Err(
+                        self.invalid(key("model.config"), format!("{} does not exist", p.display()))
+                    );
+                }
+            }
+            self.validate_sampling(i, s)?;
+        }
+        // Topology: the chain of model types must make sense.
+        let types: Vec<ModelType> = self.stages.iter().map(|s| s.model.model_type).collect();
+        for w in types.windows(2).enumerate() {
+            let (i, pair) = w;
+            let ok = matches!(
+                (pair[0], pair[1]),
+                (ModelType::GgufLlama, ModelType::PiperTalker)
+                    | (ModelType::PiperTalker, ModelType::PiperDecoder)
+            );
+            if !ok {
+                return Err(self.invalid(
+                    format!("stages[{}].model.type", i + 1),
+                    format!("{:?} cannot follow {:?}", pair[1], pair[0]),
+                ));
+            }
+        }
+        for (j, c) in self.connectors.iter().enumerate() {
+            let key = |k: &str| format!("connectors[{j}].{k}");
+            if c.from + 1 != c.to || c.to >= self.stages.len() {
+                return Err(self.invalid(
+                    key("to"),
+                    format!(
+                        "a connector joins stage N to stage N+1 of the {} stages; got {} -> {}",
+                        self.stages.len(),
+                        c.from,
+                        c.to
+                    ),
+                ));
+            }
+            if self.connectors[..j].iter().any(|o| o.from == c.from) {
+                return Err(self.invalid(key("from"), "two connectors leave the same stage"));
+            }
+            if c.capacity == 0 {
+                return Err(self.invalid(key("capacity"), "must be at least 1"));
+            }
+            let text_keys = [
+                ("min_span_chars", c.min_span_chars.is_some()),
+                ("max_span_tokens", c.max_span_tokens.is_some()),
+            ];
+            let frame_keys = [
+                ("initial_codec_chunk_frames", c.initial_codec_chunk_frames.is_some()),
+                ("codec_chunk_frames", c.codec_chunk_frames.is_some()),
+                ("codec_left_context_frames", c.codec_left_context_frames.is_some()),
+            ];
+            let kind = self.connector_kind(c.from);
+            let foreign = match kind {
+                Some(ConnectorKind::Text) => frame_keys.iter().find(|k| k.1),
+                Some(ConnectorKind::Frames) => text_keys.iter().find(|k| k.1),
+                None => None,
+            };
+            if let Some((k, _)) = foreign {
+                return Err(self.invalid(
+                    key(k),
+                    format!("does not apply to a {:?} connector", kind.unwrap_or(ConnectorKind::Text)),
+                ));
+            }
+            for (k, v) in [
+                ("initial_codec_chunk_frames", c.initial_codec_chunk_frames),
+                ("codec_chunk_frames", c.codec_chunk_frames),
+                ("max_span_tokens", c.max_span_tokens),
+            ] {
+                if v == Some(0) {
+                    return Err(self.invalid(key(k), "must be at least 1"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_sampling(&self, i: usize, s: &StageSpec) -> Result<(), ProfileError> {
+        let allowed: &[&str] = match s.model.model_type {
+            ModelType::GgufLlama => &[
+                "temperature",
+                "top_p",
+                "top_k",
+                "repetition_penalty",
+                "max_tokens",
+                "seed",
+            ],
+            ModelType::PiperTalker => &["noise_scale", "length_scale", "noise_w", "seed"],
+            ModelType::PiperDecoder => &[],
+        };
+        for k in s.sampling.set_keys() {
+            if !allowed.contains(&k) {
+                return Err(self.invalid(
+                    format!("stages[{i}].sampling.{k}"),
+                    format!("not used by model type {:?}", s.model.model_type),
+                ));
+            }
+        }
+        let p = &s.sampling;
+        let key = |k: &str| format!("stages[{i}].sampling.{k}");
+        if let Some(t) = p.temperature {
+            if !(0.0..=10.0).contains(&t) {
+                return Err(self.invalid(key("temperature"), "must be in [0, 10]"));
+            }
+        }
+        if let Some(t) = p.top_p {
+            if !(t > 0.0 && t <= 1.0) {
+                return Err(self.invalid(key("top_p"), "must be in (0, 1]"));
+            }
+        }
+        if p.max_tokens == Some(0) {
+            return Err(self.invalid(key("max_tokens"), "must be at least 1"));
+        }
+        if let Some(r) = p.repetition_penalty {
+            if !(r > 0.0 && r.is_finite()) {
+                return Err(self.invalid(key("repetition_penalty"), "must be > 0"));
+            }
+        }
+        for (k, v) in [
+            ("noise_scale", p.noise_scale),
+            ("noise_w", p.noise_w),
+        ] {
+            if let Some(v) = v {
+                if !(v >= 0.0 && v.is_finite()) {
+                    return Err(self.invalid(key(k), "must be >= 0"));
+                }
+            }
+        }
+        if let Some(v) = p.length_scale {
+            if !(v > 0.0 && v <= 10.0) {
+                return Err(self.invalid(key("length_scale"), "must be in (0, 10]"));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,1 +1,38 @@
-//! Stage workers, connectors, requests and the pipeline that joins them.
+//! The staged engine: a pipeline of stage workers joined by connectors.
+//!
+//! Each stage runs on its own thread with its own batch. A request flows through
+//! the stages as typed, request-scoped payloads; its client-visible events (text
+//! deltas, audio chunks, done, error) leave through its own bounded queue the
+//! moment a stage produces them.
+
+mod connector;
+mod payload;
+mod pipeline;
+mod request;
+mod stage;
+mod worker;
+
+pub use connector::{in_process, Closed, ConnectorRx, ConnectorTx, InProcessRx, InProcessTx};
+pub use payload::{Envelope, FrameChunk, Payload, TextChunk};
+pub use pipeline::{Pipeline, PipelineStats, StageDef, StageRole, StageStats, DEFAULT_EVENT_CAPACITY};
+pub use request::{
+    CancelReason, Event, Modalities, RequestCtx, RequestHandle, RequestId, RequestInput,
+    RequestSpec, SamplingOverrides,
+};
+pub use stage::{StageModel, StepOutput};
+
+/// Errors of the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Profile(#[from] crate::profile::ProfileError),
+    #[error("stage {stage}: {source}")]
+    Model {
+        stage: String,
+        source: crate::models::ModelError,
+    },
+    #[error("invalid request: {0}")]
+    BadRequest(String),
+    #[error("the pipeline is shut down")]
+    Closed,
+}

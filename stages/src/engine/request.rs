@@ -1,0 +1,267 @@
+//! Requests: what a client asks for, its per-request context shared by every
+//! stage, and the events it gets back.
+
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use crate::models::gguf_tokenizer::ChatMessage;
+
+pub type RequestId = u64;
+
+/// Which outputs a request wants; it decides how far down the pipeline it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Modalities {
+    pub text: bool,
+    pub audio: bool,
+}
+
+impl Modalities {
+    pub const TEXT: Self = Self {
+        text: true,
+        audio: false,
+    };
+    pub const TEXT_AUDIO: Self = Self {
+        text: true,
+        audio: true,
+    };
+
+    /// From OpenAI-style names (`["text"]`, `["text", "audio"]`, `["audio"]`).
+    pub fn from_names<S: AsRef<str>>(names: &[S]) -> Result<Self, String> {
+        let mut m = Self {
+            text: false,
+            audio: false,
+        };
+        for n in names {
+            match n.as_ref() {
+                "text" => m.text = true,
+                "audio" => m.audio = true,
+                other => return Err(format!("unknown modality {other:?}")),
+            }
+        }
+        if !m.text && !m.audio {
+            return Err("modalities must not be empty".into());
+        }
+        // Audio is spoken text: the text is always produced (it is the transcript).
+        m.text = true;
+        Ok(m)
+    }
+}
+
+/// What goes into the first stage of the request's route.
+#[derive(Debug, Clone)]
+pub enum RequestInput {
+    /// A conversation for the Thinker.
+    Chat { messages: Vec<ChatMessage> },
+    /// Text to speak as it is (skips the Thinker).
+    Speech { text: String },
+}
+
+/// Per-request sampling overrides; `None` keeps the stage default.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SamplingOverrides {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<usize>,
+    pub max_tokens: Option<usize>,
+    pub seed: Option<u64>,
+    /// Generate exactly `max_tokens` (benchmarks: equal work across configs).
+    pub ignore_eos: bool,
+    /// Speech speed (1.0 = the voice's natural pace).
+    pub speed: Option<f32>,
+}
+
+#[derive(Debug, Clone)]
+pub struct RequestSpec {
+    pub input: RequestInput,
+    pub modalities: Modalities,
+    pub sampling: SamplingOverrides,
+    pub voice: Option<String>,
+}
+
+/// Why a request stopped early.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum CancelReason {
+    None = 0,
+    /// The client cancelled or went away.
+    Client = 1,
+    /// The client could not keep up with its own output queue.
+    SlowClient = 2,
+    /// A stage failed on this request.
+    Failed = 3,
+}
+
+/// What a client receives, in order.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// Generated text (also the transcript of the audio that follows).
+    TextDelta(String),
+    /// Mono f32 PCM in [-1, 1], as Code2Wav emitted it. `seq` counts chunks.
+    Audio {
+        samples: Vec<f32>,
+        sample_rate: u32,
+        seq: u64,
+    },
+    /// The request completed normally.
+    Done {
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    /// The request failed or was cancelled by the engine; nothing follows.
+    Error(String),
+}
+
+/// Slots of a client's event queue kept free for the terminal event.
+const RESERVED_SLOTS: usize = 4;
+
+/// A request's context, shared by every stage that works on it.
+pub struct RequestCtx {
+    pub id: RequestId,
+    pub spec: RequestSpec,
+    pub created: Instant,
+    /// Index of the first and last stage on this request's route.
+    pub first_stage: usize,
+    pub last_stage: usize,
+    cancelled: AtomicBool,
+    reason: AtomicU8,
+    events: flume::Sender<Event>,
+    prompt_tokens: AtomicU64,
+    completion_tokens: AtomicU64,
+}
+
+impl RequestCtx {
+    pub(crate) fn new(
+        id: RequestId,
+        spec: RequestSpec,
+        first_stage: usize,
+        last_stage: usize,
+        events: flume::Sender<Event>,
+    ) -> Self {
+        Self {
+            id,
+            spec,
+            created: Instant::now(),
+            first_stage,
+            last_stage,
+            cancelled: AtomicBool::new(false),
+            reason: AtomicU8::new(CancelReason::None as u8),
+            events,
+            prompt_tokens: AtomicU64::new(0),
+            completion_tokens: AtomicU64::new(0),
+        }
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Acquire)
+    }
+
+    pub fn cancel(&self, reason: CancelReason) {
+        let _ = self.reason.compare_exchange(
+            CancelReason::None as u8,
+            reason as u8,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        self.cancelled.store(true, Ordering::Release);
+    }
+
+    pub fn cancel_reason(&self) -> CancelReason {
+        match self.reason.load(Ordering::Acquire) {
+            1 => CancelReason::Client,
+            2 => CancelReason::SlowClient,
+            3 => CancelReason::Failed,
+            _ => CancelReason::None,
+        }
+    }
+
+    /// Queues an event for the client without ever blocking the stage: a client
+    /// whose queue is full is too slow for real time, so its request is cancelled.
+    pub fn emit(&self, event: Event) {
+        if self.is_cancelled() {
+            return;
+        }
+        // The last few slots are kept for the terminal error, so a slow client
+        // still learns why its request ended once it catches up.
+        let cap = self.events.capacity().unwrap_or(usize::MAX);
+        let terminal = matches!(event, Event::Done { .. } | Event::Error(_));
+        if !terminal && self.events.len() + RESERVED_SLOTS >= cap {
+            self.cancel(CancelReason::SlowClient);
+            let _ = self.events.try_send(Event::Error(
+                "client too slow: output queue full, request dropped".into(),
+            ));
+            return;
+        }
+        match self.events.try_send(event) {
+            Ok(()) => {}
+            Err(flume::TrySendError::Full(_)) => self.cancel(CancelReason::SlowClient),
+            Err(flume::TrySendError::Disconnected(_)) => self.cancel(CancelReason::Client),
+        }
+    }
+
+    /// Fails the request: the client gets the error; every stage drops it.
+    pub fn fail(&self, msg: String) {
+        if !self.is_cancelled() {
+            let _ = self.events.try_send(Event::Error(msg));
+        }
+        self.cancel(CancelReason::Failed);
+    }
+
+    pub fn set_prompt_tokens(&self, n: usize) {
+        self.prompt_tokens.store(n as u64, Ordering::Relaxed);
+    }
+    pub fn add_completion_tokens(&self, n: usize) {
+        self.completion_tokens.fetch_add(n as u64, Ordering::Relaxed);
+    }
+    /// Emits `Done` with the token counts gathered on the way.
+    pub fn done(&self) {
+        self.emit(Event::Done {
+            prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed) as usize,
+            completion_tokens: self.completion_tokens.load(Ordering::Relaxed) as usize,
+        });
+    }
+}
+
+/// The client's end of a request. Dropping it cancels the request in every stage.
+pub struct RequestHandle {
+    pub(crate) ctx: Arc<RequestCtx>,
+    pub(crate) events: flume::Receiver<Event>,
+    pub(crate) in_flight: Arc<AtomicU64>,
+}
+
+impl RequestHandle {
+    pub fn id(&self) -> RequestId {
+        self.ctx.id
+    }
+    pub fn created(&self) -> Instant {
+        self.ctx.created
+    }
+    /// The event queue (works from sync and async code).
+    pub fn events(&self) -> &flume::Receiver<Event> {
+        &self.events
+    }
+    /// Blocks for the next event; `None` once the request has ended and its
+    /// events are drained.
+    pub fn next_event(&self) -> Option<Event> {
+        self.events.recv().ok()
+    }
+    pub async fn next_event_async(&self) -> Option<Event> {
+        self.events.recv_async().await.ok()
+    }
+    pub fn cancel(&self) {
+        // Workers poll the flag between steps (and every few ms when idle).
+        self.ctx.cancel(CancelReason::Client);
+    }
+    pub fn cancel_reason(&self) -> CancelReason {
+        self.ctx.cancel_reason()
+    }
+}
+
+impl Drop for RequestHandle {
+    fn drop(&mut self) {
+        self.cancel();
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}

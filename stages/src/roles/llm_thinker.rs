@@ -1,0 +1,290 @@
+//! Thinker stage for a llama-architecture GGUF chat model (SmolLM2).
+//!
+//! Continuous batching: every step takes up to `max_num_seqs` requests
+//! (round-robin when more are waiting), each contributing a prompt chunk
+//! (prefill) or its last token (decode), and runs them as one ragged batch.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use candle_transformers::generation::{LogitsProcessor, Sampling};
+
+use crate::engine::{Event, Payload, RequestCtx, RequestId, RequestInput, StageModel, StepOutput, TextChunk};
+use crate::models::gguf_tokenizer::{GgufTokenizer, IncrementalDecoder};
+use crate::models::quantized_llama::{KvCache, QuantizedLlama, SeqStep};
+use crate::models::{ModelError, Result};
+use crate::profile::SamplingParams;
+
+/// Tokens the repetition penalty looks back over.
+const REPEAT_LAST_N: usize = 64;
+const DEFAULT_MAX_TOKENS: usize = 256;
+
+struct Seq {
+    ctx: Arc<RequestCtx>,
+    prompt: Vec<u32>,
+    prefilled: usize,
+    cache: KvCache,
+    sampler: LogitsProcessor,
+    repetition_penalty: f32,
+    generated: Vec<u32>,
+    max_tokens: usize,
+    ignore_eos: bool,
+    detok: IncrementalDecoder,
+}
+
+pub struct LlmThinker {
+    model: Arc<QuantizedLlama>,
+    tokenizer: Arc<GgufTokenizer>,
+    defaults: SamplingParams,
+    max_num_seqs: usize,
+    max_prefill_tokens: usize,
+    seqs: HashMap<RequestId, Seq>,
+    order: VecDeque<RequestId>,
+}
+
+impl LlmThinker {
+    pub fn new(
+        model: Arc<QuantizedLlama>,
+        tokenizer: Arc<GgufTokenizer>,
+        defaults: SamplingParams,
+        max_num_seqs: usize,
+        max_prefill_tokens: usize,
+    ) -> Self {
+        Self {
+            model,
+            tokenizer,
+            defaults,
+            max_num_seqs,
+            max_prefill_tokens,
+            seqs: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+
+    fn sampler_for(&self, ctx: &RequestCtx) -> (LogitsProcessor, f32) {
+        let o = &ctx.spec.sampling;
+        let d = &self.defaults;
+        let temperature = o.temperature.or(d.temperature).unwrap_or(0.0);
+        let top_p = o.top_p.or(d.top_p).filter(|p| *p < 1.0);
+        let top_k = o.top_k.or(d.top_k).filter(|k| *k > 0);
+        let seed = o.seed.or(d.seed).unwrap_or(ctx.id);
+        let sampling = if temperature <= 1e-7 {
+            Sampling::ArgMax
+        } else {
+            match (top_k, top_p) {
+                (None, None) => Sampling::All { temperature },
+                (Some(k), None) => Sampling::TopK { k, temperature },
+                (None, Some(p)) => Sampling::TopP { p, temperature },
+                (Some(k), Some(p)) => Sampling::TopKThenTopP { k, p, temperature },
+            }
+        };
+        (
+            LogitsProcessor::from_sampling(seed, sampling),
+            d.repetition_penalty.unwrap_or(1.0),
+        )
+    }
+
+    /// Samples the next token of `seq` from its logits row; returns whether it ended.
+    fn advance(
+        &self,
+        id: RequestId,
+        seq: &mut Seq,
+        logits: candle_core::Tensor,
+        out: &mut StepOutput,
+    ) -> Result<bool> {
+        let logits = if seq.repetition_penalty != 1.0 && !seq.generated.is_empty() {
+            let start = seq.generated.len().saturating_sub(REPEAT_LAST_N);
+            candle_transformers::utils::apply_repeat_penalty(
+                &logits,
+                seq.repetition_penalty,
+                &seq.generated[start..],
+            )?
+        } else {
+            logits
+        };
+        let token = seq.sampler.sample(&logits)?;
+        let eos = self.tokenizer.eos_token_ids().contains(&token);
+        if eos && !seq.ignore_eos {
+            return Ok(true);
+        }
+        seq.generated.push(token);
+        seq.ctx.add_completion_tokens(1);
+        if let Some(text) = seq.detok.push(&self.tokenizer, token)? {
+            if !text.is_empty() {
+                seq.ctx.emit(Event::TextDelta(text.clone()));
+                out.downstream.push((
+                    id,
+                    Payload::Text(TextChunk {
+                        text,
+                        token_ids: vec![token],
+                        finished: false,
+                    }),
+                ));
+            }
+        }
+        let ctx_full = seq.cache.len() + 1 >= self.model.config().max_seq_len;
+        Ok(seq.generated.len() >= seq.max_tokens || ctx_full)
+    }
+
+    fn finish(&self, id: RequestId, seq: &mut Seq, out: &mut StepOutput) -> Result<()> {
+        let tail = seq.detok.flush(&self.tokenizer)?.unwrap_or_default();
+        if !tail.is_empty() {
+            seq.ctx.emit(Event::TextDelta(tail.clone()));
+        }
+        out.downstream.push((
+            id,
+            Payload::Text(TextChunk {
+                text: tail,
+                token_ids: Vec::new(),
+                finished: true,
+            }),
+        ));
+        out.finished.push(id);
+        Ok(())
+    }
+}
+
+impl StageModel for LlmThinker {
+    fn admit(&mut self, ctx: Arc<RequestCtx>) -> Result<()> {
+        let RequestInput::Chat { messages } = &ctx.spec.input else {
+            return Err(ModelError::Invalid("the Thinker takes a conversation".into()));
+        };
+        let prompt_text = self.tokenizer.apply_chat_template(messages, true)?;
+        let prompt = self.tokenizer.encode(&prompt_text)?;
+        let max_ctx = self.model.config().max_seq_len;
+        if prompt.is_empty() {
+            return Err(ModelError::Invalid("empty prompt".into()));
+        }
+        if prompt.len() >= max_ctx {
+            return Err(ModelError::Invalid(format!(
+                "prompt is {} tokens; the model's context is {max_ctx}",
+                prompt.len()
+            )));
+        }
+        ctx.set_prompt_tokens(prompt.len());
+        let (sampler, repetition_penalty) = self.sampler_for(&ctx);
+        let max_tokens = ctx
+            .spec
+            .sampling
+            .max_tokens
+            .or(self.defaults.max_tokens)
+            .unwrap_or(DEFAULT_MAX_TOKENS)
+            .max(1);
+        let seq = Seq {
+            prompt,
+            prefilled: 0,
+            cache: self.model.new_cache(),
+            sampler,
+            repetition_penalty,
+            generated: Vec::new(),
+            max_tokens,
+            ignore_eos: ctx.spec.sampling.ignore_eos,
+            detok: IncrementalDecoder::new(),
+            ctx,
+        };
+        let id = seq.ctx.id;
+        self.seqs.insert(id, seq);
+        self.order.push_back(id);
+        Ok(())
+    }
+
+    fn push(&mut self, _id: RequestId, _payload: Payload) -> Result<()> {
+        Err(ModelError::Invalid(
+            "the Thinker takes its input with the request".into(),
+        ))
+    }
+
+    fn step(&mut self, out: &mut StepOutput) {
+        let n = self.order.len().min(self.max_num_seqs);
+        if n == 0 {
+            return;
+        }
+        // Round-robin: this step's requests go to the back of the line.
+        let ids: Vec<RequestId> = self.order.drain(..n).collect();
+        self.order.extend(ids.iter().copied());
+
+        // Take the sequences out of the map so each can lend its cache mutably.
+        let mut batch_seqs: Vec<(RequestId, Seq)> = ids
+            .iter()
+            .filter_map(|id| self.seqs.remove(id).map(|s| (*id, s)))
+            .collect();
+        let inputs: Vec<Vec<u32>> = batch_seqs
+            .iter()
+            .map(|(_, s)| {
+                if s.prefilled < s.prompt.len() {
+                    let end = (s.prefilled + self.max_prefill_tokens).min(s.prompt.len());
+                    s.prompt[s.prefilled..end].to_vec()
+                } else {
+                    // Decode: the last sampled token (prefill ended with the prompt's).
+                    vec![*s.generated.last().unwrap_or(&s.prompt[s.prompt.len() - 1])]
+                }
+            })
+            .collect();
+        let result = {
+            let mut steps: Vec<SeqStep<'_>> = batch_seqs
+                .iter_mut()
+                .zip(&inputs)
+                .map(|((_, s), toks)| SeqStep {
+                    tokens: toks,
+                    cache: &mut s.cache,
+                })
+                .collect();
+            self.model.forward_batch(&mut steps)
+        };
+        out.batch = batch_seqs.len();
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                // The whole batch failed: fail each request, free everything.
+                let msg = e.to_string();
+                for (id, _) in batch_seqs {
+                    self.order.retain(|x| *x != id);
+                    out.failed.push((id, ModelError::Invalid(msg.clone())));
+                }
+                return;
+            }
+        };
+        for (row, ((id, mut seq), toks)) in batch_seqs.into_iter().zip(&inputs).enumerate() {
+            let prefill = seq.prefilled < seq.prompt.len();
+            if prefill {
+                seq.prefilled += toks.len();
+                if seq.prefilled < seq.prompt.len() {
+                    self.seqs.insert(id, seq);
+                    continue; // more prompt to go: these logits are not needed
+                }
+            }
+            let r = logits
+                .get(row)
+                .map_err(ModelError::from)
+                .and_then(|l| self.advance(id, &mut seq, l, out));
+            match r {
+                Ok(false) => {
+                    self.seqs.insert(id, seq);
+                }
+                Ok(true) => {
+                    self.order.retain(|x| *x != id);
+                    if let Err(e) = self.finish(id, &mut seq, out) {
+                        out.failed.push((id, e));
+                    }
+                }
+                Err(e) => {
+                    self.order.retain(|x| *x != id);
+                    out.failed.push((id, e));
+                }
+            }
+        }
+    }
+
+    fn remove(&mut self, id: RequestId) {
+        self.seqs.remove(&id);
+        self.order.retain(|x| *x != id);
+    }
+
+    fn has_ready_work(&self) -> bool {
+        !self.order.is_empty()
+    }
+
+    fn active(&self) -> usize {
+        self.seqs.len()
+    }
+}

@@ -1,0 +1,135 @@
+//! Stage implementations: each binds a model to the engine in a pipeline role
+//! (Thinker, Talker, Code2Wav), and `build_pipeline` assembles them from a
+//! deploy profile.
+
+mod llm_thinker;
+mod piper_code2wav;
+mod piper_talker;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use candle_core::Device;
+
+pub use llm_thinker::LlmThinker;
+pub use piper_code2wav::{ChunkPolicy, PiperCode2Wav};
+pub use piper_talker::{PiperTalker, SpanPolicy};
+
+use crate::engine::{EngineError, Pipeline, StageDef, StageModel, StageRole};
+use crate::models::piper::{PiperVoice, Scales};
+use crate::models::quantized_llama::QuantizedLlama;
+use crate::models::ModelError;
+use crate::profile::{ModelType, Profile};
+
+/// Name clients use for the Piper voice.
+pub const PIPER_VOICE_NAME: &str = "joe";
+
+/// Defaults for connector knobs the profile leaves out.
+const DEFAULT_MIN_SPAN_CHARS: usize = 12;
+const DEFAULT_MAX_SPAN_TOKENS: usize = 24;
+const DEFAULT_INITIAL_FRAMES: usize = 4;
+const DEFAULT_CHUNK_FRAMES: usize = 25;
+const DEFAULT_MAX_PREFILL: usize = 512;
+
+/// Loads every model of `profile` and starts the pipeline.
+pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
+    let device = Device::Cpu;
+    let mut voices: HashMap<PathBuf, Arc<PiperVoice>> = HashMap::new();
+    let mut defs = Vec::new();
+    let mut sample_rate = None;
+    for (i, s) in profile.stages.iter().enumerate() {
+        let model_err = |source: ModelError| EngineError::Model {
+            stage: s.name.clone(),
+            source,
+        };
+        let path = profile.resolve(&s.model.path);
+        let mut load_voice = || -> Result<Arc<PiperVoice>, EngineError> {
+            if let Some(v) = voices.get(&path) {
+                return Ok(v.clone());
+            }
+            let json = match &s.model.config {
+                Some(c) => profile.resolve(c),
+                None => PathBuf::from(format!("{}.json", path.display())),
+            };
+            let v = Arc::new(PiperVoice::load(&path, &json, &device).map_err(model_err)?);
+            voices.insert(path.clone(), v.clone());
+            Ok(v)
+        };
+        let (role, model): (StageRole, Box<dyn StageModel>) = match s.model.model_type {
+            ModelType::GgufLlama => {
+                let (llm, tok) = QuantizedLlama::load(&path, &device).map_err(model_err)?;
+                (
+                    StageRole::Thinker,
+                    Box::new(LlmThinker::new(
+                        Arc::new(llm),
+                        Arc::new(tok),
+                        s.sampling.clone(),
+                        s.max_num_seqs,
+                        s.max_prefill_tokens.unwrap_or(DEFAULT_MAX_PREFILL),
+                    )),
+                )
+            }
+            ModelType::PiperTalker => {
+                let voice = load_voice()?;
+                let d = voice.config().default_scales.clone();
+                let scales = Scales {
+                    noise_scale: s.sampling.noise_scale.unwrap_or(d.noise_scale),
+                    length_scale: s.sampling.length_scale.unwrap_or(d.length_scale),
+                    noise_w: s.sampling.noise_w.unwrap_or(d.noise_w),
+                };
+                let c = i.checked_sub(1).and_then(|p| profile.connector(p));
+                let policy = SpanPolicy {
+                    async_chunk: profile.async_chunk,
+                    min_span_chars: c
+                        .and_then(|c| c.min_span_chars)
+                        .unwrap_or(DEFAULT_MIN_SPAN_CHARS),
+                    max_span_tokens: c
+                        .and_then(|c| c.max_span_tokens)
+                        .unwrap_or(DEFAULT_MAX_SPAN_TOKENS),
+                };
+                let talker = PiperTalker::new(
+                    voice,
+                    PIPER_VOICE_NAME.to_string(),
+                    scales,
+                    s.sampling.seed,
+                    policy,
+                    s.max_num_seqs,
+                )
+                .map_err(model_err)?;
+                (StageRole::Talker, Box::new(talker))
+            }
+            ModelType::PiperDecoder => {
+                let voice = load_voice()?;
+                sample_rate = Some(voice.sample_rate());
+                let c = i.checked_sub(1).and_then(|p| profile.connector(p));
+                let policy = ChunkPolicy {
+                    async_chunk: profile.async_chunk,
+                    initial_frames: c
+                        .and_then(|c| c.initial_codec_chunk_frames)
+                        .unwrap_or(DEFAULT_INITIAL_FRAMES),
+                    chunk_frames: c
+                        .and_then(|c| c.codec_chunk_frames)
+                        .unwrap_or(DEFAULT_CHUNK_FRAMES),
+                    left_context_frames: c.and_then(|c| c.codec_left_context_frames).unwrap_or(0),
+                };
+                (
+                    StageRole::Code2Wav,
+                    Box::new(PiperCode2Wav::new(voice, policy, s.max_num_seqs)),
+                )
+            }
+        };
+        let input_capacity = i
+            .checked_sub(1)
+            .and_then(|p| profile.connector(p))
+            .map(|c| c.capacity)
+            .unwrap_or(1024);
+        defs.push(StageDef {
+            name: s.name.clone(),
+            role,
+            model,
+            input_capacity,
+        });
+    }
+    Pipeline::start(defs, sample_rate)
+}

@@ -432,3 +432,87 @@ impl Profile {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A profile whose model files exist (empty files: loading is not tested here).
+    fn fixture() -> (tempfile::TempDir, PathBuf, String) {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["m.gguf", "v.onnx", "v.onnx.json"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let yaml = r#"
+name: t
+async_chunk: true
+stages:
+  - { stage_id: 0, name: thinker, kind: ar, model: { type: gguf-llama, path: m.gguf }, max_num_seqs: 4, sampling: { temperature: 0.0 } }
+  - { stage_id: 1, name: talker, kind: generation, model: { type: piper-talker, path: v.onnx, config: v.onnx.json }, max_num_seqs: 2 }
+  - { stage_id: 2, name: code2wav, kind: generation, model: { type: piper-decoder, path: v.onnx }, max_num_seqs: 2 }
+connectors:
+  - { from: 0, to: 1, min_span_chars: 10 }
+  - { from: 1, to: 2, initial_codec_chunk_frames: 1, codec_chunk_frames: 25 }
+"#
+        .to_string();
+        let path = dir.path().join("p.yaml");
+        (dir, path, yaml)
+    }
+
+    fn err(yaml: &str, path: &Path) -> String {
+        Profile::parse(yaml, path).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn valid_profile_loads_and_resolves_paths() {
+        let (dir, path, yaml) = fixture();
+        let p = Profile::parse(&yaml, &path).unwrap();
+        assert_eq!(p.stages.len(), 3);
+        assert_eq!(p.resolve(&p.stages[0].model.path), dir.path().join("m.gguf"));
+        assert_eq!(p.connector(1).unwrap().initial_codec_chunk_frames, Some(1));
+        assert_eq!(p.connector_kind(0), Some(ConnectorKind::Text));
+    }
+
+    #[test]
+    fn the_shipped_profiles_parse() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+        for f in ["tiny-cpu.yaml", "tiny-cpu-sync.yaml"] {
+            let text = std::fs::read_to_string(root.join(f)).unwrap();
+            // Model files may be absent here: only a missing-file error is acceptable.
+            match Profile::parse(&text, &root.join(f)) {
+                Ok(p) => assert_eq!(p.stages.len(), 3),
+                Err(e) => assert!(e.to_string().contains("does not exist"), "{f}: {e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn errors_name_the_file_and_the_key() {
+        let (_d, path, yaml) = fixture();
+        let file = path.display().to_string();
+        let cases = [
+            (yaml.replace("max_num_seqs: 4", "max_num_seqs: 4, batch: 3"), "batch"),
+            (yaml.replace("async_chunk: true", "async_chunk: true\nasync_chunks: 1"), "async_chunks"),
+            (yaml.replace("max_num_seqs: 4", "max_num_seqs: 0"), "stages[0].max_num_seqs"),
+            (yaml.replace("m.gguf", "missing.gguf"), "stages[0].model.path"),
+            (yaml.replace("temperature: 0.0", "temperature: -1"), "stages[0].sampling.temperature"),
+            (yaml.replace("temperature: 0.0", "noise_w: 0.5"), "stages[0].sampling.noise_w"),
+            (yaml.replace("kind: ar", "kind: generation"), "stages[0].kind"),
+            (yaml.replace("kind: ar", "kind: dream"), "kind"),
+            (yaml.replace("codec_chunk_frames: 25", "codec_chunk_frames: 0"), "connectors[1].codec_chunk_frames"),
+            (yaml.replace("min_span_chars: 10", "codec_chunk_frames: 4"), "connectors[0].codec_chunk_frames"),
+            (yaml.replace("{ from: 0, to: 1,", "{ from: 0, to: 2,"), "connectors[0].to"),
+            (yaml.replace("stage_id: 1", "stage_id: 5"), "stages[1].stage_id"),
+            (yaml.replace("device: cpu", "").replace("max_num_seqs: 4,", "max_num_seqs: 4, device: tpu,"), "stages[0].device"),
+            (yaml.replace("type: piper-talker", "type: gguf-llama").replace("kind: generation, model: { type: gguf-llama", "kind: ar, model: { type: gguf-llama"), "stages[1].model.type"),
+            ("name: [".to_string(), ""),
+        ];
+        for (text, key) in cases {
+            let e = err(&text, &path);
+            assert!(e.contains(&file), "error does not name the file: {e}");
+            assert!(e.contains(key), "error does not name {key:?}: {e}");
+        }
+        let e = Profile::load(Path::new("/nonexistent/p.yaml")).unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/p.yaml"), "{e}");
+    }
+}

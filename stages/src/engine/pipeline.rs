@@ -71,6 +71,9 @@ pub struct Pipeline {
     sample_rate: Option<u32>,
 }
 
+/// Longest text a speech request may ask for (the OpenAI speech API's limit).
+pub const MAX_SPEECH_CHARS: usize = 4096;
+
 /// Events a client may have queued before it is considered too slow.
 pub const DEFAULT_EVENT_CAPACITY: usize = 2048;
 
@@ -160,9 +163,19 @@ impl Pipeline {
                     EngineError::BadRequest("this pipeline has no Thinker".into())
                 })?
             }
-            RequestInput::Speech { .. } => self
-                .index_of(StageRole::Talker)
-                .ok_or_else(|| EngineError::BadRequest("this pipeline cannot speak".into()))?,
+            RequestInput::Speech { text } => {
+                if text.trim().is_empty() {
+                    return Err(EngineError::BadRequest("nothing to say: the text is empty".into()));
+                }
+                let n = text.chars().count();
+                if n > MAX_SPEECH_CHARS {
+                    return Err(EngineError::BadRequest(format!(
+                        "the text is {n} characters; the limit is {MAX_SPEECH_CHARS}"
+                    )));
+                }
+                self.index_of(StageRole::Talker)
+            }
+            .ok_or_else(|| EngineError::BadRequest("this pipeline cannot speak".into()))?,
         };
         let last = if spec.modalities.audio {
             self.index_of(StageRole::Code2Wav)

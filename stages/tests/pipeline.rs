@@ -11,7 +11,7 @@ use omnistream_stages::engine::{
     StageDef, StageRole,
 };
 use omnistream_stages::models::gguf_tokenizer::ChatMessage;
-use omnistream_stages::models::piper::{PiperVoice, Scales};
+use omnistream_stages::models::piper::PiperVoice;
 use omnistream_stages::profile::Profile;
 use omnistream_stages::roles::{build_pipeline, ChunkPolicy, PiperCode2Wav, PiperTalker, SpanPolicy};
 

@@ -23,7 +23,7 @@ pub fn f32_to_pcm16_le(samples: &[f32]) -> Vec<u8> {
 
 /// Little-endian PCM16 bytes to f32 samples; a trailing odd byte is an error.
 pub fn pcm16_le_to_f32(bytes: &[u8]) -> Result<Vec<f32>, crate::CodecError> {
-    if bytes.len() % 2 != 0 {
+    if !bytes.len().is_multiple_of(2) {
         return Err(crate::CodecError::Invalid(format!(
             "PCM16 needs an even number of bytes, got {}",
             bytes.len()

@@ -103,13 +103,21 @@ pub fn peak_rss_mib() -> f64 {
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
-pub fn bench_pipeline(profile_path: &Path, requests: usize, warmup: usize, out: &Path) -> Result<()> {
+pub fn bench_pipeline(
+    profile_path: &Path,
+    requests: usize,
+    warmup: usize,
+    out: &Path,
+) -> Result<()> {
     let base = Profile::load(profile_path)?;
     let mut on = base.clone();
     on.async_chunk = true;
     let mut off = base.clone();
     off.async_chunk = false;
-    eprintln!("loading two pipelines (async_chunk on / off) from {}", profile_path.display());
+    eprintln!(
+        "loading two pipelines (async_chunk on / off) from {}",
+        profile_path.display()
+    );
     let p_on = load_profile(&on)?;
     let p_off = load_profile(&off)?;
 
@@ -127,10 +135,18 @@ pub fn bench_pipeline(profile_path: &Path, requests: usize, warmup: usize, out: 
             ..Default::default()
         };
         // Alternate which configuration goes first.
-        let order: [bool; 2] = if i % 2 == 0 { [true, false] } else { [false, true] };
+        let order: [bool; 2] = if i % 2 == 0 {
+            [true, false]
+        } else {
+            [false, true]
+        };
         for is_on in order {
             let p = if is_on { &p_on } else { &p_off };
-            let o = run_request(p, chat_spec(prompt, Modalities::TEXT_AUDIO, sampling.clone()), |_| {})?;
+            let o = run_request(
+                p,
+                chat_spec(prompt, Modalities::TEXT_AUDIO, sampling.clone()),
+                |_| {},
+            )?;
             bar.inc(1);
             if i < warmup {
                 continue;
@@ -164,7 +180,11 @@ pub fn bench_pipeline(profile_path: &Path, requests: usize, warmup: usize, out: 
         let t0 = Instant::now();
         let handles: Vec<_> = (0..n)
             .map(|i| {
-                p_on.submit(chat_spec(PROMPTS[i % PROMPTS.len()], Modalities::TEXT, sampling.clone()))
+                p_on.submit(chat_spec(
+                    PROMPTS[i % PROMPTS.len()],
+                    Modalities::TEXT,
+                    sampling.clone(),
+                ))
             })
             .collect::<Result<_, _>>()?;
         let mut tokens = 0;
@@ -238,7 +258,10 @@ fn markdown(r: &Report) -> String {
     md += &format!(
         "\nTTFP p50 ratio off/on: **{:.2}x**. Thinker: {:.1} tok/s (1 sequence), {:.1} tok/s \
          (8 sequences batched). Peak RSS {:.0} MiB (both pipelines loaded).\n",
-        r.ttfp_p50_ratio_sync_over_async, r.thinker_tok_s_single, r.thinker_tok_s_batch8, r.peak_rss_mib
+        r.ttfp_p50_ratio_sync_over_async,
+        r.thinker_tok_s_single,
+        r.thinker_tok_s_batch8,
+        r.peak_rss_mib
     );
     md
 }

@@ -10,7 +10,11 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "omnistream", version, about = "Stream speech from staged omni models")]
+#[command(
+    name = "omnistream",
+    version,
+    about = "Stream speech from staged omni models"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -19,7 +23,11 @@ struct Cli {
 #[derive(clap::Args, Clone)]
 struct ProfileArg {
     /// Deploy profile (YAML).
-    #[arg(long, default_value = "deploy/tiny-cpu.yaml", env = "OMNISTREAM_PROFILE")]
+    #[arg(
+        long,
+        default_value = "deploy/tiny-cpu.yaml",
+        env = "OMNISTREAM_PROFILE"
+    )]
     profile: PathBuf,
 }
 

@@ -184,7 +184,10 @@ pub fn chat(profile: &Path, prompt: &str, output: &Path, o: ChatOptions) -> Resu
     }
     let tps = match (out.ttft, out.completion_tokens) {
         (Some(ttft), n) if n > 1 => {
-            format!("{:.1}", (n - 1) as f64 / (out.total - ttft).as_secs_f64().max(1e-9))
+            format!(
+                "{:.1}",
+                (n - 1) as f64 / (out.total - ttft).as_secs_f64().max(1e-9)
+            )
         }
         _ => "-".into(),
     };

@@ -256,7 +256,10 @@ impl Profile {
             if s.stage_id != i {
                 return Err(self.invalid(
                     key("stage_id"),
-                    format!("stages must be listed in order: expected {i}, found {}", s.stage_id),
+                    format!(
+                        "stages must be listed in order: expected {i}, found {}",
+                        s.stage_id
+                    ),
                 ));
             }
             if s.max_num_seqs == 0 {
@@ -297,9 +300,10 @@ impl Profile {
             if let Some(c) = &s.model.config {
                 let p = self.resolve(c);
                 if !p.is_file() {
-                    return Err(
-                        self.invalid(key("model.config"), format!("{} does not exist", p.display()))
-                    );
+                    return Err(self.invalid(
+                        key("model.config"),
+                        format!("{} does not exist", p.display()),
+                    ));
                 }
             }
             self.validate_sampling(i, s)?;
@@ -344,9 +348,15 @@ impl Profile {
                 ("max_span_tokens", c.max_span_tokens.is_some()),
             ];
             let frame_keys = [
-                ("initial_codec_chunk_frames", c.initial_codec_chunk_frames.is_some()),
+                (
+                    "initial_codec_chunk_frames",
+                    c.initial_codec_chunk_frames.is_some(),
+                ),
                 ("codec_chunk_frames", c.codec_chunk_frames.is_some()),
-                ("codec_left_context_frames", c.codec_left_context_frames.is_some()),
+                (
+                    "codec_left_context_frames",
+                    c.codec_left_context_frames.is_some(),
+                ),
             ];
             let kind = self.connector_kind(c.from);
             let foreign = match kind {
@@ -357,7 +367,10 @@ impl Profile {
             if let Some((k, _)) = foreign {
                 return Err(self.invalid(
                     key(k),
-                    format!("does not apply to a {:?} connector", kind.unwrap_or(ConnectorKind::Text)),
+                    format!(
+                        "does not apply to a {:?} connector",
+                        kind.unwrap_or(ConnectorKind::Text)
+                    ),
                 ));
             }
             for (k, v) in [
@@ -414,10 +427,7 @@ impl Profile {
                 return Err(self.invalid(key("repetition_penalty"), "must be > 0"));
             }
         }
-        for (k, v) in [
-            ("noise_scale", p.noise_scale),
-            ("noise_w", p.noise_w),
-        ] {
+        for (k, v) in [("noise_scale", p.noise_scale), ("noise_w", p.noise_w)] {
             if let Some(v) = v {
                 if !(v >= 0.0 && v.is_finite()) {
                     return Err(self.invalid(key(k), "must be >= 0"));
@@ -468,7 +478,10 @@ connectors:
         let (dir, path, yaml) = fixture();
         let p = Profile::parse(&yaml, &path).unwrap();
         assert_eq!(p.stages.len(), 3);
-        assert_eq!(p.resolve(&p.stages[0].model.path), dir.path().join("m.gguf"));
+        assert_eq!(
+            p.resolve(&p.stages[0].model.path),
+            dir.path().join("m.gguf")
+        );
         assert_eq!(p.connector(1).unwrap().initial_codec_chunk_frames, Some(1));
         assert_eq!(p.connector_kind(0), Some(ConnectorKind::Text));
     }
@@ -491,20 +504,64 @@ connectors:
         let (_d, path, yaml) = fixture();
         let file = path.display().to_string();
         let cases = [
-            (yaml.replace("max_num_seqs: 4", "max_num_seqs: 4, batch: 3"), "batch"),
-            (yaml.replace("async_chunk: true", "async_chunk: true\nasync_chunks: 1"), "async_chunks"),
-            (yaml.replace("max_num_seqs: 4", "max_num_seqs: 0"), "stages[0].max_num_seqs"),
-            (yaml.replace("m.gguf", "missing.gguf"), "stages[0].model.path"),
-            (yaml.replace("temperature: 0.0", "temperature: -1"), "stages[0].sampling.temperature"),
-            (yaml.replace("temperature: 0.0", "noise_w: 0.5"), "stages[0].sampling.noise_w"),
-            (yaml.replace("kind: ar", "kind: generation"), "stages[0].kind"),
+            (
+                yaml.replace("max_num_seqs: 4", "max_num_seqs: 4, batch: 3"),
+                "batch",
+            ),
+            (
+                yaml.replace("async_chunk: true", "async_chunk: true\nasync_chunks: 1"),
+                "async_chunks",
+            ),
+            (
+                yaml.replace("max_num_seqs: 4", "max_num_seqs: 0"),
+                "stages[0].max_num_seqs",
+            ),
+            (
+                yaml.replace("m.gguf", "missing.gguf"),
+                "stages[0].model.path",
+            ),
+            (
+                yaml.replace("temperature: 0.0", "temperature: -1"),
+                "stages[0].sampling.temperature",
+            ),
+            (
+                yaml.replace("temperature: 0.0", "noise_w: 0.5"),
+                "stages[0].sampling.noise_w",
+            ),
+            (
+                yaml.replace("kind: ar", "kind: generation"),
+                "stages[0].kind",
+            ),
             (yaml.replace("kind: ar", "kind: dream"), "kind"),
-            (yaml.replace("codec_chunk_frames: 25", "codec_chunk_frames: 0"), "connectors[1].codec_chunk_frames"),
-            (yaml.replace("min_span_chars: 10", "codec_chunk_frames: 4"), "connectors[0].codec_chunk_frames"),
-            (yaml.replace("{ from: 0, to: 1,", "{ from: 0, to: 2,"), "connectors[0].to"),
-            (yaml.replace("stage_id: 1", "stage_id: 5"), "stages[1].stage_id"),
-            (yaml.replace("device: cpu", "").replace("max_num_seqs: 4,", "max_num_seqs: 4, device: tpu,"), "stages[0].device"),
-            (yaml.replace("type: piper-talker", "type: gguf-llama").replace("kind: generation, model: { type: gguf-llama", "kind: ar, model: { type: gguf-llama"), "stages[1].model.type"),
+            (
+                yaml.replace("codec_chunk_frames: 25", "codec_chunk_frames: 0"),
+                "connectors[1].codec_chunk_frames",
+            ),
+            (
+                yaml.replace("min_span_chars: 10", "codec_chunk_frames: 4"),
+                "connectors[0].codec_chunk_frames",
+            ),
+            (
+                yaml.replace("{ from: 0, to: 1,", "{ from: 0, to: 2,"),
+                "connectors[0].to",
+            ),
+            (
+                yaml.replace("stage_id: 1", "stage_id: 5"),
+                "stages[1].stage_id",
+            ),
+            (
+                yaml.replace("device: cpu", "")
+                    .replace("max_num_seqs: 4,", "max_num_seqs: 4, device: tpu,"),
+                "stages[0].device",
+            ),
+            (
+                yaml.replace("type: piper-talker", "type: gguf-llama")
+                    .replace(
+                        "kind: generation, model: { type: gguf-llama",
+                        "kind: ar, model: { type: gguf-llama",
+                    ),
+                "stages[1].model.type",
+            ),
             ("name: [".to_string(), ""),
         ];
         for (text, key) in cases {
@@ -512,7 +569,9 @@ connectors:
             assert!(e.contains(&file), "error does not name the file: {e}");
             assert!(e.contains(key), "error does not name {key:?}: {e}");
         }
-        let e = Profile::load(Path::new("/nonexistent/p.yaml")).unwrap_err().to_string();
+        let e = Profile::load(Path::new("/nonexistent/p.yaml"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("/nonexistent/p.yaml"), "{e}");
     }
 }

@@ -27,7 +27,13 @@ impl StageModel for WordThinker {
         };
         let words: Vec<String> = messages
             .last()
-            .map(|m| m.content.split_whitespace().rev().map(|w| format!("{w} ")).collect())
+            .map(|m| {
+                m.content
+                    .split_whitespace()
+                    .rev()
+                    .map(|w| format!("{w} "))
+                    .collect()
+            })
             .unwrap_or_default();
         if words.is_empty() {
             return Err(ModelError::Invalid("empty".into()));
@@ -268,7 +274,9 @@ fn text_route_stops_at_the_thinker() {
 #[test]
 fn audio_route_runs_every_stage_and_frees_state() {
     let p = pipeline(4);
-    let h = p.submit(chat("hello there", Modalities::TEXT_AUDIO)).unwrap();
+    let h = p
+        .submit(chat("hello there", Modalities::TEXT_AUDIO))
+        .unwrap();
     let (text, samples, err) = collect(&h);
     assert_eq!(err, None);
     assert_eq!(text, "hello there ");
@@ -282,7 +290,12 @@ fn audio_route_runs_every_stage_and_frees_state() {
 fn concurrent_requests_interleave_batch_and_do_not_mix() {
     let p = pipeline(8);
     let prompts: Vec<String> = (0..12)
-        .map(|i| (0..5).map(|j| format!("r{i}w{j}")).collect::<Vec<_>>().join(" "))
+        .map(|i| {
+            (0..5)
+                .map(|j| format!("r{i}w{j}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
         .collect();
     let handles: Vec<_> = prompts
         .iter()
@@ -318,7 +331,9 @@ fn dropping_a_handle_cancels_in_every_stage() {
     assert!(s.stages[0].cancelled >= 1, "{s:?}");
     assert_eq!(s.stages[0].finished, 0, "thinker ran to the end: {s:?}");
     // The pipeline still serves others.
-    let h2 = p.submit(chat("still alive", Modalities::TEXT_AUDIO)).unwrap();
+    let h2 = p
+        .submit(chat("still alive", Modalities::TEXT_AUDIO))
+        .unwrap();
     assert_eq!(collect(&h2).2, None);
 }
 
@@ -328,11 +343,16 @@ fn a_client_that_stops_reading_is_dropped_and_others_go_on() {
     p.set_event_capacity(16);
     let long: String = (0..300).map(|i| format!("w{i} ")).collect();
     let stuck = p.submit(chat(&long, Modalities::TEXT_AUDIO)).unwrap();
-    let ok = p.submit(chat("short answer", Modalities::TEXT_AUDIO)).unwrap();
+    let ok = p
+        .submit(chat("short answer", Modalities::TEXT_AUDIO))
+        .unwrap();
     assert_eq!(collect(&ok).2, None);
     let t0 = Instant::now();
     while stuck.cancel_reason() != CancelReason::SlowClient {
-        assert!(t0.elapsed() < Duration::from_secs(5), "slow client never dropped");
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "slow client never dropped"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     // The stuck client finds the reason at the end of its queue.
@@ -340,7 +360,10 @@ fn a_client_that_stops_reading_is_dropped_and_others_go_on() {
     while let Ok(e) = stuck.events().try_recv() {
         last = Some(e);
     }
-    assert!(matches!(last, Some(Event::Error(ref m)) if m.contains("too slow")), "{last:?}");
+    assert!(
+        matches!(last, Some(Event::Error(ref m)) if m.contains("too slow")),
+        "{last:?}"
+    );
     wait_idle(&p);
 }
 
@@ -363,5 +386,8 @@ fn bad_requests_are_refused_or_fail_cleanly() {
     assert!(p.submit(speech_text_only).is_err());
     assert!(Modalities::from_names(&["video"]).is_err());
     assert!(Modalities::from_names::<&str>(&[]).is_err());
-    assert_eq!(Modalities::from_names(&["audio"]).unwrap(), Modalities::TEXT_AUDIO);
+    assert_eq!(
+        Modalities::from_names(&["audio"]).unwrap(),
+        Modalities::TEXT_AUDIO
+    );
 }

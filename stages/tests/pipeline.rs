@@ -13,7 +13,9 @@ use omnistream_stages::engine::{
 use omnistream_stages::models::gguf_tokenizer::ChatMessage;
 use omnistream_stages::models::piper::PiperVoice;
 use omnistream_stages::profile::Profile;
-use omnistream_stages::roles::{build_pipeline, ChunkPolicy, PiperCode2Wav, PiperTalker, SpanPolicy};
+use omnistream_stages::roles::{
+    build_pipeline, ChunkPolicy, PiperCode2Wav, PiperTalker, SpanPolicy,
+};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -140,7 +142,8 @@ fn tts(voice: &Arc<PiperVoice>, policy: ChunkPolicy) -> Pipeline {
     .unwrap()
 }
 
-const TEXT: &str = "Streaming must not change a single sample. The decoder keeps its state, chunk after chunk!";
+const TEXT: &str =
+    "Streaming must not change a single sample. The decoder keeps its state, chunk after chunk!";
 
 #[test]
 fn streamed_audio_equals_one_shot_for_every_chunk_policy() {
@@ -157,8 +160,15 @@ fn streamed_audio_equals_one_shot_for_every_chunk_policy() {
         );
         collect(&p.submit(speech(TEXT)).unwrap()).audio
     };
-    assert!(one_shot.len() > v.sample_rate() as usize, "too little audio");
-    assert_eq!(one_shot.len() % v.hop_length(), 0, "not a whole number of frames");
+    assert!(
+        one_shot.len() > v.sample_rate() as usize,
+        "too little audio"
+    );
+    assert_eq!(
+        one_shot.len() % v.hop_length(),
+        0,
+        "not a whole number of frames"
+    );
     for (initial, chunk) in [(1, 25), (1, 1), (4, 25), (7, 3), (100_000, 100_000)] {
         let p = tts(
             &v,
@@ -171,7 +181,11 @@ fn streamed_audio_equals_one_shot_for_every_chunk_policy() {
         );
         let g = collect(&p.submit(speech(TEXT)).unwrap());
         assert_eq!(g.error, None);
-        assert_eq!(g.audio.len(), one_shot.len(), "policy ({initial}, {chunk}): sample count");
+        assert_eq!(
+            g.audio.len(),
+            one_shot.len(),
+            "policy ({initial}, {chunk}): sample count"
+        );
         let max = g
             .audio
             .iter()
@@ -206,13 +220,19 @@ fn left_context_redecode_is_what_state_avoids() {
         .zip(&windowed)
         .map(|(a, b)| (a - b).abs())
         .fold(0.0f32, f32::max);
-    assert!(max > 1e-3, "re-decoding with 4 frames of context was exact ({max})?");
+    assert!(
+        max > 1e-3,
+        "re-decoding with 4 frames of context was exact ({max})?"
+    );
 }
 
 #[test]
 fn chat_answers_in_text_and_speech() {
     let p = build_pipeline(&profile()).unwrap();
-    let g = collect(&p.submit(chat("What is the capital of France?", 40)).unwrap());
+    let g = collect(
+        &p.submit(chat("What is the capital of France?", 40))
+            .unwrap(),
+    );
     assert_eq!(g.error, None);
     assert!(g.text.contains("Paris"), "answer: {}", g.text);
     // Roughly 60 ms of audio per character at least: real speech, not a blip.
@@ -298,7 +318,10 @@ fn max_num_seqs_and_span_knobs_change_behaviour() {
 fn cancelling_mid_answer_frees_every_stage() {
     let p = build_pipeline(&profile()).unwrap();
     let h = p
-        .submit(chat("Write a long story about the sea, with many details.", 200))
+        .submit(chat(
+            "Write a long story about the sea, with many details.",
+            200,
+        ))
         .unwrap();
     // Wait until audio flows: the request is in every stage.
     loop {
@@ -314,7 +337,10 @@ fn cancelling_mid_answer_frees_every_stage() {
     assert!(s.stages.iter().any(|st| st.cancelled > 0), "{s:?}");
     assert_eq!(s.requests_in_flight, 0);
     // Still healthy.
-    assert_eq!(collect(&p.submit(speech("Still here.")).unwrap()).error, None);
+    assert_eq!(
+        collect(&p.submit(speech("Still here.")).unwrap()).error,
+        None
+    );
 }
 
 #[test]
@@ -322,7 +348,10 @@ fn bad_input_gets_a_clear_error_or_sensible_audio() {
     let p = build_pipeline(&profile()).unwrap();
     let e = p.submit(speech("")).err().expect("empty text accepted");
     assert!(e.to_string().contains("empty"), "{e}");
-    let e = p.submit(speech(&"a".repeat(10_000))).err().expect("10k chars accepted");
+    let e = p
+        .submit(speech(&"a".repeat(10_000)))
+        .err()
+        .expect("10k chars accepted");
     assert!(e.to_string().contains("limit"), "{e}");
     for odd in ["?!...", "🙂🙂🙂", "—", "\u{0}\u{1}"] {
         let g = collect(&p.submit(speech(odd)).unwrap());
@@ -337,7 +366,10 @@ fn bad_input_gets_a_clear_error_or_sensible_audio() {
     s.sampling.speed = Some(100.0);
     assert!(collect(&p.submit(s).unwrap()).error.is_some());
     // A long chat prompt is prefilled in chunks and still answered.
-    let g = collect(&p.submit(chat(&"Tell me about the weather. ".repeat(300), 8)).unwrap());
+    let g = collect(
+        &p.submit(chat(&"Tell me about the weather. ".repeat(300), 8))
+            .unwrap(),
+    );
     assert_eq!(g.error, None);
     wait_idle(&p);
 }

@@ -27,7 +27,11 @@ fn say_is_intelligible_to_whisper() {
         assert!(o.status.success(), "say failed: {}", stderr(&o));
         let (pcm, rate) = read_wav(&wav).unwrap();
         assert_eq!(rate, 22050);
-        assert!(pcm.len() > rate as usize, "{s:?}: only {} samples", pcm.len());
+        assert!(
+            pcm.len() > rate as usize,
+            "{s:?}: only {} samples",
+            pcm.len()
+        );
         pairs.push((wav, s.to_string()));
     }
     let (wer, detail) = whisper_wer(&pairs);
@@ -57,7 +61,10 @@ fn chat_streams_text_and_reports_latency() {
     assert!(pcm.len() > 22050, "{} samples", pcm.len());
     // The spoken answer says what the text says: the key word is heard.
     let (_, detail) = whisper_wer(&[(wav.clone(), text.trim().to_string())]);
-    let heard = detail["items"][0]["hyp"].as_str().unwrap_or("").to_lowercase();
+    let heard = detail["items"][0]["hyp"]
+        .as_str()
+        .unwrap_or("")
+        .to_lowercase();
     assert!(heard.contains("paris"), "heard {heard:?} for {text:?}");
 }
 
@@ -87,14 +94,24 @@ fn bad_input_fails_clearly_without_panicking() {
         let bad = std::ffi::OsStr::from_bytes(b"caf\xe9");
         let o = omnistream([std::ffi::OsStr::new("say"), bad]);
         assert!(!o.status.success());
-        assert!(stderr(&o).to_lowercase().contains("utf-8"), "{}", stderr(&o));
+        assert!(
+            stderr(&o).to_lowercase().contains("utf-8"),
+            "{}",
+            stderr(&o)
+        );
     }
 
     // Broken and unknown-key profiles name the file and the key.
     let good = std::fs::read_to_string(root().join("deploy/tiny-cpu.yaml")).unwrap();
     let cases = [
-        (good.replace("max_num_seqs: 16", "max_num_seqs: 16\n    turbo: true"), "turbo"),
-        (good.replace("max_num_seqs: 16", "max_num_seqs: 0"), "max_num_seqs"),
+        (
+            good.replace("max_num_seqs: 16", "max_num_seqs: 16\n    turbo: true"),
+            "turbo",
+        ),
+        (
+            good.replace("max_num_seqs: 16", "max_num_seqs: 0"),
+            "max_num_seqs",
+        ),
         ("stages: [".to_string(), "tiny-broken.yaml"),
     ];
     for (text, key) in cases {

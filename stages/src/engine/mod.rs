@@ -14,7 +14,10 @@ mod worker;
 
 pub use connector::{in_process, Closed, ConnectorRx, ConnectorTx, InProcessRx, InProcessTx};
 pub use payload::{Envelope, FrameChunk, Payload, TextChunk};
-pub use pipeline::{Pipeline, PipelineStats, StageDef, StageRole, StageStats, DEFAULT_EVENT_CAPACITY, MAX_SPEECH_CHARS};
+pub use pipeline::{
+    Pipeline, PipelineStats, StageDef, StageRole, StageStats, DEFAULT_EVENT_CAPACITY,
+    MAX_SPEECH_CHARS,
+};
 pub use request::{
     CancelReason, Event, Modalities, RequestCtx, RequestHandle, RequestId, RequestInput,
     RequestSpec, SamplingOverrides,

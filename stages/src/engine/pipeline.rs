@@ -159,13 +159,14 @@ impl Pipeline {
                 if messages.is_empty() {
                     return Err(EngineError::BadRequest("no messages".into()));
                 }
-                self.index_of(StageRole::Thinker).ok_or_else(|| {
-                    EngineError::BadRequest("this pipeline has no Thinker".into())
-                })?
+                self.index_of(StageRole::Thinker)
+                    .ok_or_else(|| EngineError::BadRequest("this pipeline has no Thinker".into()))?
             }
             RequestInput::Speech { text } => {
                 if text.trim().is_empty() {
-                    return Err(EngineError::BadRequest("nothing to say: the text is empty".into()));
+                    return Err(EngineError::BadRequest(
+                        "nothing to say: the text is empty".into(),
+                    ));
                 }
                 let n = text.chars().count();
                 if n > MAX_SPEECH_CHARS {

@@ -1,7 +1,7 @@
 //! Requests: what a client asks for, its per-request context shared by every
 //! stage, and the events it gets back.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -213,7 +213,8 @@ impl RequestCtx {
         self.prompt_tokens.store(n as u64, Ordering::Relaxed);
     }
     pub fn add_completion_tokens(&self, n: usize) {
-        self.completion_tokens.fetch_add(n as u64, Ordering::Relaxed);
+        self.completion_tokens
+            .fetch_add(n as u64, Ordering::Relaxed);
     }
     /// Emits `Done` with the token counts gathered on the way.
     pub fn done(&self) {

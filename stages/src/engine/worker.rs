@@ -57,8 +57,12 @@ impl Worker {
                 }
             }
             self.reap(&mut requests);
-            self.counters.queue_depth.store(self.rx.len(), Ordering::Relaxed);
-            self.counters.active.store(requests.len(), Ordering::Relaxed);
+            self.counters
+                .queue_depth
+                .store(self.rx.len(), Ordering::Relaxed);
+            self.counters
+                .active
+                .store(requests.len(), Ordering::Relaxed);
 
             if self.model.has_ready_work() {
                 self.step(&mut requests);
@@ -186,6 +190,8 @@ impl Worker {
                 }
             }
         }
-        self.counters.active.store(requests.len(), Ordering::Relaxed);
+        self.counters
+            .active
+            .store(requests.len(), Ordering::Relaxed);
     }
 }

@@ -9,7 +9,9 @@ use std::sync::Arc;
 
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 
-use crate::engine::{Event, Payload, RequestCtx, RequestId, RequestInput, StageModel, StepOutput, TextChunk};
+use crate::engine::{
+    Event, Payload, RequestCtx, RequestId, RequestInput, StageModel, StepOutput, TextChunk,
+};
 use crate::models::gguf_tokenizer::{GgufTokenizer, IncrementalDecoder};
 use crate::models::quantized_llama::{KvCache, QuantizedLlama, SeqStep};
 use crate::models::{ModelError, Result};
@@ -147,7 +149,9 @@ impl LlmThinker {
 impl StageModel for LlmThinker {
     fn admit(&mut self, ctx: Arc<RequestCtx>) -> Result<()> {
         let RequestInput::Chat { messages } = &ctx.spec.input else {
-            return Err(ModelError::Invalid("the Thinker takes a conversation".into()));
+            return Err(ModelError::Invalid(
+                "the Thinker takes a conversation".into(),
+            ));
         };
         let prompt_text = self.tokenizer.apply_chat_template(messages, true)?;
         let prompt = self.tokenizer.encode(&prompt_text)?;

@@ -95,7 +95,9 @@ impl PiperCode2Wav {
         let mut parts = Vec::new();
         let mut got = 0;
         while got < want {
-            let Some(t) = r.pending.pop_front() else { break };
+            let Some(t) = r.pending.pop_front() else {
+                break;
+            };
             let len = t.dim(2)?;
             let need = want - got;
             if len <= need {

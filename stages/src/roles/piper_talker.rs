@@ -75,8 +75,8 @@ impl PiperTalker {
                 return Some(std::mem::take(&mut r.text));
             }
             // Finish sentence by sentence, so the first audio comes early.
-            let cut = speakable_boundary(&r.text, self.policy.min_span_chars)
-                .unwrap_or(r.text.len());
+            let cut =
+                speakable_boundary(&r.text, self.policy.min_span_chars).unwrap_or(r.text.len());
             return Some(r.text.drain(..cut).collect());
         }
         if !self.policy.async_chunk {
@@ -105,7 +105,10 @@ impl PiperTalker {
         self.policy.async_chunk
             && (speakable_boundary(&r.text, self.policy.min_span_chars).is_some()
                 || (r.deltas >= self.policy.max_span_tokens
-                    && r.text.trim_end().rfind(char::is_whitespace).is_some_and(|i| i > 0)))
+                    && r.text
+                        .trim_end()
+                        .rfind(char::is_whitespace)
+                        .is_some_and(|i| i > 0)))
     }
 
     fn synthesize(&self, text: &str, scales: &Scales, rng: &mut StdRng) -> Result<Option<Tensor>> {

@@ -16,6 +16,13 @@
 //! | dp | filter 192, DDSConv kernel 3 x 3 layers (dilations 1, 3, 9, exact GELU), 4 ConvFlows (3 used in reverse), 10 bins, tail bound 5 |
 //! | flow | 4 mean-only coupling layers, WN hidden 192, kernel 5, dilation rate 1, 4 layers |
 //! | dec | conv_pre 192->256 k7; upsample rates [8, 8, 4], kernels [16, 16, 8] (channels 256->128->64->32); ResBlock "2", kernels [3, 5, 7], dilations [[1, 2], [2, 6], [3, 12]]; leaky slope 0.1, final 0.01; conv_post 32->1 k7 (no bias); tanh; hop 256 |
+//!
+//! Execution: the convolution-heavy parts (`dec`, `flow`, the encoder FFNs) run on the
+//! host on time-major buffers with a direct convolution kernel (AVX2+FMA when the CPU
+//! has it, else portable; `PIPER_THREADS` caps its threads, default: available cores
+//! up to 8). Attention, the duration predictor and the glue are candle ops on the
+//! load device. The streaming decoder's lookahead for this voice is 2728 samples
+//! (11 frames).
 
 mod duration;
 mod flow;
@@ -86,14 +93,24 @@ impl PiperHyper {
         let [n_vocab, hidden_channels] = emb[..] else {
             return Err(bad(format!("enc_p.emb.weight has shape {emb:?}")));
         };
-        let proj = w.dims("enc_p.proj.weight")?;
+        // Conv weights are [out, in, k]; anything else is a Format error.
+        let conv_dims = |name: &str| -> Result<[usize; 3]> {
+            let d = w.dims(name)?;
+            match d[..] {
+                [a, b, c] => Ok([a, b, c]),
+                _ => Err(bad(format!(
+                    "{name} has shape {d:?}, expected [out, in, k]"
+                ))),
+            }
+        };
+        let proj = conv_dims("enc_p.proj.weight")?;
         let inter_channels = proj[0] / 2;
-        let ffn = w.dims("enc_p.encoder.ffn_layers.0.conv_1.weight")?;
+        let ffn = conv_dims("enc_p.encoder.ffn_layers.0.conv_1.weight")?;
         let rel = w.dims("enc_p.encoder.attn_layers.0.emb_rel_k")?;
         if rel.len() != 3 || rel[2] == 0 || hidden_channels % rel[2] != 0 || rel[1] % 2 == 0 {
             return Err(bad(format!("emb_rel_k has shape {rel:?}")));
         }
-        let dp_pre = w.dims("dp.pre.weight")?;
+        let dp_pre = conv_dims("dp.pre.weight")?;
         let dp_sep = w.conv_attrs("dp.convs.convs_sep.0")?;
         let mut dp_last_flow: usize = 0;
         for i in 0..64 {
@@ -105,7 +122,7 @@ impl PiperHyper {
         if dp_last_flow & 1 == 0 {
             return Err(bad("dp.flows: no ConvFlow at an odd index".into()));
         }
-        let dp_proj = w.dims(&format!("dp.flows.{dp_last_flow}.proj.weight"))?;
+        let dp_proj = conv_dims(&format!("dp.flows.{dp_last_flow}.proj.weight"))?;
         let dp_tail_bound = w
             .node_scalar(&format!("/dp/flows.{dp_last_flow}/LessOrEqual"))
             .unwrap_or(5.0);
@@ -116,7 +133,7 @@ impl PiperHyper {
             }
             n
         };
-        let flow_pre = w.dims("flow.flows.0.pre.weight")?;
+        let flow_pre = conv_dims("flow.flows.0.pre.weight")?;
         let flow_in0 = w.conv_attrs("flow.flows.0.enc.in_layers.0")?;
         let flow_dilation_rate = match w.conv_attrs("flow.flows.0.enc.in_layers.1") {
             Ok(a) => a.dilation,
@@ -124,7 +141,7 @@ impl PiperHyper {
         };
         let flow_wn_layers = w.count("flow.flows.0.enc.in_layers.", ".weight");
 
-        let conv_pre = w.dims("dec.conv_pre.weight")?;
+        let conv_pre = conv_dims("dec.conv_pre.weight")?;
         let n_ups = w.count("dec.ups.", ".weight");
         let mut upsample_rates = Vec::new();
         let mut upsample_kernel_sizes = Vec::new();

@@ -129,7 +129,9 @@ pub fn bench_pipeline(
     bar.set_message("TTFP on/off");
     let (mut ttfp_on, mut ttfp_off, mut ttft_on, mut audio_s) = (vec![], vec![], vec![], vec![]);
     for i in 0..(requests + warmup) {
-        let prompt = PROMPTS[i % PROMPTS.len()];
+        // Unique prompts: the prefix cache may reuse the system prompt, never a
+        // whole earlier question.
+        let prompt = format!("Question {}: {}", i + 1, PROMPTS[i % PROMPTS.len()]);
         let sampling = SamplingOverrides {
             max_tokens: Some(48),
             ..Default::default()

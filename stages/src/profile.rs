@@ -111,6 +111,10 @@ pub struct StageSpec {
     /// cannot stall the decode steps of everyone else.
     #[serde(default)]
     pub max_prefill_tokens: Option<usize>,
+    /// `ar` stages: prompts whose KV is kept for reuse by prompts with the same
+    /// prefix (0 turns prefix caching off).
+    #[serde(default)]
+    pub prefix_cache_entries: Option<usize>,
     #[serde(default)]
     pub sampling: SamplingParams,
 }
@@ -136,6 +140,10 @@ pub struct ConnectorSpec {
     /// without a clause boundary (cut at the last word boundary).
     #[serde(default)]
     pub max_span_tokens: Option<usize>,
+    /// Text connectors: like `max_span_tokens`, for the first span of an answer
+    /// only (small = earlier first audio, at some cost to the first phrase's prosody).
+    #[serde(default)]
+    pub initial_span_tokens: Option<usize>,
     /// Frame connectors: frames of audio in the first decoded chunk.
     #[serde(default)]
     pub initial_codec_chunk_frames: Option<usize>,
@@ -268,6 +276,16 @@ impl Profile {
             if s.max_prefill_tokens == Some(0) {
                 return Err(self.invalid(key("max_prefill_tokens"), "must be at least 1"));
             }
+            if s.kind != StageKind::Ar {
+                for (k, set) in [
+                    ("max_prefill_tokens", s.max_prefill_tokens.is_some()),
+                    ("prefix_cache_entries", s.prefix_cache_entries.is_some()),
+                ] {
+                    if set {
+                        return Err(self.invalid(key(k), "applies to `ar` stages only"));
+                    }
+                }
+            }
             if s.device != "cpu" {
                 return Err(self.invalid(
                     key("device"),
@@ -346,6 +364,7 @@ impl Profile {
             let text_keys = [
                 ("min_span_chars", c.min_span_chars.is_some()),
                 ("max_span_tokens", c.max_span_tokens.is_some()),
+                ("initial_span_tokens", c.initial_span_tokens.is_some()),
             ];
             let frame_keys = [
                 (
@@ -377,6 +396,7 @@ impl Profile {
                 ("initial_codec_chunk_frames", c.initial_codec_chunk_frames),
                 ("codec_chunk_frames", c.codec_chunk_frames),
                 ("max_span_tokens", c.max_span_tokens),
+                ("initial_span_tokens", c.initial_span_tokens),
             ] {
                 if v == Some(0) {
                     return Err(self.invalid(key(k), "must be at least 1"));

@@ -45,6 +45,7 @@ struct Got {
     /// Order of arrival: 't' text delta, 'a' audio chunk.
     order: String,
     error: Option<String>,
+    cached_tokens: usize,
 }
 
 fn collect(h: &RequestHandle) -> Got {
@@ -59,7 +60,10 @@ fn collect(h: &RequestHandle) -> Got {
                 g.audio.extend(samples);
                 g.order.push('a');
             }
-            Ok(Event::Done { .. }) => return g,
+            Ok(Event::Done { cached_tokens, .. }) => {
+                g.cached_tokens = cached_tokens;
+                return g;
+            }
             Ok(Event::Error(e)) => {
                 g.error = Some(e);
                 return g;
@@ -118,6 +122,7 @@ fn tts(voice: &Arc<PiperVoice>, policy: ChunkPolicy) -> Pipeline {
             async_chunk: true,
             min_span_chars: 12,
             max_span_tokens: 24,
+            initial_span_tokens: 24,
         },
         2,
     )
@@ -372,4 +377,49 @@ fn bad_input_gets_a_clear_error_or_sensible_audio() {
     );
     assert_eq!(g.error, None);
     wait_idle(&p);
+}
+
+#[test]
+fn prefix_cache_reuses_kv_without_changing_the_answer() {
+    let question = "What is the capital of France?";
+    let run = |entries: usize| {
+        let mut pr = profile();
+        pr.stages[0].prefix_cache_entries = Some(entries);
+        let p = build_pipeline(&pr).unwrap();
+        let mut s = chat(question, 12);
+        s.modalities = Modalities::TEXT;
+        let a = collect(&p.submit(s.clone()).unwrap());
+        let b = collect(&p.submit(s).unwrap());
+        assert_eq!(a.error, None);
+        assert_eq!(b.error, None);
+        (a, b)
+    };
+    let (a, b) = run(4);
+    assert_eq!(a.cached_tokens, 0);
+    assert!(b.cached_tokens > 10, "cached {}", b.cached_tokens);
+    assert_eq!(a.text, b.text, "prefix caching changed the answer");
+    let (c, d) = run(0);
+    assert_eq!(c.cached_tokens + d.cached_tokens, 0);
+    assert_eq!(c.text, a.text);
+}
+
+#[test]
+fn initial_span_tokens_starts_speech_earlier() {
+    // Text deltas that arrive before the first audio chunk.
+    let deltas_before_audio = |initial: usize| {
+        let mut pr = profile();
+        pr.connectors[0].min_span_chars = Some(10_000);
+        pr.connectors[0].max_span_tokens = Some(10_000);
+        pr.connectors[0].initial_span_tokens = Some(initial);
+        let p = build_pipeline(&pr).unwrap();
+        let g = collect(
+            &p.submit(chat("Describe the ocean in two sentences.", 40))
+                .unwrap(),
+        );
+        assert_eq!(g.error, None);
+        g.order.find('a').expect("no audio")
+    };
+    let early = deltas_before_audio(3);
+    let late = deltas_before_audio(10_000);
+    assert!(early < late, "first audio after {early} deltas vs {late}");
 }

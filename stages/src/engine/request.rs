@@ -108,6 +108,8 @@ pub enum Event {
     /// The request completed normally.
     Done {
         prompt_tokens: usize,
+        /// Prompt tokens whose KV came from the prefix cache.
+        cached_tokens: usize,
         completion_tokens: usize,
     },
     /// The request failed or was cancelled by the engine; nothing follows.
@@ -129,6 +131,7 @@ pub struct RequestCtx {
     reason: AtomicU8,
     events: flume::Sender<Event>,
     prompt_tokens: AtomicU64,
+    cached_tokens: AtomicU64,
     completion_tokens: AtomicU64,
 }
 
@@ -150,6 +153,7 @@ impl RequestCtx {
             reason: AtomicU8::new(CancelReason::None as u8),
             events,
             prompt_tokens: AtomicU64::new(0),
+            cached_tokens: AtomicU64::new(0),
             completion_tokens: AtomicU64::new(0),
         }
     }
@@ -212,6 +216,9 @@ impl RequestCtx {
     pub fn set_prompt_tokens(&self, n: usize) {
         self.prompt_tokens.store(n as u64, Ordering::Relaxed);
     }
+    pub fn set_cached_tokens(&self, n: usize) {
+        self.cached_tokens.store(n as u64, Ordering::Relaxed);
+    }
     pub fn add_completion_tokens(&self, n: usize) {
         self.completion_tokens
             .fetch_add(n as u64, Ordering::Relaxed);
@@ -220,6 +227,7 @@ impl RequestCtx {
     pub fn done(&self) {
         self.emit(Event::Done {
             prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed) as usize,
+            cached_tokens: self.cached_tokens.load(Ordering::Relaxed) as usize,
             completion_tokens: self.completion_tokens.load(Ordering::Relaxed) as usize,
         });
     }

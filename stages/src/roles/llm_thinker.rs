@@ -3,6 +3,10 @@
 //! Continuous batching: every step takes up to `max_num_seqs` requests
 //! (round-robin when more are waiting), each contributing a prompt chunk
 //! (prefill) or its last token (decode), and runs them as one ragged batch.
+//!
+//! Prefix caching: the KV of recent prompts is kept (LRU, `prefix_cache_entries`);
+//! a new prompt that shares a prefix with one of them (the system prompt, or
+//! the history of a conversation) starts from a copy and prefills only the rest.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -20,6 +24,15 @@ use crate::profile::SamplingParams;
 /// Tokens the repetition penalty looks back over.
 const REPEAT_LAST_N: usize = 64;
 const DEFAULT_MAX_TOKENS: usize = 256;
+/// Shortest shared prefix worth reusing from the prefix cache.
+const MIN_PREFIX_TOKENS: usize = 4;
+
+/// A prompt whose KV is kept for later prompts that start the same way.
+struct PrefixEntry {
+    tokens: Vec<u32>,
+    cache: KvCache,
+    last_used: u64,
+}
 
 struct Seq {
     ctx: Arc<RequestCtx>,
@@ -42,6 +55,13 @@ pub struct LlmThinker {
     max_prefill_tokens: usize,
     seqs: HashMap<RequestId, Seq>,
     order: VecDeque<RequestId>,
+    prefixes: Vec<PrefixEntry>,
+    prefix_capacity: usize,
+    clock: u64,
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 impl LlmThinker {
@@ -51,6 +71,7 @@ impl LlmThinker {
         defaults: SamplingParams,
         max_num_seqs: usize,
         max_prefill_tokens: usize,
+        prefix_cache_entries: usize,
     ) -> Self {
         Self {
             model,
@@ -60,7 +81,71 @@ impl LlmThinker {
             max_prefill_tokens,
             seqs: HashMap::new(),
             order: VecDeque::new(),
+            prefixes: Vec::new(),
+            prefix_capacity: prefix_cache_entries,
+            clock: 0,
         }
+    }
+
+    /// A cache holding the longest cached prefix of `prompt` (at least one
+    /// prompt token is left to prefill: its logits start the answer).
+    fn cached_prefix(&mut self, prompt: &[u32]) -> Result<(KvCache, usize)> {
+        self.clock += 1;
+        let best = self
+            .prefixes
+            .iter_mut()
+            .map(|e| {
+                let n = common_prefix(&e.tokens, prompt).min(prompt.len() - 1);
+                (n, e)
+            })
+            .filter(|(n, _)| *n >= MIN_PREFIX_TOKENS)
+            .max_by_key(|(n, _)| *n);
+        match best {
+            Some((n, e)) => {
+                e.last_used = self.clock;
+                let mut cache = e.cache.try_clone()?;
+                cache.truncate(n);
+                Ok((cache, n))
+            }
+            None => Ok((self.model.new_cache(), 0)),
+        }
+    }
+
+    /// Keeps the KV of a fully prefilled prompt for later prompts.
+    fn remember_prefix(&mut self, prompt: &[u32], cache: &KvCache) {
+        if self.prefix_capacity == 0 || prompt.len() < MIN_PREFIX_TOKENS {
+            return;
+        }
+        self.clock += 1;
+        // An entry that is a prefix of this prompt is superseded by it.
+        self.prefixes
+            .retain(|e| common_prefix(&e.tokens, prompt) < e.tokens.len());
+        if self
+            .prefixes
+            .iter()
+            .any(|e| common_prefix(&e.tokens, prompt) == prompt.len())
+        {
+            return; // already covered by a longer entry
+        }
+        let Ok(cache) = cache.try_clone() else {
+            return;
+        };
+        if self.prefixes.len() >= self.prefix_capacity {
+            if let Some(lru) = self
+                .prefixes
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(i, _)| i)
+            {
+                self.prefixes.swap_remove(lru);
+            }
+        }
+        self.prefixes.push(PrefixEntry {
+            tokens: prompt.to_vec(),
+            cache,
+            last_used: self.clock,
+        });
     }
 
     fn sampler_for(&self, ctx: &RequestCtx) -> (LogitsProcessor, f32) {
@@ -166,6 +251,8 @@ impl StageModel for LlmThinker {
             )));
         }
         ctx.set_prompt_tokens(prompt.len());
+        let (cache, cached) = self.cached_prefix(&prompt)?;
+        ctx.set_cached_tokens(cached);
         let (sampler, repetition_penalty) = self.sampler_for(&ctx);
         let max_tokens = ctx
             .spec
@@ -176,8 +263,8 @@ impl StageModel for LlmThinker {
             .max(1);
         let seq = Seq {
             prompt,
-            prefilled: 0,
-            cache: self.model.new_cache(),
+            prefilled: cached,
+            cache,
             sampler,
             repetition_penalty,
             generated: Vec::new(),
@@ -256,6 +343,7 @@ impl StageModel for LlmThinker {
                     self.seqs.insert(id, seq);
                     continue; // more prompt to go: these logits are not needed
                 }
+                self.remember_prefix(&seq.prompt, &seq.cache);
             }
             let r = logits
                 .get(row)

@@ -31,6 +31,7 @@ const DEFAULT_MAX_SPAN_TOKENS: usize = 24;
 const DEFAULT_INITIAL_FRAMES: usize = 4;
 const DEFAULT_CHUNK_FRAMES: usize = 25;
 const DEFAULT_MAX_PREFILL: usize = 512;
+const DEFAULT_PREFIX_CACHE_ENTRIES: usize = 16;
 
 /// Loads every model of `profile` and starts the pipeline.
 pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
@@ -67,6 +68,8 @@ pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
                         s.sampling.clone(),
                         s.max_num_seqs,
                         s.max_prefill_tokens.unwrap_or(DEFAULT_MAX_PREFILL),
+                        s.prefix_cache_entries
+                            .unwrap_or(DEFAULT_PREFIX_CACHE_ENTRIES),
                     )),
                 )
             }
@@ -86,6 +89,9 @@ pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
                         .unwrap_or(DEFAULT_MIN_SPAN_CHARS),
                     max_span_tokens: c
                         .and_then(|c| c.max_span_tokens)
+                        .unwrap_or(DEFAULT_MAX_SPAN_TOKENS),
+                    initial_span_tokens: c
+                        .and_then(|c| c.initial_span_tokens.or(c.max_span_tokens))
                         .unwrap_or(DEFAULT_MAX_SPAN_TOKENS),
                 };
                 let talker = PiperTalker::new(

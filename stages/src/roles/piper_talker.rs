@@ -23,12 +23,16 @@ pub struct SpanPolicy {
     pub async_chunk: bool,
     pub min_span_chars: usize,
     pub max_span_tokens: usize,
+    /// `max_span_tokens` for the first span of a request.
+    pub initial_span_tokens: usize,
 }
 
 struct TalkReq {
     text: String,
     deltas: usize,
     upstream_done: bool,
+    /// Spans spoken so far.
+    spans: usize,
     scales: Scales,
     rng: StdRng,
 }
@@ -68,8 +72,22 @@ impl PiperTalker {
         })
     }
 
+    fn token_limit(&self, r: &TalkReq) -> usize {
+        if r.spans == 0 {
+            self.policy.initial_span_tokens
+        } else {
+            self.policy.max_span_tokens
+        }
+    }
+
     /// The next span to speak, if one is ready, removed from the buffer.
     fn take_span(&self, r: &mut TalkReq) -> Option<String> {
+        let span = self.cut_span(r)?;
+        r.spans += 1;
+        Some(span)
+    }
+
+    fn cut_span(&self, r: &mut TalkReq) -> Option<String> {
         if r.upstream_done {
             if !self.policy.async_chunk {
                 return Some(std::mem::take(&mut r.text));
@@ -86,7 +104,7 @@ impl PiperTalker {
             r.deltas = 0;
             return Some(r.text.drain(..cut).collect());
         }
-        if r.deltas >= self.policy.max_span_tokens {
+        if r.deltas >= self.token_limit(r) {
             // No clause boundary for a while: cut at the last word boundary.
             let cut = r.text.rfind(char::is_whitespace)?;
             if cut == 0 {
@@ -104,7 +122,7 @@ impl PiperTalker {
         }
         self.policy.async_chunk
             && (speakable_boundary(&r.text, self.policy.min_span_chars).is_some()
-                || (r.deltas >= self.policy.max_span_tokens
+                || (r.deltas >= self.token_limit(r)
                     && r.text
                         .trim_end()
                         .rfind(char::is_whitespace)
@@ -154,6 +172,7 @@ impl StageModel for PiperTalker {
                 text: String::new(),
                 deltas: 0,
                 upstream_done: false,
+                spans: 0,
                 scales,
                 rng: StdRng::seed_from_u64(seed),
             },

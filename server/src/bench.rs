@@ -146,7 +146,7 @@ pub fn bench_pipeline(
             let p = if is_on { &p_on } else { &p_off };
             let o = run_request(
                 p,
-                chat_spec(prompt, Modalities::TEXT_AUDIO, sampling.clone()),
+                chat_spec(&prompt, Modalities::TEXT_AUDIO, sampling.clone()),
                 |_| {},
             )?;
             bar.inc(1);

@@ -6,7 +6,7 @@ mod llm_thinker;
 mod piper_code2wav;
 mod piper_talker;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -16,7 +16,7 @@ pub use llm_thinker::LlmThinker;
 pub use piper_code2wav::{ChunkPolicy, PiperCode2Wav};
 pub use piper_talker::{PiperTalker, SpanPolicy};
 
-use crate::engine::{EngineError, Pipeline, StageDef, StageModel, StageRole};
+use crate::engine::{EngineError, Pipeline, RequestId, StageDef, StageModel, StageRole};
 use crate::models::piper::{PiperVoice, Scales};
 use crate::models::quantized_llama::QuantizedLlama;
 use crate::models::ModelError;
@@ -32,6 +32,24 @@ const DEFAULT_INITIAL_FRAMES: usize = 4;
 const DEFAULT_CHUNK_FRAMES: usize = 25;
 const DEFAULT_MAX_PREFILL: usize = 512;
 const DEFAULT_PREFIX_CACHE_ENTRIES: usize = 16;
+
+/// Up to `max` requests of `order` that are ready, in order; they move to the
+/// back of the line so that every request gets its turn.
+fn take_ready(
+    order: &mut VecDeque<RequestId>,
+    max: usize,
+    is_ready: impl Fn(&RequestId) -> bool,
+) -> Vec<RequestId> {
+    let ready: Vec<RequestId> = order
+        .iter()
+        .copied()
+        .filter(|id| is_ready(id))
+        .take(max)
+        .collect();
+    order.retain(|id| !ready.contains(id));
+    order.extend(ready.iter().copied());
+    ready
+}
 
 /// Loads every model of `profile` and starts the pipeline.
 pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {

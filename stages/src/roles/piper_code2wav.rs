@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
+use super::take_ready;
 use crate::engine::{Event, Payload, RequestCtx, RequestId, StageModel, StepOutput};
 use crate::models::piper::{DecoderStream, PiperVoice};
 use crate::models::{ModelError, Result};
@@ -220,15 +221,11 @@ impl StageModel for PiperCode2Wav {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
-        let ready: Vec<RequestId> = self
-            .order
-            .iter()
-            .copied()
-            .filter(|id| self.reqs.get(id).is_some_and(|r| self.is_ready(r)))
-            .take(self.max_num_seqs)
-            .collect();
-        self.order.retain(|id| !ready.contains(id));
-        self.order.extend(ready.iter().copied());
+        let mut order = std::mem::take(&mut self.order);
+        let ready = take_ready(&mut order, self.max_num_seqs, |id| {
+            self.reqs.get(id).is_some_and(|r| self.is_ready(r))
+        });
+        self.order = order;
         out.batch = ready.len();
         let sample_rate = self.voice.sample_rate();
         for id in ready {

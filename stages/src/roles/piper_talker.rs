@@ -12,6 +12,7 @@ use candle_core::Tensor;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
+use super::take_ready;
 use crate::engine::{FrameChunk, Payload, RequestCtx, RequestId, StageModel, StepOutput};
 use crate::models::phonemize::{speakable_boundary, Phonemizer};
 use crate::models::piper::{PiperVoice, Scales};
@@ -194,16 +195,11 @@ impl StageModel for PiperTalker {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
-        let ready: Vec<RequestId> = self
-            .order
-            .iter()
-            .copied()
-            .filter(|id| self.reqs.get(id).is_some_and(|r| self.is_ready(r)))
-            .take(self.max_num_seqs)
-            .collect();
-        // Served requests go to the back of the line.
-        self.order.retain(|id| !ready.contains(id));
-        self.order.extend(ready.iter().copied());
+        let mut order = std::mem::take(&mut self.order);
+        let ready = take_ready(&mut order, self.max_num_seqs, |id| {
+            self.reqs.get(id).is_some_and(|r| self.is_ready(r))
+        });
+        self.order = order;
         out.batch = ready.len();
         for id in ready {
             let Some(mut r) = self.reqs.remove(&id) else {

@@ -71,3 +71,117 @@ pub fn whisper_wer(pairs: &[(PathBuf, String)]) -> (f64, serde_json::Value) {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("wer.py JSON");
     (v["wer"].as_f64().expect("wer field"), v)
 }
+
+/// A running `omnistream serve` on a free loopback port; killed on drop.
+pub struct Server {
+    child: std::process::Child,
+    pub port: u16,
+    /// `http://127.0.0.1:PORT`
+    pub url: String,
+    /// Server output so far is drained in a thread; kept for failure messages.
+    pub log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Server {
+    pub fn ws_url(&self, path: &str) -> String {
+        format!("ws://127.0.0.1:{}{path}", self.port)
+    }
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+    /// The `/metrics` text.
+    pub fn metrics(&self) -> String {
+        http_get(self.port, "/metrics")
+    }
+    /// One sample from `/metrics` (first line starting with `name`).
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        self.metrics()
+            .lines()
+            .find(|l| l.starts_with(name) && !l.starts_with('#'))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `omnistream serve` (default profile) with `extra` arguments and waits
+/// until it listens (models loaded and warmed up).
+pub fn spawn_server(extra: &[&str]) -> Server {
+    use std::io::BufRead;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let mut child = Command::new(binary())
+        .args(["serve", "--port", &port.to_string()])
+        .args(extra)
+        .current_dir(root())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting omnistream serve");
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = child.stdout.take().expect("stdout");
+    let stderr = child.stderr.take().expect("stderr");
+    for (stream, is_stdout) in [
+        (Box::new(stdout) as Box<dyn std::io::Read + Send>, true),
+        (Box::new(stderr), false),
+    ] {
+        let log = log.clone();
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stream)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if is_stdout && line.contains("listening on") {
+                    let _ = tx.send(());
+                }
+                if let Ok(mut l) = log.lock() {
+                    l.push_str(&line);
+                    l.push('\n');
+                }
+            }
+        });
+    }
+    let mut server = Server {
+        child,
+        port,
+        url: format!("http://127.0.0.1:{port}"),
+        log,
+    };
+    if rx
+        .recv_timeout(std::time::Duration::from_secs(300))
+        .is_err()
+        || !server.alive()
+    {
+        let log = server.log.lock().map(|l| l.clone()).unwrap_or_default();
+        panic!("omnistream serve did not start:\n{log}");
+    }
+    server
+}
+
+/// A plain HTTP/1.1 GET on loopback (no client library needed); returns the body.
+pub fn http_get(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return String::new();
+    };
+    let _ = write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    );
+    let mut buf = String::new();
+    let _ = s.read_to_string(&mut buf);
+    buf.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}

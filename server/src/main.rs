@@ -3,6 +3,7 @@
 mod bench;
 mod fetch;
 mod run;
+mod serve;
 
 use std::path::PathBuf;
 
@@ -72,6 +73,27 @@ enum Command {
         #[command(flatten)]
         profile: ProfileArg,
     },
+    /// Serve the pipeline: OpenAI-compatible HTTP, Realtime and PCM WebSockets, the demo page.
+    Serve {
+        #[command(flatten)]
+        profile: ProfileArg,
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        #[arg(long, default_value_t = 8091)]
+        port: u16,
+        /// Accepted API key (repeatable; adds to the profile's `server.api_keys`).
+        #[arg(long = "api-key", env = "OMNISTREAM_API_KEY")]
+        api_keys: Vec<String>,
+        /// Most open sessions (WebSocket/WebRTC conversations).
+        #[arg(long, default_value_t = 256)]
+        max_sessions: usize,
+        /// Most requests generating at once; more get 503 + Retry-After.
+        #[arg(long, default_value_t = 64)]
+        max_in_flight: usize,
+        /// Seconds a session may stay idle before it is closed.
+        #[arg(long, default_value_t = 600)]
+        idle_timeout: u64,
+    },
     /// Measure the pipeline in-process: TTFP with async_chunk on vs off (one run),
     /// Talker+Code2Wav RTF, Thinker tokens/s, peak memory.
     BenchPipeline {
@@ -128,6 +150,28 @@ fn main() -> Result<()> {
                 seed,
             },
         ),
+        Command::Serve {
+            profile,
+            host,
+            port,
+            api_keys,
+            max_sessions,
+            max_in_flight,
+            idle_timeout,
+        } => {
+            let rt = tokio::runtime::Runtime::new().context("starting tokio")?;
+            rt.block_on(serve::run(serve::ServeOptions {
+                profile: profile.profile,
+                host,
+                port,
+                api_keys,
+                limits: serve::SessionLimits {
+                    max_sessions: max_sessions.max(1),
+                    max_in_flight: max_in_flight.max(1),
+                    idle_timeout: std::time::Duration::from_secs(idle_timeout.max(1)),
+                },
+            }))
+        }
         Command::BenchPipeline {
             profile,
             requests,

@@ -10,13 +10,13 @@ pub struct Closed;
 
 /// Sending half. `send` blocks while the channel is full: backpressure, so a
 /// fast stage cannot run unboundedly ahead of a slow one.
-pub trait ConnectorTx<T>: Send {
+pub trait ConnectorTx<T>: Send + Sync {
     fn send(&self, item: T) -> Result<(), Closed>;
     fn boxed_clone(&self) -> Box<dyn ConnectorTx<T>>;
 }
 
 /// Receiving half.
-pub trait ConnectorRx<T>: Send {
+pub trait ConnectorRx<T>: Send + Sync {
     /// Waits up to `timeout` for an item; `Ok(None)` on timeout.
     fn recv_timeout(&self, timeout: Duration) -> Result<Option<T>, Closed>;
     /// Returns an item if one is waiting.

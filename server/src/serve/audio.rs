@@ -1,0 +1,1 @@
+//! (being written) Pipeline audio -> a client's format, streaming.

@@ -1,0 +1,168 @@
+//! Prometheus metrics (the `prometheus` crate): sessions, requests by outcome,
+//! TTFT/TTFP/RTF histograms, bytes out, and the pipeline's per-stage counters
+//! read at scrape time.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use prometheus::{
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+use super::state::AppState;
+
+/// Latency buckets (seconds), fine where first-audio latency lives.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
+];
+const RTF_BUCKETS: &[f64] = &[0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0];
+
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    pub sessions_open: IntGauge,
+    pub connections_open: IntGaugeVec,
+    pub tasks_open: IntGauge,
+    pub requests_in_flight: IntGauge,
+    pub requests: IntCounterVec,
+    pub ttft: HistogramVec,
+    pub ttfp: HistogramVec,
+    pub rtf: HistogramVec,
+    pub bytes_out: IntCounterVec,
+    stage: GaugeVec,
+}
+
+impl Metrics {
+    pub fn new() -> prometheus::Result<Self> {
+        let registry = Registry::new_custom(Some("omnistream".into()), None)?;
+        let sessions_open = IntGauge::new("sessions_open", "Open sessions")?;
+        let connections_open = IntGaugeVec::new(
+            Opts::new("connections_open", "Open WebSocket/WebRTC connections"),
+            &["protocol"],
+        )?;
+        let tasks_open = IntGauge::new(
+            "tasks_open",
+            "Server tasks alive (per connection and per request)",
+        )?;
+        let requests_in_flight = IntGauge::new("requests_in_flight", "Requests generating now")?;
+        let requests = IntCounterVec::new(
+            Opts::new("requests_total", "Requests by endpoint and outcome"),
+            &["endpoint", "outcome"],
+        )?;
+        let hist = |name: &str, help: &str, buckets: &[f64]| {
+            HistogramVec::new(
+                HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+                &["endpoint"],
+            )
+        };
+        let ttft = hist(
+            "ttft_seconds",
+            "Request start to first text delta",
+            LATENCY_BUCKETS,
+        )?;
+        let ttfp = hist(
+            "ttfp_seconds",
+            "Request start to first audio bytes out",
+            LATENCY_BUCKETS,
+        )?;
+        let rtf = hist(
+            "audio_rtf",
+            "(last audio chunk - start) / audio seconds",
+            RTF_BUCKETS,
+        )?;
+        let bytes_out = IntCounterVec::new(
+            Opts::new("audio_bytes_out_total", "Audio bytes sent to clients"),
+            &["endpoint"],
+        )?;
+        let stage = GaugeVec::new(
+            Opts::new(
+                "stage",
+                "Per-stage engine counters (see the `metric` label)",
+            ),
+            &["stage", "metric"],
+        )?;
+        registry.register(Box::new(sessions_open.clone()))?;
+        registry.register(Box::new(connections_open.clone()))?;
+        registry.register(Box::new(tasks_open.clone()))?;
+        registry.register(Box::new(requests_in_flight.clone()))?;
+        registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(ttft.clone()))?;
+        registry.register(Box::new(ttfp.clone()))?;
+        registry.register(Box::new(rtf.clone()))?;
+        registry.register(Box::new(bytes_out.clone()))?;
+        registry.register(Box::new(stage.clone()))?;
+        Ok(Self {
+            registry,
+            sessions_open,
+            connections_open,
+            tasks_open,
+            requests_in_flight,
+            requests,
+            ttft,
+            ttfp,
+            rtf,
+            bytes_out,
+            stage,
+        })
+    }
+
+    /// Prometheus text exposition, with the pipeline's counters refreshed.
+    pub fn render(&self, state: &AppState) -> String {
+        let stats = state.pipeline.stats();
+        for s in &stats.stages {
+            let set = |m: &str, v: f64| self.stage.with_label_values(&[&s.name, m]).set(v);
+            set("active_requests", s.active as f64);
+            set("queue_depth", s.queue_depth as f64);
+            set("steps_total", s.steps as f64);
+            set("step_seconds_total", s.step_seconds_total);
+            set("batch_items_total", s.batch_items_total as f64);
+            set("idle_seconds_total", s.idle_seconds_total);
+            set("finished_total", s.finished as f64);
+            set("cancelled_total", s.cancelled as f64);
+            set("failed_total", s.failed as f64);
+            set("alive", if s.alive { 1.0 } else { 0.0 });
+        }
+        let mut buf = Vec::new();
+        if TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .is_err()
+        {
+            return String::new();
+        }
+        let mut text = String::from_utf8_lossy(&buf).into_owned();
+        text.push_str(&format!(
+            "# HELP omnistream_engine_requests_in_flight Engine requests whose client handle is alive\n\
+             # TYPE omnistream_engine_requests_in_flight gauge\n\
+             omnistream_engine_requests_in_flight {}\n",
+            stats.requests_in_flight
+        ));
+        text
+    }
+}
+
+/// Counts a spawned task while it lives (for `omnistream_tasks_open`).
+pub struct TaskGuard(IntGauge);
+
+impl TaskGuard {
+    pub fn new(m: &Metrics) -> Self {
+        m.tasks_open.inc();
+        Self(m.tasks_open.clone())
+    }
+}
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+pub async fn handler(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(&state),
+    )
+        .into_response()
+}

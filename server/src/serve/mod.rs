@@ -1,0 +1,206 @@
+//! `omnistream serve`: one port, axum on tokio. OpenAI-compatible HTTP, the
+//! Realtime WebSocket, a plain PCM WebSocket, the demo page, metrics.
+
+mod audio;
+mod auth;
+mod metrics;
+mod openai;
+mod realtime;
+mod sessions;
+mod state;
+mod stream;
+mod web;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+
+pub use metrics::Metrics;
+pub use sessions::{SessionLimits, SessionManager};
+pub use state::{AppState, ServerConfig};
+
+use crate::run::{chat_spec, load_profile, run_request};
+use omnistream_stages::engine::{Modalities, SamplingOverrides};
+use omnistream_stages::profile::Profile;
+
+/// Options of `omnistream serve`.
+pub struct ServeOptions {
+    pub profile: PathBuf,
+    pub host: String,
+    pub port: u16,
+    /// Extra API keys (added to the profile's `server.api_keys`).
+    pub api_keys: Vec<String>,
+    pub limits: SessionLimits,
+}
+
+/// Loads the pipeline, warms it up, and serves until ctrl-c.
+pub async fn run(opts: ServeOptions) -> Result<()> {
+    let profile = Profile::load(&opts.profile)?;
+    let pipeline = {
+        let profile = profile.clone();
+        tokio::task::spawn_blocking(move || -> Result<_> {
+            let p = load_profile(&profile)?;
+            // Warm-up: every stage runs once before the first client waits on it.
+            let mut warm = chat_spec("Hi", Modalities::TEXT_AUDIO, SamplingOverrides::default());
+            warm.sampling.max_tokens = Some(4);
+            run_request(&p, warm, |_| {}).context("warm-up request")?;
+            Ok(p)
+        })
+        .await
+        .context("loading the pipeline")??
+    };
+    let server = profile.server.clone().unwrap_or_default();
+    let mut api_keys = server.api_keys.clone();
+    api_keys.extend(opts.api_keys.iter().cloned());
+    let config = ServerConfig {
+        model_name: profile.name.clone(),
+        api_keys,
+        allowed_origins: server.allowed_origins.clone(),
+        limits: opts.limits,
+    };
+    let state = AppState::new(pipeline, config)?;
+    let app = router(state.clone());
+    let addr: SocketAddr = format!("{}:{}", opts.host, opts.port)
+        .parse()
+        .with_context(|| format!("bad address {}:{}", opts.host, opts.port))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    let local = listener.local_addr()?;
+    // Tests and scripts wait for this line.
+    println!(
+        "omnistream listening on http://{local}/ (profile {})",
+        opts.profile.display()
+    );
+    let reaper = state.sessions.spawn_reaper(Duration::from_secs(5));
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .context("serving")?;
+    reaper.abort();
+    Ok(())
+}
+
+/// All routes. Public ones: `/`, `/health`; everything under `/v1` and
+/// `/metrics` goes through the API-key check.
+pub fn router(state: Arc<AppState>) -> Router {
+    let api = Router::new()
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics::handler))
+        .merge(openai::routes())
+        .merge(realtime::routes())
+        .merge(stream::routes())
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_key,
+        ));
+    Router::new()
+        .route("/health", get(health))
+        .merge(web::routes())
+        .merge(api)
+        .with_state(state)
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    let stats = state.pipeline.stats();
+    let alive = stats.stages.iter().all(|s| s.alive);
+    let body = serde_json::json!({
+        "status": if alive { "ok" } else { "degraded" },
+        "stages": stats.stages.iter().map(|s| serde_json::json!({"name": s.name, "alive": s.alive})).collect::<Vec<_>>(),
+    });
+    let code = if alive {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(body)).into_response()
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let created = state.started_unix;
+    Json(serde_json::json!({
+        "object": "list",
+        "data": [{
+            "id": state.config.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "omnistream",
+        }],
+    }))
+    .into_response()
+}
+
+/// An error in the OpenAI shape: `{"error": {"message", "type", "code"}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub code: &'static str,
+    pub message: String,
+    /// Seconds for `Retry-After` (503 when over capacity).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            code,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+    pub fn unauthorized() -> Self {
+        Self {
+            status: StatusCode::UNAUTHORIZED,
+            kind: "invalid_request_error",
+            code: "invalid_api_key",
+            message: "missing or invalid API key".into(),
+            retry_after: None,
+        }
+    }
+    pub fn overloaded(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "server_error",
+            code: "overloaded",
+            message: message.into(),
+            retry_after: Some(1),
+        }
+    }
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "server_error",
+            code: "internal_error",
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({"error": {"message": self.message, "type": self.kind, "code": self.code, "param": null}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            if let Ok(v) = header::HeaderValue::from_str(&s.to_string()) {
+                r.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+        }
+        r
+    }
+}

@@ -14,6 +14,11 @@ command -v espeak-ng >/dev/null || need_apt+=(espeak-ng)      # phonemes for the
 command -v protoc >/dev/null || need_apt+=(protobuf-compiler) # candle-onnx compiles the ONNX schema
 command -v pkg-config >/dev/null || need_apt+=(pkg-config)
 python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
+pkg-config --exists opus 2>/dev/null || need_apt+=(libopus-dev) # Opus output (the opus crate links the system libopus)
+if [[ $MODE == dev ]]; then
+  [[ -x /usr/bin/chromium ]] || need_apt+=(chromium fonts-dejavu-core) # the page test's browser (tests/tests/page.rs)
+  command -v npm >/dev/null || need_apt+=(npm)                          # playwright-core for the page test
+fi
 if ((${#need_apt[@]})); then
   SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO=sudo
   echo "==> apt-get install ${need_apt[*]}"
@@ -29,6 +34,8 @@ fi
 if [[ $MODE == dev ]]; then
   echo "==> Python test tools (tests/python/requirements.txt)"
   python3 -m pip install -q -r tests/python/requirements.txt
+  echo "==> page test tools (tests/web/package-lock.json)"
+  (cd tests/web && npm ci --silent --no-audit --no-fund)
   echo "==> cargo build (dev profile, optimised)"
   cargo build --workspace --quiet
   BIN=target/debug/omnistream

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# One command on a fresh Debian machine: set up, then ask the default pipeline
-# (real small models, CPU) a question; prints the answer as it streams, its
-# TTFT/TTFP/RTF, and writes the spoken answer to answer.wav.
+# One command on a fresh Debian machine: set up (apt packages, models, release
+# build), ask the default pipeline (real small models, CPU) one question —
+# printing the answer as it streams with its TTFT/TTFP/RTF and writing the spoken
+# answer to answer.wav — then serve the demo page and print its URL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec target/release/omnistream chat --profile deploy/tiny-cpu.yaml \
+BIN=target/release/omnistream
+"$BIN" chat --profile deploy/tiny-cpu.yaml \
   "${1:-What is the capital of France? Answer in one sentence.}" -o answer.wav
+echo "==> serving (ctrl-c to stop)"
+exec "$BIN" serve --profile deploy/tiny-cpu.yaml --host "${OMNISTREAM_HOST:-127.0.0.1}" --port "${OMNISTREAM_PORT:-8091}"

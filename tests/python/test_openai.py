@@ -1,0 +1,361 @@
+"""The OpenAI-compatible HTTP API, through the official `openai` SDK.
+
+Needs a running server: OMNISTREAM_URL=http://127.0.0.1:PORT (the Rust test
+`tests/tests/server_http.rs` starts one and runs this file). Audio is checked
+by ear: Whisper tiny.en must hear what the server says it said.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import sys
+import time
+import wave
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import wer as wer_mod  # noqa: E402  (tests/python/wer.py)
+
+URL = os.environ.get("OMNISTREAM_URL")
+if not URL:
+    pytest.skip("OMNISTREAM_URL is not set (start `omnistream serve`)", allow_module_level=True)
+
+import openai  # noqa: E402
+from openai import OpenAI  # noqa: E402
+
+RATE = 24_000  # pcm16 / pcm / wav out of the API: 24 kHz mono s16le
+MAX_WER = 0.10
+SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+SENTENCE = "The weather today is sunny and warm, so we will walk to the park."
+
+
+@pytest.fixture(scope="module")
+def client() -> OpenAI:
+    return OpenAI(
+        base_url=URL.rstrip("/") + "/v1",
+        api_key=os.environ.get("OMNISTREAM_API_KEY", "x"),
+        max_retries=0,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    from faster_whisper import WhisperModel
+
+    return WhisperModel(
+        str(ROOT / "models" / "whisper-tiny-en"), device="cpu", compute_type="int8", local_files_only=True
+    )
+
+
+def heard(whisper, audio_path: Path) -> str:
+    """What Whisper hears (the settings of wer.py)."""
+    segments, _ = whisper.transcribe(
+        str(audio_path), language="en", beam_size=5, condition_on_previous_text=False, vad_filter=False
+    )
+    return " ".join(s.text.strip() for s in segments).strip()
+
+
+def assert_intelligible(whisper, audio_path: Path, reference: str) -> None:
+    hyp = heard(whisper, audio_path)
+    rate, _, _ = wer_mod.wer(reference, hyp)
+    assert rate <= MAX_WER, f"WER {rate:.3f} > {MAX_WER}: said {reference!r}, heard {hyp!r}"
+
+
+def pcm16_to_wav(pcm: bytes, path: Path, rate: int = RATE) -> Path:
+    assert len(pcm) % 2 == 0, "pcm16 must be whole samples"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm)
+    return path
+
+
+def wav_pcm(data: bytes) -> bytes:
+    """The samples of a 16-bit mono 24 kHz WAV (sized or streaming header)."""
+    assert data[:4] == b"RIFF" and data[8:12] == b"WAVE", data[:16]
+    assert int.from_bytes(data[22:24], "little") == 1, "mono"
+    assert int.from_bytes(data[24:28], "little") == RATE
+    assert int.from_bytes(data[34:36], "little") == 16
+    i = data.index(b"data", 12)
+    return data[i + 8 :]
+
+
+def chat_messages(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+# ---------------------------------------------------------------- chat
+
+
+def test_streaming_chat_with_audio_is_intelligible(client, whisper, tmp_path):
+    start = time.monotonic()
+    stream = client.chat.completions.create(
+        model="omnistream",
+        messages=chat_messages("What is the capital of France?"),
+        modalities=["text", "audio"],
+        audio={"voice": "joe", "format": "pcm16"},
+        stream=True,
+        stream_options={"include_usage": True},
+        max_tokens=40,
+        temperature=0,
+    )
+    transcript, pcm, ids, expires, finish, usage = [], bytearray(), set(), [], None, None
+    audio_chunks, first_audio_at = 0, None
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta
+        assert not delta.content, "with audio, the text is the transcript"
+        if delta.audio is not None:
+            a = delta.audio
+            if a.id:
+                ids.add(a.id)
+            if a.transcript:
+                transcript.append(a.transcript)
+            if a.data:
+                first_audio_at = first_audio_at or time.monotonic() - start
+                audio_chunks += 1
+                pcm += base64.b64decode(a.data)
+            if a.expires_at:
+                expires.append(a.expires_at)
+        if choice.finish_reason:
+            finish = choice.finish_reason
+    total = time.monotonic() - start
+    text = "".join(transcript).strip()
+    assert "paris" in text.lower(), text
+    assert len(ids) == 1 and next(iter(ids)).startswith("audio_"), ids
+    assert expires and expires[-1] > time.time(), expires
+    assert finish in ("stop", "length")
+    assert usage is not None and usage.completion_tokens > 0 and usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert len(pcm) > RATE * 2 // 2, f"only {len(pcm)} bytes of audio"
+    # Streamed: audio arrived in pieces, the first well before the end.
+    assert audio_chunks >= 2, audio_chunks
+    assert first_audio_at < total, (first_audio_at, total)
+    assert_intelligible(whisper, pcm16_to_wav(bytes(pcm), tmp_path / "stream.wav"), text)
+
+
+def test_chat_with_audio_wav_in_one_response(client, whisper, tmp_path):
+    r = client.chat.completions.create(
+        model="omnistream",
+        messages=chat_messages("What color is the sky on a clear day?"),
+        modalities=["text", "audio"],
+        audio={"voice": "joe", "format": "wav"},
+        max_tokens=30,
+    )
+    assert r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant"
+    assert msg.audio is not None
+    assert msg.audio.id.startswith("audio_")
+    assert msg.audio.expires_at > time.time()
+    assert msg.audio.transcript.strip(), "no transcript"
+    data = base64.b64decode(msg.audio.data)
+    pcm = wav_pcm(data)
+    assert len(pcm) > RATE * 2 // 2, f"only {len(pcm)} bytes"
+    path = tmp_path / "answer.wav"
+    path.write_bytes(data)
+    with wave.open(str(path)) as w:  # a whole file: sized header
+        assert w.getframerate() == RATE and w.getnchannels() == 1
+        assert w.getnframes() * 2 == len(pcm)
+    assert_intelligible(whisper, path, msg.audio.transcript)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens > 0
+
+
+def test_chat_audio_opus_streams_ogg(client):
+    stream = client.chat.completions.create(
+        model="omnistream",
+        messages=chat_messages("Say hello."),
+        modalities=["text", "audio"],
+        audio={"voice": "joe", "format": "opus"},
+        stream=True,
+        max_tokens=20,
+    )
+    data = bytearray()
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.audio and chunk.choices[0].delta.audio.data:
+            data += base64.b64decode(chunk.choices[0].delta.audio.data)
+    assert data[:4] == b"OggS" and b"OpusHead" in data[:64]
+    assert seconds_of_audio(bytes(data)) > 0.3
+
+
+def test_text_only_chat_stops_at_the_thinker(client):
+    r = client.chat.completions.create(
+        model="omnistream",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}],
+        modalities=["text"],
+        max_completion_tokens=40,
+        temperature=0,
+        seed=7,
+    )
+    msg = r.choices[0].message
+    assert msg.audio is None
+    assert "Paris" in msg.content, msg.content
+    assert r.usage.completion_tokens <= 40
+
+    stream = client.chat.completions.create(
+        model="omnistream",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        stream=True,
+        max_tokens=40,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text, text
+    assert all(c.choices[0].delta.audio is None for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_multi_turn_history_reaches_the_model(client):
+    question = {"role": "user", "content": "What is my name?"}
+    history = [
+        {"role": "user", "content": "My name is Alice."},
+        {"role": "assistant", "content": "Nice to meet you, Alice!"},
+        question,
+    ]
+    with_history = client.chat.completions.create(model="omnistream", messages=history, max_tokens=30, temperature=0)
+    alone = client.chat.completions.create(model="omnistream", messages=[question], max_tokens=30, temperature=0)
+    assert "alice" in with_history.choices[0].message.content.lower(), with_history.choices[0].message.content
+    assert "alice" not in alone.choices[0].message.content.lower(), alone.choices[0].message.content
+
+    # An earlier spoken answer is referred to by its audio id, as in OpenAI's API.
+    first = [{"role": "user", "content": "My name is Alice."}]
+    r1 = client.chat.completions.create(
+        model="omnistream",
+        messages=first,
+        modalities=["text", "audio"],
+        audio={"voice": "joe", "format": "wav"},
+        max_tokens=24,
+    )
+    spoken = r1.choices[0].message.audio
+    r2 = client.chat.completions.create(
+        model="omnistream",
+        messages=first + [{"role": "assistant", "audio": {"id": spoken.id}}, question],
+        max_tokens=24,
+        temperature=0,
+    )
+    # The whole conversation was the prompt (the first turn's prompt reused
+    # from the prefix cache), the spoken answer's transcript included.
+    assert r2.usage.prompt_tokens > alone.usage.prompt_tokens + r1.usage.prompt_tokens, (r1.usage, r2.usage)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - 8, r2.usage
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="omnistream",
+            messages=[{"role": "assistant", "audio": {"id": "audio_unknown"}}, {"role": "user", "content": "Hi"}],
+        )
+    assert "audio_unknown" in e.value.body["message"]
+
+
+# ---------------------------------------------------------------- speech
+
+
+def seconds_of_audio(ogg: bytes) -> float:
+    import av
+
+    with av.open(io.BytesIO(ogg)) as f:
+        n = 0
+        rate = 0
+        for frame in f.decode(audio=0):
+            n += frame.samples
+            rate = frame.sample_rate
+    return n / rate if rate else 0.0
+
+
+def test_speech_wav_pcm_opus(client, whisper, tmp_path):
+    wav = client.audio.speech.create(model="tts-1", voice="joe", input=SENTENCE, response_format="wav")
+    path = pcm16_to_wav(wav_pcm(wav.content), tmp_path / "speech.wav")
+    assert_intelligible(whisper, path, SENTENCE)
+
+    pcm = client.audio.speech.create(model="tts-1", voice="joe", input=SENTENCE, response_format="pcm").content
+    assert len(pcm) % 2 == 0 and len(pcm) > RATE * 2, len(pcm)
+    assert_intelligible(whisper, pcm16_to_wav(pcm, tmp_path / "speech_pcm.wav"), SENTENCE)
+
+    opus = client.audio.speech.create(model="tts-1", voice="joe", input=SENTENCE, response_format="opus")
+    assert opus.response.headers["content-type"].startswith("audio/ogg") or "opus" in opus.response.headers[
+        "content-type"
+    ]
+    data = opus.content
+    assert data[:4] == b"OggS" and b"OpusHead" in data[:64]
+    assert seconds_of_audio(data) > 1.0
+    path = tmp_path / "speech.opus"
+    path.write_bytes(data)
+    assert_intelligible(whisper, path, SENTENCE)
+
+    # A missing voice is ours; speed changes the length.
+    slow = client.audio.speech.create(model="tts-1", voice="joe", input=SENTENCE, response_format="pcm", speed=0.5)
+    assert len(slow.content) > 1.5 * len(pcm), (len(slow.content), len(pcm))
+
+
+def test_speech_streams_as_it_is_made(client, whisper, tmp_path):
+    text = " ".join([SENTENCE, "Then we will have lunch by the lake and read a book in the shade."] * 2)
+    start = time.monotonic()
+    arrivals, pcm = [], bytearray()
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="joe", input=text, response_format="pcm"
+    ) as resp:
+        assert resp.status_code == 200
+        assert resp.headers.get("transfer-encoding") == "chunked"
+        for chunk in resp.iter_bytes():
+            arrivals.append(time.monotonic() - start)
+            pcm += chunk
+    assert len(arrivals) >= 3, arrivals
+    # The first audio came well before the last: it left as it was made.
+    assert arrivals[0] < 0.6 * arrivals[-1], arrivals
+    assert_intelligible(whisper, pcm16_to_wav(bytes(pcm), tmp_path / "streamed.wav"), text)
+
+
+def test_speech_sse_events(client):
+    r = client.audio.speech.create(
+        model="gpt-4o-mini-tts", voice="joe", input=SENTENCE, response_format="pcm", stream_format="sse"
+    )
+    assert r.response.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[len("data: ") :]) for line in r.text.splitlines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert kinds[-1] == "speech.audio.done" and set(kinds[:-1]) == {"speech.audio.delta"}, kinds
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert len(pcm) % 2 == 0 and len(pcm) > RATE * 2
+    usage = events[-1]["usage"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_invalid_requests_are_openai_errors(client):
+    bad_chat = [
+        dict(messages=chat_messages("Hi"), modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}),
+        dict(messages=chat_messages("Hi"), modalities=["text", "audio"], audio={"voice": "joe", "format": "mp3"}),
+        dict(messages=chat_messages("Hi"), temperature=3),
+        dict(messages=chat_messages("Hi"), max_tokens=-5),
+        dict(messages=[]),
+        dict(messages=[{"role": "robot", "content": "Hi"}]),
+    ]
+    for kw in bad_chat:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="omnistream", **kw)
+        assert e.value.status_code == 400
+        assert e.value.body["type"] == "invalid_request_error", e.value.body
+        assert e.value.body["message"], e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.speech.create(model="tts-1", voice="alloy", input="Hi")
+    assert "joe" in e.value.body["message"]
+    for kw in [dict(response_format="mp3"), dict(speed=5.0), dict(stream_format="ws")]:
+        with pytest.raises(openai.BadRequestError):
+            client.audio.speech.create(model="tts-1", voice="joe", input="Hi", **kw)
+    with pytest.raises(openai.BadRequestError):
+        client.audio.speech.create(model="tts-1", voice="joe", input="x" * 4097)

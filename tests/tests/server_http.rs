@@ -1,0 +1,428 @@
+//! `omnistream serve` over HTTP: the OpenAI SDK end to end (Python), and the
+//! edges with plain clients (curl, raw TCP): bad requests, body limit, API
+//! keys, capacity, a client that goes away mid-stream.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use omnistream_e2e::{root, spawn_server, Server};
+
+/// An HTTP response, as curl saw it.
+struct Resp {
+    status: u16,
+    /// Header block(s), lower-cased.
+    headers: String,
+    body: String,
+}
+
+impl Resp {
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+    /// Asserts an OpenAI-shaped error with this status.
+    fn assert_error(&self, status: u16, what: &str) -> serde_json::Value {
+        assert_eq!(self.status, status, "{what}: {} {}", self.status, self.body);
+        let v = self.json();
+        let err = &v["error"];
+        assert!(
+            err["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{what}: {v}"
+        );
+        assert!(
+            err["type"].is_string() && err["code"].is_string(),
+            "{what}: {v}"
+        );
+        err.clone()
+    }
+}
+
+/// `curl -X POST url` with a JSON body (or a body file), extra headers.
+fn post(url: &str, body: &str, headers: &[&str]) -> Resp {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("body");
+    std::fs::write(&file, body).unwrap();
+    curl(url, Some(&file), headers)
+}
+
+fn curl(url: &str, body: Option<&std::path::Path>, headers: &[&str]) -> Resp {
+    let dir = tempfile::tempdir().unwrap();
+    let (hfile, bfile) = (dir.path().join("h"), dir.path().join("b"));
+    let mut c = Command::new("curl");
+    c.args(["-sS", "--max-time", "300", "-D"])
+        .arg(&hfile)
+        .arg("-o")
+        .arg(&bfile)
+        .args(["-w", "%{http_code}"]);
+    if let Some(b) = body {
+        c.args(["-X", "POST", "-H", "Content-Type: application/json"])
+            .arg("--data-binary")
+            .arg(format!("@{}", b.display()));
+    }
+    for h in headers {
+        c.args(["-H", h]);
+    }
+    let out = c.arg(url).output().expect("running curl");
+    let code = String::from_utf8_lossy(&out.stdout);
+    Resp {
+        status: code.trim().parse().unwrap_or_else(|_| {
+            panic!(
+                "curl {url}: {code:?} {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        }),
+        headers: std::fs::read_to_string(&hfile)
+            .unwrap_or_default()
+            .to_lowercase(),
+        body: std::fs::read_to_string(&bfile).unwrap_or_default(),
+    }
+}
+
+/// Every sample of `/metrics`: (name, labels) -> value.
+fn samples(server: &Server) -> Vec<(String, BTreeMap<String, String>, f64)> {
+    server
+        .metrics()
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (key, value) = l.rsplit_once(' ')?;
+            let value: f64 = value.parse().ok()?;
+            let (name, labels) = match key.split_once('{') {
+                Some((n, rest)) => {
+                    let labels = rest
+                        .trim_end_matches('}')
+                        .split("\",")
+                        .filter_map(|kv| {
+                            let (k, v) = kv.split_once('=')?;
+                            Some((k.to_string(), v.trim_matches('"').to_string()))
+                        })
+                        .collect();
+                    (n.to_string(), labels)
+                }
+                None => (key.to_string(), BTreeMap::new()),
+            };
+            Some((name, labels, value))
+        })
+        .collect()
+}
+
+/// The sum of `name` samples carrying all of `labels`.
+fn metric(server: &Server, name: &str, labels: &[(&str, &str)]) -> f64 {
+    samples(server)
+        .into_iter()
+        .filter(|(n, l, _)| {
+            n == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| l.get(*k).map(String::as_str) == Some(v))
+        })
+        .map(|(_, _, v)| v)
+        .sum()
+}
+
+fn assert_healthy(server: &mut Server) {
+    assert!(server.alive(), "server died:\n{}", log(server));
+    let r = curl(&format!("{}/health", server.url), None, &[]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["status"], "ok", "{}", r.body);
+}
+
+fn log(server: &Server) -> String {
+    server.log.lock().map(|l| l.clone()).unwrap_or_default()
+}
+
+/// Waits (up to `secs`) for `cond`; false if it never held.
+fn eventually(secs: u64, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    cond()
+}
+
+/// A streaming chat request with audio over a raw socket, read until its first
+/// audio chunk has arrived; the socket is returned, still open.
+fn open_audio_stream(server: &Server, prompt: &str) -> TcpStream {
+    let body = serde_json::json!({
+        "model": "omnistream",
+        "messages": [{"role": "user", "content": prompt}],
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "joe", "format": "pcm16"},
+        "stream": true,
+        "max_tokens": 200,
+    })
+    .to_string();
+    let mut s = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 16384];
+    while !String::from_utf8_lossy(&seen).contains("\"data\":\"") {
+        let n = s.read(&mut buf).expect("reading the stream");
+        assert!(
+            n > 0,
+            "stream ended before audio: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&seen).to_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("content-type: text/event-stream"), "{head}");
+    s
+}
+
+#[test]
+fn openai_python_sdk_end_to_end() {
+    let mut server = spawn_server(&["--max-in-flight", "4"]);
+    let out = Command::new("python3")
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .arg(root().join("tests/python/test_openai.py"))
+        .env("OMNISTREAM_URL", &server.url)
+        .current_dir(root())
+        .output()
+        .expect("running pytest");
+    let report = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "pytest failed:\n{report}\nserver log:\n{}",
+        log(&server)
+    );
+    assert!(report.contains("passed"), "{report}");
+    assert!(!report.contains("skipped"), "{report}");
+
+    // What the suite did shows in the metrics.
+    let ok = |ep| {
+        metric(
+            &server,
+            "omnistream_requests_total",
+            &[("endpoint", ep), ("outcome", "ok")],
+        )
+    };
+    assert!(ok("chat_completions") >= 8.0, "{}", server.metrics());
+    assert!(ok("audio_speech") >= 6.0, "{}", server.metrics());
+    for h in [
+        "omnistream_ttft_seconds_count",
+        "omnistream_ttfp_seconds_count",
+    ] {
+        assert!(
+            metric(&server, h, &[("endpoint", "chat_completions")]) >= 1.0,
+            "{h}"
+        );
+    }
+    assert!(
+        metric(
+            &server,
+            "omnistream_audio_rtf_count",
+            &[("endpoint", "audio_speech")]
+        ) >= 6.0
+    );
+    assert!(metric(&server, "omnistream_audio_bytes_out_total", &[]) > 100_000.0);
+    assert!(
+        metric(
+            &server,
+            "omnistream_requests_total",
+            &[("outcome", "bad_request")]
+        ) >= 10.0
+    );
+    assert_eq!(metric(&server, "omnistream_requests_in_flight", &[]), 0.0);
+    assert_healthy(&mut server);
+}
+
+#[test]
+fn bad_requests_keys_and_body_limit_are_openai_errors() {
+    let mut server = spawn_server(&["--api-key", "secret"]);
+    let chat = &format!("{}/v1/chat/completions", server.url);
+    let speech = &format!("{}/v1/audio/speech", server.url);
+    let key = "Authorization: Bearer secret";
+    let hello = r#"{"model":"m","messages":[{"role":"user","content":"Say hi."}],"max_tokens":4}"#;
+
+    let e = post(chat, hello, &[]).assert_error(401, "no key");
+    assert_eq!(e["code"], "invalid_api_key");
+    post(chat, hello, &["Authorization: Bearer wrong"]).assert_error(401, "wrong key");
+    post(speech, r#"{"input":"Hi"}"#, &[]).assert_error(401, "speech without key");
+    let r = curl(&format!("{}/metrics", server.url), None, &[]);
+    assert_eq!(r.status, 401, "metrics need the key too");
+
+    let bad: &[(&str, &str, &str)] = &[
+        (chat, "{not json", "malformed JSON"),
+        (chat, r#"{"messages": "hi"}"#, "messages not a list"),
+        (chat, r#"{"model": "m"}"#, "no messages"),
+        (chat, r#"{"messages": []}"#, "empty messages"),
+        (
+            chat,
+            r#"{"messages":[{"role":"captain","content":"x"}]}"#,
+            "bad role",
+        ),
+        (
+            chat,
+            r#"{"messages":[{"role":"user","content":"x"}],"temperature":2.5}"#,
+            "temperature",
+        ),
+        (
+            chat,
+            r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":-1}"#,
+            "max_tokens",
+        ),
+        (
+            chat,
+            r#"{"messages":[{"role":"user","content":"x"}],"modalities":["text","audio"],"audio":{"voice":"joe","format":"mp3"}}"#,
+            "chat format",
+        ),
+        (
+            chat,
+            r#"{"messages":[{"role":"user","content":"x"}],"modalities":["text","audio"],"audio":{"voice":"nova","format":"wav"}}"#,
+            "chat voice",
+        ),
+        (
+            speech,
+            r#"{"input":"Hi","voice":"joe","response_format":"flac"}"#,
+            "speech format",
+        ),
+        (speech, r#"{"input":"Hi","voice":"joe","speed":9}"#, "speed"),
+        (speech, r#"{"input":"","voice":"joe"}"#, "empty input"),
+        (speech, "[1,2", "speech malformed JSON"),
+    ];
+    for (url, body, what) in bad {
+        let e = post(url, body, &[key]).assert_error(400, what);
+        assert_eq!(e["type"], "invalid_request_error", "{what}");
+    }
+    let long = serde_json::json!({"input": "a".repeat(4097), "voice": "joe"}).to_string();
+    post(speech, &long, &[key]).assert_error(400, "input over 4096");
+    let e = post(speech, r#"{"input":"Hi","voice":"alloy"}"#, &[key]).assert_error(400, "voice");
+    assert!(e["message"].as_str().unwrap_or("").contains("joe"), "{e}");
+
+    // 2 MiB: 413, as JSON; both with a Content-Length and chunked.
+    let big = serde_json::json!({
+        "messages": [{"role": "user", "content": "x".repeat(2 << 20)}],
+    })
+    .to_string();
+    post(chat, &big, &[key]).assert_error(413, "oversized body");
+    post(chat, &big, &[key, "Transfer-Encoding: chunked"])
+        .assert_error(413, "oversized chunked body");
+
+    // Nothing above reached the pipeline; a good request still works.
+    let r = post(chat, hello, &[key]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["object"], "chat.completion");
+    assert!(r.json()["choices"][0]["message"]["content"].is_string());
+    // /metrics needs the key on this server.
+    let metrics = curl(&format!("{}/metrics", server.url), None, &[key]);
+    assert_eq!(metrics.status, 200);
+    let count: f64 = metrics
+        .body
+        .lines()
+        .filter(|l| {
+            l.starts_with("omnistream_requests_total{") && l.contains("outcome=\"bad_request\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(count >= (bad.len() + 4) as f64, "bad_request count {count}");
+    assert_healthy(&mut server);
+}
+
+#[test]
+fn over_capacity_is_503_and_a_client_that_leaves_is_cancelled() {
+    let mut server = spawn_server(&["--max-in-flight", "1"]);
+    let chat = &format!("{}/v1/chat/completions", server.url);
+    let tasks_before = metric(&server, "omnistream_tasks_open", &[]);
+
+    let stream = open_audio_stream(&server, "Tell me a long story about a dragon and a knight.");
+    assert_eq!(metric(&server, "omnistream_requests_in_flight", &[]), 1.0);
+
+    // A second request while the first generates: 503 + Retry-After, both endpoints.
+    let second = r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4}"#;
+    let r = post(chat, second, &[]);
+    let e = r.assert_error(503, "over capacity");
+    assert_eq!(e["code"], "overloaded");
+    assert!(r.headers.contains("retry-after: 1"), "{}", r.headers);
+    let r = post(
+        &format!("{}/v1/audio/speech", server.url),
+        r#"{"input":"Hi"}"#,
+        &[],
+    );
+    r.assert_error(503, "speech over capacity");
+    assert!(r.headers.contains("retry-after:"), "{}", r.headers);
+    assert_eq!(
+        metric(
+            &server,
+            "omnistream_requests_total",
+            &[("outcome", "overloaded")]
+        ),
+        2.0
+    );
+
+    // The client goes away mid-stream: the request is cancelled in every stage.
+    drop(stream);
+    let settled = eventually(30, || {
+        let s = samples(&server);
+        let get = |name: &str| {
+            s.iter()
+                .filter(|(n, _, _)| n == name)
+                .map(|(_, _, v)| *v)
+                .sum::<f64>()
+        };
+        let active: f64 = s
+            .iter()
+            .filter(|(n, l, _)| {
+                n == "omnistream_stage"
+                    && l.get("metric").map(String::as_str) == Some("active_requests")
+            })
+            .map(|(_, _, v)| *v)
+            .sum();
+        active == 0.0
+            && get("omnistream_requests_in_flight") == 0.0
+            && get("omnistream_engine_requests_in_flight") == 0.0
+    });
+    assert!(settled, "request not cancelled:\n{}", server.metrics());
+    let cancelled_in_stages = metric(
+        &server,
+        "omnistream_stage",
+        &[("metric", "cancelled_total")],
+    );
+    assert!(cancelled_in_stages >= 1.0, "{}", server.metrics());
+    assert_eq!(
+        metric(
+            &server,
+            "omnistream_requests_total",
+            &[("endpoint", "chat_completions"), ("outcome", "cancelled")]
+        ),
+        1.0
+    );
+    assert!(eventually(5, || metric(
+        &server,
+        "omnistream_tasks_open",
+        &[]
+    ) == tasks_before));
+
+    // The slot is free again, and the server is fine.
+    let r = post(chat, second, &[]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = post(
+        &format!("{}/v1/audio/speech", server.url),
+        r#"{"input":"Hello there.","response_format":"wav"}"#,
+        &[],
+    );
+    assert_eq!(r.status, 200);
+    assert!(
+        r.headers.contains("content-type: audio/wav"),
+        "{}",
+        r.headers
+    );
+    assert_healthy(&mut server);
+}

@@ -23,8 +23,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 
-pub use metrics::Metrics;
-pub use sessions::{SessionLimits, SessionManager};
+pub use sessions::SessionLimits;
 pub use state::{AppState, ServerConfig};
 
 use crate::run::{chat_spec, load_profile, run_request};
@@ -116,6 +115,8 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
     let alive = stats.stages.iter().all(|s| s.alive);
     let body = serde_json::json!({
         "status": if alive { "ok" } else { "degraded" },
+        "sessions_open": state.sessions.count(),
+        "requests_in_flight": state.sessions.in_flight(),
         "stages": stats.stages.iter().map(|s| serde_json::json!({"name": s.name, "alive": s.alive})).collect::<Vec<_>>(),
     });
     let code = if alive {

@@ -93,10 +93,6 @@ impl SessionManager {
         }))
     }
 
-    pub fn limits(&self) -> &SessionLimits {
-        &self.0.limits
-    }
-
     /// Opens a session, or refuses when at the cap.
     pub fn open(&self, kind: &'static str) -> Result<SessionGuard, ApiError> {
         if self.0.sessions.len() >= self.0.limits.max_sessions {
@@ -134,7 +130,9 @@ impl SessionManager {
     }
 
     fn close(&self, id: &str) {
-        self.0.sessions.remove(id);
+        if let Some((_, s)) = self.0.sessions.remove(id) {
+            tracing::debug!(id, kind = s.kind, age = ?s.created.elapsed(), "session closed");
+        }
         self.0
             .metrics
             .sessions_open

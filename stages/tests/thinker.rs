@@ -396,6 +396,57 @@ fn check_ragged(model: &QuantizedLlama, tok: &GgufTokenizer, label: &str) -> Res
     Ok(())
 }
 
+/// Caches of different capacities (a long prompt grows its cache past the 64-position minimum)
+/// in one batch: each sequence must attend over its own buffer layout.
+#[test]
+fn ragged_batch_with_different_cache_capacities() -> Result<()> {
+    let Some((model, tok)) = model() else {
+        return Ok(());
+    };
+    let long = tok.encode(&tok.apply_chat_template(
+        &user(&"Please repeat these words: apple banana cherry. ".repeat(12)),
+        true,
+    )?)?;
+    let short = tok.encode(&tok.apply_chat_template(&user("Hi!"), true)?)?;
+    ensure!(
+        long.len() > 130 && short.len() < 64,
+        "{} {}",
+        long.len(),
+        short.len()
+    );
+    let (mut a, mut b) = (model.new_cache(), model.new_cache());
+    let la = step(model, &long, &mut a)?;
+    let lb = step(model, &short, &mut b)?;
+    let (na, nb) = (argmax(&la) as u32, argmax(&lb) as u32);
+    let (mut a1, mut b1) = (a.try_clone()?, b.try_clone()?);
+    let alone = [
+        step(model, &[na], &mut a1)?,
+        step(model, &[nb, na], &mut b1)?,
+    ];
+    for order in [[0usize, 1], [1, 0]] {
+        let (mut a2, mut b2) = (a.try_clone()?, b.try_clone()?);
+        let toks_b = [nb, na];
+        let mut steps = [
+            Some(SeqStep {
+                tokens: &[na],
+                cache: &mut a2,
+            }),
+            Some(SeqStep {
+                tokens: &toks_b,
+                cache: &mut b2,
+            }),
+        ];
+        let mut batch: Vec<SeqStep> = order.iter().map(|&i| steps[i].take().unwrap()).collect();
+        let out = rows(&model.forward_batch(&mut batch)?)?;
+        for (row, &i) in order.iter().enumerate() {
+            let d = max_abs_diff(&out[row], &alone[i]);
+            println!("capacities: order {order:?}, sequence {i}: max |diff| {d:e}");
+            assert!(d < 1e-3, "sequence {i}: {d}");
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn bad_input_is_an_error_not_a_panic() -> Result<()> {
     let Some((model, _)) = model() else {
@@ -579,5 +630,55 @@ fn measure_speed(model: &QuantizedLlama, tok: &GgufTokenizer, label: &str) -> Re
             .map(|n| n.get())
             .unwrap_or(1)
     );
+    Ok(())
+}
+
+/// A longer f32 decode run (single sequence, then 8 together) to profile the per-step costs:
+/// `perf record -g target/debug/deps/thinker-* --ignored profile_f32_decode --nocapture`.
+#[test]
+#[ignore]
+fn profile_f32_decode() -> Result<()> {
+    let Some((model, tok)) = model() else {
+        return Ok(());
+    };
+    let steps: usize = std::env::var("PROFILE_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(64);
+    let prompt =
+        tok.encode(&tok.apply_chat_template(&user("Tell me a story about a robot."), true)?)?;
+    for width in [1usize, 8] {
+        let mut caches: Vec<KvCache> = (0..width).map(|_| model.new_cache()).collect();
+        for c in caches.iter_mut() {
+            step(model, &prompt, c)?;
+        }
+        let mut next = vec![1u32; width];
+        let mut times = Vec::with_capacity(steps);
+        for _ in 0..steps {
+            let toks: Vec<[u32; 1]> = next.iter().map(|&n| [n]).collect();
+            let mut batch: Vec<SeqStep> = caches
+                .iter_mut()
+                .zip(&toks)
+                .map(|(c, t)| SeqStep {
+                    tokens: t,
+                    cache: c,
+                })
+                .collect();
+            let t = Instant::now();
+            let out = model.forward_batch(&mut batch)?;
+            times.push(t.elapsed().as_secs_f64());
+            next = rows(&out)?.iter().map(|r| argmax(r) as u32).collect();
+        }
+        // Min and median: robust to other load on a shared machine.
+        times.sort_by(f64::total_cmp);
+        let (min, med) = (times[0], times[steps / 2]);
+        println!(
+            "width {width}: step min {:.2} ms ({:.1} tok/s), median {:.2} ms ({:.1} tok/s)",
+            min * 1e3,
+            width as f64 / min,
+            med * 1e3,
+            width as f64 / med
+        );
+    }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! The models stages run. One file (or folder) per model, config struct first.
 
 pub mod gguf_tokenizer;
+pub mod linear;
 pub mod phonemize;
 pub mod piper;
 pub mod quantized_llama;

@@ -12,9 +12,10 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{CpuStorage, DType, Device, Layout, Module, Storage, Tensor};
 
 use super::gguf_tokenizer::GgufTokenizer;
+use super::linear::Linear;
 use super::{ModelError, Result};
 
 /// Hyper-parameters, from the GGUF metadata (`llama.*`) and tensor shapes.
@@ -37,9 +38,11 @@ pub struct Config {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WeightPrecision {
     /// Dequantize every matrix to f32 at load: exact f32 arithmetic (matches a float reference
-    /// to ~1e-4), ~4 bytes per weight. The default: with quantized matmuls, candle (like
-    /// llama.cpp) also rounds the *activations* to 8 bits per 32-block, which moves SmolLM2-135M's
-    /// logits by up to ~1 (its attention inputs carry large outliers) and changes greedy answers.
+    /// to ~1e-4), ~4 bytes per weight, multiplied by the streaming kernel of [`super::linear`]
+    /// (decoding is bound by memory bandwidth). The default: with quantized matmuls, candle
+    /// (like llama.cpp) also rounds the *activations* to 8 bits per 32-block, which moves
+    /// SmolLM2-135M's logits by up to ~1 (its attention inputs carry large outliers) and changes
+    /// greedy answers.
     #[default]
     F32,
     /// Re-quantize every matrix to Q8_0 (fast AVX kernels; ~1.06 bytes per weight); activations
@@ -49,16 +52,41 @@ pub enum WeightPrecision {
     AsStored,
 }
 
+/// A weight matrix `[n, k]` applied as `x · wᵀ`: f32 through the few-row streaming kernel of
+/// [`Linear`] ([`WeightPrecision::F32`]), or a candle `QMatMul` (the quantized settings).
+#[derive(Clone)]
+enum Proj {
+    F32(Linear),
+    Quant(QMatMul),
+}
+
+impl Proj {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Proj::F32(l) => l.forward(x),
+            Proj::Quant(q) => q.forward(x),
+        }
+    }
+
+    /// Rows `ids` of the matrix (the token embedding).
+    fn embedding(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Proj::F32(l) => l.embedding(ids),
+            Proj::Quant(q) => q.embedding(ids),
+        }
+    }
+}
+
 struct Layer {
     attn_norm: Tensor,
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
-    wo: QMatMul,
+    wq: Proj,
+    wk: Proj,
+    wv: Proj,
+    wo: Proj,
     ffn_norm: Tensor,
-    w_gate: QMatMul,
-    w_up: QMatMul,
-    w_down: QMatMul,
+    w_gate: Proj,
+    w_up: Proj,
+    w_down: Proj,
 }
 
 /// The weights of the model. Holds no per-request state, so one instance serves all requests
@@ -66,10 +94,10 @@ struct Layer {
 pub struct QuantizedLlama {
     config: Config,
     /// Token embedding (rows are looked up; shares storage with `output` when tied).
-    embed: QMatMul,
+    embed: Proj,
     layers: Vec<Layer>,
     norm: Tensor,
-    output: QMatMul,
+    output: Proj,
     /// RoPE tables, `[max_seq_len, head_dim / 2]`.
     cos: Tensor,
     sin: Tensor,
@@ -181,15 +209,18 @@ impl KvCache {
         Ok(())
     }
 
+    fn layer(&self, layer: usize) -> Result<&LayerCache> {
+        self.layers
+            .get(layer)
+            .and_then(|l| l.as_ref())
+            .ok_or_else(|| ModelError::Invalid("kv cache not allocated".into()))
+    }
+
     /// Writes `k`, `v` (`[n_kv_head, n, head_dim]`, contiguous) at positions `len..len + n` of
     /// `layer` and returns views of positions `0..len + n`. Does not advance `len`.
     fn write(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let n = k.dim(1)?;
-        let lc = self
-            .layers
-            .get(layer)
-            .and_then(|l| l.as_ref())
-            .ok_or_else(|| ModelError::Invalid("kv cache not allocated".into()))?;
+        let lc = self.layer(layer)?;
         lc.k.slice_set(k, 1, self.len)?;
         lc.v.slice_set(v, 1, self.len)?;
         Ok((
@@ -234,6 +265,16 @@ fn md_f32(ct: &gguf_file::Content, key: &str) -> Option<f32> {
         gguf_file::Value::F64(x) => Some(*x as f32),
         _ => None,
     })
+}
+
+/// The elements of a contiguous f32 CPU tensor, from its storage guard.
+fn cpu_f32<'a>(storage: &'a Storage, layout: &Layout) -> Result<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(&v[a..b]),
+        _ => Err(ModelError::Invalid(
+            "expected a contiguous f32 cpu tensor".into(),
+        )),
+    }
 }
 
 impl QuantizedLlama {
@@ -350,9 +391,10 @@ impl QuantizedLlama {
             ));
         }
         let kv_dim = n_kv_head * head_dim;
-        let mm = |q: QTensor| -> Result<QMatMul> {
+        let mm = |q: QTensor| -> Result<Proj> {
+            let quant = |q| -> Result<Proj> { Ok(Proj::Quant(QMatMul::from_qtensor(q)?)) };
             Ok(match precision {
-                WeightPrecision::F32 => QMatMul::Tensor(q.dequantize(device)?),
+                WeightPrecision::F32 => Proj::F32(Linear::new(q.dequantize(device)?)?),
                 WeightPrecision::Q8_0 if q.dtype() != GgmlDType::Q8_0 => {
                     let rows_ok = q
                         .shape()
@@ -361,12 +403,12 @@ impl QuantizedLlama {
                         .is_some_and(|k| k % GgmlDType::Q8_0.block_size() == 0);
                     if rows_ok {
                         let t = q.dequantize(device)?;
-                        QMatMul::from_qtensor(QTensor::quantize(&t, GgmlDType::Q8_0)?)?
+                        quant(QTensor::quantize(&t, GgmlDType::Q8_0)?)?
                     } else {
-                        QMatMul::from_qtensor(q)?
+                        quant(q)?
                     }
                 }
-                _ => QMatMul::from_qtensor(q)?,
+                _ => quant(q)?,
             })
         };
         let embed = mm(get("token_embd.weight", &[vocab_size, hidden_size])?)?;
@@ -554,6 +596,172 @@ impl QuantizedLlama {
         Ok(())
     }
 
+    /// Causal attention of every sequence's new rows against its own cache, on the CPU, on the
+    /// tensors' storage directly (candle's matmul costs ~50 µs per call here, mostly thread-count
+    /// detection, and it would run twice per sequence and layer). Writes `k`, `v` into the
+    /// caches first. `q`: `[n_head, T, hd]` (roped), `k`, `v`: `[n_kv, T, hd]`; returns
+    /// `[T, n_head * hd]`. (Sequence, kv-head) pairs run in parallel when there is enough work.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_cpu(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        batch: &[SeqStep<'_>],
+        spans: &[(usize, usize, usize)],
+        li: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let cfg = &self.config;
+        let (n_head, n_kv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+        let rep = n_head / n_kv;
+        let total: usize = spans.iter().map(|&(_, n, _)| n).sum();
+        for (s, &(off, n, _)) in batch.iter().zip(spans) {
+            let k_new = k.narrow(1, off, n)?.contiguous()?;
+            let v_new = v.narrow(1, off, n)?.contiguous()?;
+            s.cache.write(li, &k_new, &v_new)?;
+        }
+
+        let q = q.contiguous()?;
+        let (q_guard, q_layout) = q.storage_and_layout();
+        let q_all = cpu_f32(&q_guard, q_layout)?;
+        let caches = batch
+            .iter()
+            .map(|s| s.cache.layer(li))
+            .collect::<Result<Vec<_>>>()?;
+        let guards: Vec<_> = caches
+            .iter()
+            .map(|c| (c.k.storage_and_layout(), c.v.storage_and_layout()))
+            .collect();
+        // Per sequence: its keys and values `[n_kv, capacity, hd]` and its capacity.
+        let kv = guards
+            .iter()
+            .map(|((kg, kl), (vg, vl))| {
+                Ok((cpu_f32(kg, kl)?, cpu_f32(vg, vl)?, kl.shape().dims()[1]))
+            })
+            .collect::<Result<Vec<_>>>()?;
+
+        // One unit: sequence `si`, kv head `g` -> `[rep, n, hd]` for heads g * rep + r.
+        let unit = |&(si, g): &(usize, usize)| -> Vec<f32> {
+            let (off, n, past) = spans[si];
+            let l = past + n;
+            let (kc, vc, cap) = kv[si];
+            let kg = &kc[g * cap * hd..(g * cap + l) * hd];
+            let vg = &vc[g * cap * hd..(g * cap + l) * hd];
+            let mut y = vec![0f32; rep * n * hd];
+            let mut sc = vec![0f32; n * l];
+            for r in 0..rep {
+                let h = g * rep + r;
+                let qh = &q_all[(h * total + off) * hd..(h * total + off + n) * hd];
+                super::linear::matmul_nt(qh, n, kg, l, hd, &mut sc);
+                for i in 0..n {
+                    // Row i (position past + i) sees positions 0..=past + i.
+                    let row = &mut sc[i * l..i * l + past + i + 1];
+                    let mut mx = f32::NEG_INFINITY;
+                    for a in row.iter_mut() {
+                        *a *= scale;
+                        mx = mx.max(*a);
+                    }
+                    let mut sum = 0f32;
+                    for a in row.iter_mut() {
+                        *a = (*a - mx).exp();
+                        sum += *a;
+                    }
+                    let yi = &mut y[(r * n + i) * hd..(r * n + i + 1) * hd];
+                    for (&p, vj) in row.iter().zip(vg.chunks_exact(hd)) {
+                        for (o, &b) in yi.iter_mut().zip(vj) {
+                            *o += p * b;
+                        }
+                    }
+                    let inv = 1.0 / sum;
+                    for o in yi.iter_mut() {
+                        *o *= inv;
+                    }
+                }
+            }
+            y
+        };
+        let units: Vec<(usize, usize)> = (0..batch.len())
+            .flat_map(|si| (0..n_kv).map(move |g| (si, g)))
+            .collect();
+        // Multiply-adds (QK and PV) of the whole step: below ~100k, threads cost more.
+        let work: usize = spans
+            .iter()
+            .map(|&(_, n, past)| 2 * n * (past + n) * hd * n_head)
+            .sum();
+        let ys: Vec<Vec<f32>> = if work >= 100_000 && units.len() > 1 {
+            use rayon::prelude::*;
+            units.par_iter().map(unit).collect()
+        } else {
+            units.iter().map(unit).collect()
+        };
+
+        let d = n_head * hd;
+        let mut out = vec![0f32; total * d];
+        for (&(si, g), y) in units.iter().zip(&ys) {
+            let (off, n, _) = spans[si];
+            for r in 0..rep {
+                let h = g * rep + r;
+                for i in 0..n {
+                    out[(off + i) * d + h * hd..(off + i) * d + (h + 1) * hd]
+                        .copy_from_slice(&y[(r * n + i) * hd..(r * n + i + 1) * hd]);
+                }
+            }
+        }
+        Ok(Tensor::from_vec(out, (total, d), &self.device)?)
+    }
+
+    /// [`attention_cpu`](Self::attention_cpu) with candle ops (any device).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_candle(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        batch: &[SeqStep<'_>],
+        spans: &[(usize, usize, usize)],
+        masks: &[Option<Tensor>],
+        li: usize,
+        scale: f64,
+    ) -> Result<Tensor> {
+        let cfg = &self.config;
+        let (n_head, n_kv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+        let rep = n_head / n_kv;
+        let mut ys = Vec::with_capacity(batch.len());
+        for (si, s) in batch.iter().enumerate() {
+            let (off, n, past) = spans[si];
+            let l = past + n;
+            let k_new = k.narrow(1, off, n)?.contiguous()?;
+            let v_new = v.narrow(1, off, n)?.contiguous()?;
+            let (k_all, v_all) = s.cache.write(li, &k_new, &v_new)?; // [n_kv, L, hd]
+                                                                     // Query heads h = kv * rep + r share kv head `kv`: fold the group into rows.
+            let q_s = (q.narrow(1, off, n)?.contiguous()? * scale)?.reshape((n_kv, rep * n, hd))?;
+            let att = q_s.matmul(&k_all.t()?)?; // [n_kv, rep * n, L]
+            let att = match &masks[si] {
+                None => att,
+                Some(m) => {
+                    att.reshape((n_kv, rep, n, l))?
+                        .broadcast_add(m)?
+                        .reshape((n_kv, rep * n, l))?
+                }
+            };
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            let y = att.matmul(&v_all)?; // [n_kv, rep * n, hd]
+            let y = y
+                .reshape((n_head, n, hd))?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((n, n_head * hd))?;
+            ys.push(y);
+        }
+        Ok(if ys.len() == 1 {
+            ys.pop()
+                .ok_or_else(|| ModelError::Invalid("empty batch".into()))?
+        } else {
+            Tensor::cat(&ys, 0)?
+        })
+    }
+
     fn forward_impl(
         &self,
         batch: &mut [SeqStep<'_>],
@@ -563,7 +771,6 @@ impl QuantizedLlama {
         let cfg = &self.config;
         let dev = &self.device;
         let (n_head, n_kv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
-        let rep = n_head / n_kv;
         let eps = cfg.rms_norm_eps as f32;
         let scale = 1.0 / (hd as f64).sqrt();
 
@@ -590,11 +797,12 @@ impl QuantizedLlama {
         let cos = self.cos.index_select(&positions, 0)?; // [T, hd/2]
         let sin = self.sin.index_select(&positions, 0)?;
 
-        // Additive causal masks, only for sequences with more than one new token.
+        // Additive causal masks (candle attention path), only for sequences with more than one
+        // new token.
         let masks = spans
             .iter()
             .map(|&(_, n, past)| -> Result<Option<Tensor>> {
-                if n == 1 {
+                if n == 1 || dev.is_cpu() {
                     return Ok(None);
                 }
                 let l = past + n;
@@ -633,39 +841,10 @@ impl QuantizedLlama {
             let k = candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?.squeeze(0)?;
             let v = v.reshape((total, n_kv, hd))?.transpose(0, 1)?; // [n_kv, T, hd]
 
-            let mut ys = Vec::with_capacity(batch.len());
-            for (si, s) in batch.iter().enumerate() {
-                let (off, n, past) = spans[si];
-                let l = past + n;
-                let k_new = k.narrow(1, off, n)?.contiguous()?;
-                let v_new = v.narrow(1, off, n)?.contiguous()?;
-                let (k_all, v_all) = s.cache.write(li, &k_new, &v_new)?; // [n_kv, L, hd]
-                                                                         // Query heads h = kv * rep + r share kv head `kv`: fold the group into rows.
-                let q_s =
-                    (q.narrow(1, off, n)?.contiguous()? * scale)?.reshape((n_kv, rep * n, hd))?;
-                let att = q_s.matmul(&k_all.t()?)?; // [n_kv, rep * n, L]
-                let att = match &masks[si] {
-                    None => att,
-                    Some(m) => att.reshape((n_kv, rep, n, l))?.broadcast_add(m)?.reshape((
-                        n_kv,
-                        rep * n,
-                        l,
-                    ))?,
-                };
-                let att = candle_nn::ops::softmax_last_dim(&att)?;
-                let y = att.matmul(&v_all)?; // [n_kv, rep * n, hd]
-                let y = y
-                    .reshape((n_head, n, hd))?
-                    .transpose(0, 1)?
-                    .contiguous()?
-                    .reshape((n, n_head * hd))?;
-                ys.push(y);
-            }
-            let y = if ys.len() == 1 {
-                ys.pop()
-                    .ok_or_else(|| ModelError::Invalid("empty batch".into()))?
+            let y = if dev.is_cpu() {
+                self.attention_cpu(&q, &k, &v, batch, &spans, li, scale as f32)?
             } else {
-                Tensor::cat(&ys, 0)?
+                self.attention_candle(&q, &k, &v, batch, &spans, &masks, li, scale)?
             };
             x = (x + layer.wo.forward(&y)?)?;
 

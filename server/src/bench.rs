@@ -241,8 +241,10 @@ pub fn bench_pipeline(
 
 fn markdown(r: &Report) -> String {
     let row = |name: &str, s: &Summary| {
+        // Ratios (RTF) need three decimals; milliseconds one.
+        let d = if s.mean < 10.0 { 3 } else { 1 };
         format!(
-            "| {name} | {} | {:.1} | {:.1} | {:.1} | {:.1} |\n",
+            "| {name} | {} | {:.d$} | {:.d$} | {:.d$} | {:.d$} |\n",
             s.n, s.mean, s.median, s.p90, s.p99
         )
     };

@@ -15,7 +15,7 @@ use std::time::Duration;
 use axum::extract::ws::{close_code, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::get;
 use axum::Router;
 use base64::Engine as _;
@@ -27,7 +27,6 @@ use tokio::sync::watch;
 use omnistream_stages::engine::{Modalities, RequestInput, RequestSpec};
 use omnistream_stages::models::gguf_tokenizer::ChatMessage;
 
-use super::auth;
 use super::metrics::TaskGuard;
 use super::sessions::{Session, SessionGuard};
 use super::state::AppState;
@@ -50,14 +49,7 @@ async fn upgrade(
     headers: HeaderMap,
     ws: WebSocketUpgrade,
 ) -> Response {
-    if !auth::origin_allowed(&state, &headers) {
-        return conn::forbidden_origin().into_response();
-    }
-    let session = match state.sessions.open("realtime") {
-        Ok(s) => s,
-        Err(e) => return e.into_response(),
-    };
-    conn::configure(ws, &["realtime"]).on_upgrade(move |socket| serve(state, socket, session))
+    conn::accept(state, &headers, ws, "realtime", &["realtime"], serve)
 }
 
 /// A server event: `type` and a fresh `event_id` added to `body`.
@@ -1107,10 +1099,14 @@ pub(super) mod conn {
     use omnistream_stages::models::gguf_tokenizer::ChatMessage;
 
     use super::super::audio::{AudioEncoder, OutputFormat};
+    use super::super::auth;
     use super::super::metrics::{Metrics, TaskGuard};
+    use super::super::sessions::SessionGuard;
     use super::super::sessions::{InFlightGuard, Session};
     use super::super::state::AppState;
     use super::super::ApiError;
+    use axum::http::HeaderMap;
+    use axum::response::{IntoResponse, Response};
 
     /// Largest WebSocket frame or message a client may send.
     pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
@@ -1206,7 +1202,7 @@ pub(super) mod conn {
         format!("{prefix}_{}", &u[..20])
     }
 
-    pub fn forbidden_origin() -> ApiError {
+    fn forbidden_origin() -> ApiError {
         ApiError {
             status: StatusCode::FORBIDDEN,
             kind: "invalid_request_error",
@@ -1216,12 +1212,32 @@ pub(super) mod conn {
         }
     }
 
-    /// Frame and message limits, and the subprotocol to echo (the first of
-    /// `protocols` the client offered).
-    pub fn configure(ws: WebSocketUpgrade, protocols: &[&'static str]) -> WebSocketUpgrade {
+    /// The shared WebSocket upgrade: Origin check, a session (or 503 over the
+    /// cap), frame and message limits, the subprotocol to echo (the first of
+    /// `protocols` the client offered), then `serve` on the socket.
+    pub fn accept<F, Fut>(
+        state: Arc<AppState>,
+        headers: &HeaderMap,
+        ws: WebSocketUpgrade,
+        kind: &'static str,
+        protocols: &[&'static str],
+        serve: F,
+    ) -> Response
+    where
+        F: FnOnce(Arc<AppState>, WebSocket, SessionGuard) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        if !auth::origin_allowed(&state, headers) {
+            return forbidden_origin().into_response();
+        }
+        let session = match state.sessions.open(kind) {
+            Ok(s) => s,
+            Err(e) => return e.into_response(),
+        };
         ws.max_message_size(MAX_MESSAGE_BYTES)
             .max_frame_size(MAX_MESSAGE_BYTES)
             .protocols(protocols.iter().copied())
+            .on_upgrade(move |socket| serve(state, socket, session))
     }
 
     /// A read error worth telling the client about (an oversized frame), or

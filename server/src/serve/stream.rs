@@ -11,7 +11,7 @@ use std::time::Duration;
 use axum::extract::ws::{close_code, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::get;
 use axum::Router;
 use futures_util::StreamExt;
@@ -22,7 +22,6 @@ use tokio::sync::watch;
 use omnistream_stages::engine::{Modalities, RequestInput, RequestSpec};
 use omnistream_stages::models::gguf_tokenizer::ChatMessage;
 
-use super::auth;
 use super::metrics::TaskGuard;
 use super::realtime::conn::{self, Active, ClientError, End, Generation, Outbox, Step};
 use super::sessions::SessionGuard;
@@ -44,15 +43,14 @@ async fn upgrade(
     headers: HeaderMap,
     ws: WebSocketUpgrade,
 ) -> Response {
-    if !auth::origin_allowed(&state, &headers) {
-        return conn::forbidden_origin().into_response();
-    }
-    let session = match state.sessions.open("stream") {
-        Ok(s) => s,
-        Err(e) => return e.into_response(),
-    };
-    conn::configure(ws, &["omnistream.stream", "realtime"])
-        .on_upgrade(move |socket| serve(state, socket, session))
+    conn::accept(
+        state,
+        &headers,
+        ws,
+        "stream",
+        &["omnistream.stream", "realtime"],
+        serve,
+    )
 }
 
 fn msg(body: Value) -> Message {

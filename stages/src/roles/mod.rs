@@ -63,6 +63,8 @@ pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
             source,
         };
         let path = profile.resolve(&s.model.path);
+        // The connector into this stage (none for the first).
+        let c = i.checked_sub(1).and_then(|p| profile.connector(p));
         let mut load_voice = || -> Result<Arc<PiperVoice>, EngineError> {
             if let Some(v) = voices.get(&path) {
                 return Ok(v.clone());
@@ -99,7 +101,6 @@ pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
                     length_scale: s.sampling.length_scale.unwrap_or(d.length_scale),
                     noise_w: s.sampling.noise_w.unwrap_or(d.noise_w),
                 };
-                let c = i.checked_sub(1).and_then(|p| profile.connector(p));
                 let policy = SpanPolicy {
                     async_chunk: profile.async_chunk,
                     min_span_chars: c
@@ -126,7 +127,6 @@ pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
             ModelType::PiperDecoder => {
                 let voice = load_voice()?;
                 sample_rate = Some(voice.sample_rate());
-                let c = i.checked_sub(1).and_then(|p| profile.connector(p));
                 let policy = ChunkPolicy {
                     async_chunk: profile.async_chunk,
                     initial_frames: c
@@ -143,11 +143,7 @@ pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
                 )
             }
         };
-        let input_capacity = i
-            .checked_sub(1)
-            .and_then(|p| profile.connector(p))
-            .map(|c| c.capacity)
-            .unwrap_or(1024);
+        let input_capacity = c.map(|c| c.capacity).unwrap_or(1024);
         defs.push(StageDef {
             name: s.name.clone(),
             role,

@@ -16,8 +16,9 @@ command -v pkg-config >/dev/null || need_apt+=(pkg-config)
 python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
 pkg-config --exists opus 2>/dev/null || need_apt+=(libopus-dev) # Opus output (the opus crate links the system libopus)
 if [[ $MODE == dev ]]; then
-  [[ -x /usr/bin/chromium ]] || need_apt+=(chromium fonts-dejavu-core) # the page test's browser (tests/tests/page.rs)
-  command -v npm >/dev/null || need_apt+=(npm)                          # playwright-core for the page test
+  [[ -x /usr/bin/chromium ]] || need_apt+=(chromium fonts-dejavu-core) # the page test's browsers (tests/tests/page.rs)
+  [[ -x /usr/bin/firefox-esr ]] || need_apt+=(firefox-esr)
+  command -v npm >/dev/null || need_apt+=(npm)                          # puppeteer-core for the page test
 fi
 if ((${#need_apt[@]})); then
   SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO=sudo

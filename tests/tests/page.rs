@@ -1,7 +1,8 @@
-//! The demo page in a real browser: headless Debian Chromium driven by
-//! playwright-core (`tests/web/page_test.mjs`) against `omnistream serve`.
-//! Needs what `scripts/setup.sh --dev` installs: chromium, node and
-//! `tests/web/node_modules`.
+//! The demo page in real browsers: headless Debian Chromium (over CDP) and
+//! Firefox ESR (over WebDriver BiDi), both driven by puppeteer-core
+//! (`tests/web/page_test.mjs`) against `omnistream serve`.
+//! Needs what `scripts/setup.sh --dev` installs: chromium, firefox-esr, node
+//! and `tests/web/node_modules`.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -10,26 +11,29 @@ use std::time::{Duration, Instant};
 use omnistream_e2e::{http_get, root, spawn_server};
 use serde_json::Value;
 
-const CHROMIUM: &str = "/usr/bin/chromium";
+/// (BROWSER for page_test.mjs, its executable, its Debian package)
+const CHROMIUM: (&str, &str, &str) = ("chromium", "/usr/bin/chromium", "chromium");
+const FIREFOX: (&str, &str, &str) = ("firefox", "/usr/bin/firefox-esr", "firefox-esr");
 
-fn require_tools() {
+fn require_tools((_, exe, package): (&str, &str, &str)) {
     let web = root().join("tests/web");
     assert!(
-        Path::new(CHROMIUM).exists(),
-        "{CHROMIUM} is missing: run scripts/setup.sh --dev (apt package chromium)"
+        Path::new(exe).exists(),
+        "{exe} is missing: run scripts/setup.sh --dev (apt package {package})"
     );
     assert!(
-        web.join("node_modules/playwright-core").exists(),
+        web.join("node_modules/puppeteer-core").exists(),
         "tests/web/node_modules is missing: run scripts/setup.sh --dev (npm ci in tests/web)"
     );
 }
 
 /// Runs `node page_test.mjs URL`, killing it past `limit`; returns its JSON.
-fn run_page_test(url: &str, limit: Duration) -> Value {
+fn run_page_test(browser: &str, url: &str, limit: Duration) -> Value {
     let web = root().join("tests/web");
     let mut child = Command::new("node")
         .arg(web.join("page_test.mjs"))
         .arg(url)
+        .env("BROWSER", browser)
         .current_dir(&web)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -69,7 +73,16 @@ fn run_page_test(url: &str, limit: Duration) -> Value {
 
 #[test]
 fn page_streams_text_and_audio_in_chromium() {
-    require_tools();
+    page_streams_text_and_audio(CHROMIUM);
+}
+
+#[test]
+fn page_streams_text_and_audio_in_firefox() {
+    page_streams_text_and_audio(FIREFOX);
+}
+
+fn page_streams_text_and_audio(browser: (&str, &str, &str)) {
+    require_tools(browser);
     let server = spawn_server(&[]);
 
     // The static assets, before the browser.
@@ -78,13 +91,23 @@ fn page_streams_text_and_audio_in_chromium() {
     assert!(http_get(server.port, "/app.js").contains("omnistreamStats"));
     assert!(http_get(server.port, "/style.css").contains(".composer"));
 
-    let v = run_page_test(&format!("{}/", server.url), Duration::from_secs(420));
+    let v = run_page_test(
+        browser.0,
+        &format!("{}/", server.url),
+        Duration::from_secs(420),
+    );
     eprintln!(
         "page test: {}",
         serde_json::to_string_pretty(&v).unwrap_or_default()
     );
     assert_eq!(v["status"], 200);
     assert_eq!(v["title"], "omnistream");
+    assert_eq!(v["browser"], browser.0);
+    // The controls carry the names a screen-reader user hears.
+    assert_eq!(
+        v["labels"],
+        serde_json::json!({"message": "Message", "send": "Send", "stop": "Stop"})
+    );
 
     // Turn 1: text and audio streamed, both timings measured and shown.
     let t0 = &v["after_first"]["turns"][0];

@@ -94,6 +94,9 @@ enum Command {
         #[arg(long, default_value_t = 600)]
         idle_timeout: u64,
     },
+    /// Drive a running server (or, with --compare, servers started per profile)
+    /// with load sweeps; TTFT, TPOT, TTFP, RTF, throughput; JSON, Markdown, PNG plots.
+    Bench(Box<bench::BenchArgs>),
     /// Measure the pipeline in-process: TTFP with async_chunk on vs off (one run),
     /// Talker+Code2Wav RTF, Thinker tokens/s, peak memory.
     BenchPipeline {
@@ -178,5 +181,6 @@ fn main() -> Result<()> {
             warmup,
             out,
         } => bench::bench_pipeline(&profile.profile, requests, warmup, &out),
+        Command::Bench(args) => bench::bench(*args),
     }
 }

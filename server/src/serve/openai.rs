@@ -277,6 +277,9 @@ struct ChatRequest {
     seed: Option<i64>,
     #[serde(default)]
     n: Option<i64>,
+    /// vLLM's extension: generate exactly `max_tokens` (benchmarks' equal work).
+    #[serde(default)]
+    ignore_eos: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -415,6 +418,14 @@ fn chat_sampling(r: &ChatRequest) -> Result<SamplingOverrides, ApiError> {
     }
     // OpenAI's seed is any 64-bit integer; the bits are the seed.
     s.seed = r.seed.map(|v| v as u64);
+    if r.ignore_eos == Some(true) {
+        if max.is_none() {
+            return Err(invalid(
+                "`ignore_eos` needs `max_tokens` (or `max_completion_tokens`): the answer would never end",
+            ));
+        }
+        s.ignore_eos = true;
+    }
     Ok(s)
 }
 

@@ -1,6 +1,7 @@
 //! `bench-pipeline`: the in-process pipeline benchmark. Configurations are
 //! compared in one run, interleaved request by request, so that machine noise
-//! hits both alike; ratios are the figures to quote.
+//! hits both alike; ratios are the figures to quote. Percentiles as in
+//! `bench::metrics` (linear between ranks).
 
 use std::path::Path;
 use std::time::Instant;
@@ -10,6 +11,8 @@ use omnistream_stages::engine::{Modalities, SamplingOverrides};
 use omnistream_stages::profile::Profile;
 use serde::Serialize;
 
+use super::machine;
+use super::metrics::{summarize, Summary};
 use crate::run::{chat_spec, load_profile, run_request, speech_spec};
 
 /// Short questions: the Thinker answers in a sentence or two.
@@ -32,32 +35,6 @@ const SENTENCES: &[&str] = &[
     "A staged pipeline joins a thinker, a talker and a waveform decoder.",
 ];
 
-#[derive(Debug, Serialize, Default, Clone)]
-pub struct Summary {
-    pub n: usize,
-    pub mean: f64,
-    pub median: f64,
-    pub p90: f64,
-    pub p99: f64,
-}
-
-/// Percentiles by nearest rank on sorted values.
-pub fn summarize(values: &[f64]) -> Summary {
-    if values.is_empty() {
-        return Summary::default();
-    }
-    let mut v = values.to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    let rank = |p: f64| v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
-    Summary {
-        n: v.len(),
-        mean: v.iter().sum::<f64>() / v.len() as f64,
-        median: rank(0.5),
-        p90: rank(0.9),
-        p99: rank(0.99),
-    }
-}
-
 #[derive(Debug, Serialize)]
 struct Report {
     schema: &'static str,
@@ -74,20 +51,6 @@ struct Report {
     thinker_tok_s_single: f64,
     thinker_tok_s_batch8: f64,
     peak_rss_mib: f64,
-}
-
-fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    format!("{cpu}, {cores} cores")
 }
 
 /// Peak resident memory of this process (VmHWM).
@@ -268,22 +231,4 @@ fn markdown(r: &Report) -> String {
         r.peak_rss_mib
     );
     md
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn percentiles_by_nearest_rank() {
-        let v: Vec<f64> = (1..=10).map(f64::from).collect();
-        let s = summarize(&v);
-        assert_eq!(s.n, 10);
-        assert_eq!(s.mean, 5.5);
-        assert_eq!(s.median, 5.0);
-        assert_eq!(s.p90, 9.0);
-        assert_eq!(s.p99, 10.0);
-        assert_eq!(summarize(&[]).n, 0);
-        assert_eq!(summarize(&[3.0]).p99, 3.0);
-    }
 }

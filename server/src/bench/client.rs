@@ -1,0 +1,397 @@
+//! One bench request against a running server, timed as the client sees it:
+//! `/v1/chat/completions` (SSE), `/v1/audio/speech` (streamed PCM body) or
+//! `/v1/realtime` (WebSocket). Every function returns the request's
+//! [`Timeline`] or a message saying why it failed.
+
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::{self, client::IntoClientRequest, Message};
+
+use super::metrics::Timeline;
+
+/// `pcm16` / `pcm` output of the OpenAI APIs: 24 kHz mono s16le.
+const PCM_RATE: f64 = 24_000.0;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions`, streamed (SSE).
+    Chat,
+    /// `POST /v1/audio/speech`, PCM streamed as it is produced.
+    Speech,
+    /// `GET /v1/realtime`: one WebSocket session per request.
+    Realtime,
+}
+
+/// What every request of a run asks for.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RequestShape {
+    pub endpoint: Endpoint,
+    pub model: String,
+    pub voice: String,
+    /// Ask for audio (chat and realtime); speech always returns audio.
+    pub audio: bool,
+    /// Output token cap; with `ignore_eos` every answer is exactly this long.
+    pub max_tokens: Option<usize>,
+    pub ignore_eos: bool,
+    pub temperature: Option<f64>,
+    #[serde(skip)]
+    pub timeout: Duration,
+}
+
+/// A client for one server.
+#[derive(Clone)]
+pub struct Client {
+    base: String,
+    api_key: Option<String>,
+    http: reqwest::Client,
+}
+
+impl Client {
+    pub fn new(base: &str, api_key: Option<String>) -> anyhow::Result<Self> {
+        let base = base.trim_end_matches('/').to_string();
+        if !base.starts_with("http://") {
+            anyhow::bail!(
+                "--url must be http://HOST:PORT (the bench speaks plain HTTP), got {base:?}"
+            );
+        }
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(256)
+            .build()?;
+        Ok(Self {
+            base,
+            api_key,
+            http,
+        })
+    }
+
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    fn post(&self, path: &str) -> reqwest::RequestBuilder {
+        let rb = self.http.post(format!("{}{path}", self.base));
+        match &self.api_key {
+            Some(k) => rb.bearer_auth(k),
+            None => rb,
+        }
+    }
+
+    /// `GET path` → body, for `/health` and `/metrics`.
+    pub async fn get_text(&self, path: &str) -> Result<String, String> {
+        let mut rb = self
+            .http
+            .get(format!("{}{path}", self.base))
+            .timeout(Duration::from_secs(10));
+        if let Some(k) = &self.api_key {
+            rb = rb.bearer_auth(k);
+        }
+        let resp = rb.send().await.map_err(|e| describe(&e))?;
+        let status = resp.status();
+        let body = resp.text().await.map_err(|e| describe(&e))?;
+        if !status.is_success() {
+            return Err(format!("HTTP {status}: {}", body.trim()));
+        }
+        Ok(body)
+    }
+
+    /// Sends one request with `prompt`; `seed` makes sampling reproducible.
+    pub async fn run(
+        &self,
+        shape: &RequestShape,
+        prompt: &str,
+        seed: u64,
+    ) -> Result<Timeline, String> {
+        let fut = async {
+            match shape.endpoint {
+                Endpoint::Chat => self.chat(shape, prompt, seed).await,
+                Endpoint::Speech => self.speech(shape, prompt).await,
+                Endpoint::Realtime => self.realtime(shape, prompt).await,
+            }
+        };
+        tokio::time::timeout(shape.timeout, fut)
+            .await
+            .unwrap_or_else(|_| Err(format!("no complete answer within {:?}", shape.timeout)))
+    }
+
+    async fn chat(
+        &self,
+        shape: &RequestShape,
+        prompt: &str,
+        seed: u64,
+    ) -> Result<Timeline, String> {
+        let mut body = json!({
+            "model": shape.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "stream": true,
+            "stream_options": {"include_usage": true},
+            "seed": seed,
+        });
+        if shape.audio {
+            body["modalities"] = json!(["text", "audio"]);
+            body["audio"] = json!({"voice": shape.voice, "format": "pcm16"});
+        } else {
+            body["modalities"] = json!(["text"]);
+        }
+        if let Some(n) = shape.max_tokens {
+            body["max_tokens"] = json!(n);
+        }
+        if shape.ignore_eos {
+            body["ignore_eos"] = json!(true);
+        }
+        if let Some(t) = shape.temperature {
+            body["temperature"] = json!(t);
+        }
+        let t0 = Instant::now();
+        let resp = self
+            .post("/v1/chat/completions")
+            .json(&body)
+            .send()
+            .await
+            .map_err(|e| describe(&e))?;
+        let resp = ok_or_error_body(resp).await?;
+        let mut tl = Timeline::default();
+        let mut sse = SseLines::default();
+        let mut stream = resp.bytes_stream();
+        let mut done = false;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| describe(&e))?;
+            for data in sse.push(&chunk) {
+                let now = t0.elapsed().as_secs_f64();
+                if data == "[DONE]" {
+                    done = true;
+                    continue;
+                }
+                let v: Value = serde_json::from_str(&data)
+                    .map_err(|e| format!("unparseable SSE event ({e}): {data:.200}"))?;
+                if let Some(err) = v.get("error") {
+                    return Err(format!("error event: {err}"));
+                }
+                let delta = &v["choices"][0]["delta"];
+                let text = delta["content"].as_str().unwrap_or("").to_string()
+                    + delta["audio"]["transcript"].as_str().unwrap_or("");
+                if !text.is_empty() {
+                    tl.first_text.get_or_insert(now);
+                    tl.last_text = Some(now);
+                }
+                if let Some(b64) = delta["audio"]["data"].as_str() {
+                    audio_chunk(&mut tl, b64, now)?;
+                }
+                if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                    tl.output_tokens = u["completion_tokens"].as_u64().map(|n| n as usize);
+                    tl.input_tokens = u["prompt_tokens"].as_u64().map(|n| n as usize);
+                }
+            }
+        }
+        if !done {
+            return Err("the stream ended without [DONE]".into());
+        }
+        tl.end = t0.elapsed().as_secs_f64();
+        Ok(tl)
+    }
+
+    async fn speech(&self, shape: &RequestShape, prompt: &str) -> Result<Timeline, String> {
+        let body = json!({
+            "model": shape.model,
+            "input": prompt,
+            "voice": shape.voice,
+            "response_format": "pcm",
+            "stream_format": "audio",
+        });
+        let t0 = Instant::now();
+        let resp = self
+            .post("/v1/audio/speech")
+            .json(&body)
+            .send()
+            .await
+            .map_err(|e| describe(&e))?;
+        let resp = ok_or_error_body(resp).await?;
+        let mut tl = Timeline::default();
+        let mut bytes = 0usize;
+        let mut stream = resp.bytes_stream();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| describe(&e))?;
+            if chunk.is_empty() {
+                continue;
+            }
+            let now = t0.elapsed().as_secs_f64();
+            tl.first_audio.get_or_insert(now);
+            tl.last_audio = Some(now);
+            bytes += chunk.len();
+        }
+        tl.audio_seconds = (bytes / 2) as f64 / PCM_RATE;
+        tl.end = t0.elapsed().as_secs_f64();
+        Ok(tl)
+    }
+
+    async fn realtime(&self, shape: &RequestShape, prompt: &str) -> Result<Timeline, String> {
+        let url = format!("ws{}/v1/realtime", &self.base["http".len()..]);
+        let mut req = url.into_client_request().map_err(|e| e.to_string())?;
+        if let Some(k) = &self.api_key {
+            let v = format!("Bearer {k}")
+                .parse()
+                .map_err(|_| "the API key is not a valid header value".to_string())?;
+            req.headers_mut().insert("authorization", v);
+        }
+        let (mut ws, _) = tokio_tungstenite::connect_async(req)
+            .await
+            .map_err(|e| match e {
+                tungstenite::Error::Http(r) => {
+                    format!("WebSocket upgrade refused: HTTP {}", r.status())
+                }
+                e => format!("WebSocket connect: {e}"),
+            })?;
+        let send = |v: Value| Message::Text(v.to_string().into());
+        let mut response = json!({
+            "output_modalities": if shape.audio { ["audio"] } else { ["text"] },
+            "audio": {"output": {"voice": shape.voice}},
+        });
+        if let Some(n) = shape.max_tokens {
+            response["max_output_tokens"] = json!(n);
+        }
+        if let Some(t) = shape.temperature {
+            response["temperature"] = json!(t);
+        }
+        ws.send(send(json!({
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user",
+                     "content": [{"type": "input_text", "text": prompt}]},
+        })))
+        .await
+        .map_err(|e| e.to_string())?;
+        let t0 = Instant::now();
+        ws.send(send(
+            json!({"type": "response.create", "response": response}),
+        ))
+        .await
+        .map_err(|e| e.to_string())?;
+        let mut tl = Timeline::default();
+        while let Some(msg) = ws.next().await {
+            let msg = msg.map_err(|e| format!("WebSocket: {e}"))?;
+            let Message::Text(text) = msg else {
+                continue;
+            };
+            let now = t0.elapsed().as_secs_f64();
+            let v: Value = serde_json::from_str(&text)
+                .map_err(|e| format!("unparseable event ({e}): {:.200}", text.as_str()))?;
+            match v["type"].as_str().unwrap_or("") {
+                "response.output_text.delta" | "response.output_audio_transcript.delta"
+                    if v["delta"].as_str().is_some_and(|d| !d.is_empty()) =>
+                {
+                    tl.first_text.get_or_insert(now);
+                    tl.last_text = Some(now);
+                }
+                "response.output_audio.delta" => {
+                    audio_chunk(&mut tl, v["delta"].as_str().unwrap_or(""), now)?
+                }
+                "response.done" => {
+                    let r = &v["response"];
+                    // Stopping at max_output_tokens is the cap the bench set.
+                    let capped = r["status"] == "incomplete"
+                        && r["status_details"]["reason"] == "max_output_tokens";
+                    if r["status"] != "completed" && !capped {
+                        return Err(format!("response {}: {}", r["status"], r["status_details"]));
+                    }
+                    tl.output_tokens = r["usage"]["output_tokens"].as_u64().map(|n| n as usize);
+                    tl.input_tokens = r["usage"]["input_tokens"].as_u64().map(|n| n as usize);
+                    tl.end = now;
+                    let _ = ws.close(None).await;
+                    return Ok(tl);
+                }
+                "error" => return Err(format!("error event: {}", v["error"])),
+                _ => {}
+            }
+        }
+        Err("the WebSocket closed before response.done".into())
+    }
+}
+
+fn audio_chunk(tl: &mut Timeline, b64: &str, now: f64) -> Result<(), String> {
+    let pcm = base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .map_err(|e| format!("audio delta is not base64: {e}"))?;
+    if pcm.is_empty() {
+        return Ok(());
+    }
+    tl.first_audio.get_or_insert(now);
+    tl.last_audio = Some(now);
+    tl.audio_seconds += (pcm.len() / 2) as f64 / PCM_RATE;
+    Ok(())
+}
+
+/// A non-2xx response becomes its status and the server's message.
+async fn ok_or_error_body(resp: reqwest::Response) -> Result<reqwest::Response, String> {
+    let status = resp.status();
+    if status.is_success() {
+        return Ok(resp);
+    }
+    let body = resp.text().await.unwrap_or_default();
+    let msg = serde_json::from_str::<Value>(&body)
+        .ok()
+        .and_then(|v| v["error"]["message"].as_str().map(String::from))
+        .unwrap_or(body);
+    Err(format!("HTTP {status}: {}", msg.trim()))
+}
+
+/// reqwest's Display hides the cause ("error sending request"); add it.
+fn describe(e: &reqwest::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(cause) = src {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        src = cause.source();
+    }
+    s
+}
+
+/// Splits a byte stream into the `data:` payloads of server-sent events.
+#[derive(Default)]
+pub struct SseLines {
+    buf: Vec<u8>,
+}
+
+impl SseLines {
+    pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
+        self.buf.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        while let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.buf.drain(..=i).collect();
+            let line = String::from_utf8_lossy(&line);
+            let line = line.trim_end_matches(['\r', '\n']);
+            if let Some(data) = line.strip_prefix("data:") {
+                out.push(data.trim_start().to_string());
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_events_split_across_chunks() {
+        let mut s = SseLines::default();
+        assert!(s.push(b"data: {\"a\"").is_empty());
+        assert_eq!(s.push(b":1}\n\ndata: [DONE]\r\n"), ["{\"a\":1}", "[DONE]"]);
+        assert!(s.push(b": comment\nevent: x\n\n").is_empty());
+    }
+
+    #[test]
+    fn audio_deltas_add_up() {
+        let mut tl = Timeline::default();
+        let b64 = base64::engine::general_purpose::STANDARD.encode(vec![0u8; 4800]);
+        audio_chunk(&mut tl, &b64, 0.25).unwrap();
+        audio_chunk(&mut tl, &b64, 0.75).unwrap();
+        audio_chunk(&mut tl, "", 0.9).unwrap();
+        assert_eq!(tl.first_audio, Some(0.25));
+        assert_eq!(tl.last_audio, Some(0.75));
+        assert!((tl.audio_seconds - 0.2).abs() < 1e-12);
+        assert!(audio_chunk(&mut tl, "!!", 1.0).is_err());
+    }
+}

@@ -1,0 +1,429 @@
+//! The bench's metric arithmetic, as shared/DESIGN.md and vLLM-Omni's bench
+//! define it. Everything here is pure: one request is a [`Timeline`] of
+//! offsets from its start, one load level is a set of timelines over a wall
+//! clock.
+//!
+//! - TTFT: request start → first text delta.
+//! - TPOT: (last text delta − TTFT) / (output tokens − 1); requests with fewer
+//!   than two tokens have none.
+//! - TTFP: request start → first audio bytes.
+//! - Audio RTF: (last audio chunk − request start) / audio seconds produced.
+//! - E2EL: request start → the response's end.
+//! - Audio throughput: Σ audio seconds / wall seconds; output tok/s:
+//!   Σ output tokens / wall seconds; req/s: completed requests / wall seconds.
+//!
+//! Summaries report mean, median, p90 and p99, with percentiles interpolated
+//! linearly between ranks (numpy's default, which vLLM's bench uses).
+
+use serde::{Deserialize, Serialize};
+
+/// One request, as the client saw it. Offsets are seconds from the moment the
+/// request was sent.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Timeline {
+    pub first_text: Option<f64>,
+    pub last_text: Option<f64>,
+    pub first_audio: Option<f64>,
+    pub last_audio: Option<f64>,
+    /// Audio seconds received.
+    pub audio_seconds: f64,
+    /// Output tokens as the server counted them (usage), when it says.
+    pub output_tokens: Option<usize>,
+    /// Prompt tokens as the server counted them (usage), when it says.
+    pub input_tokens: Option<usize>,
+    /// The response's end (last byte / `[DONE]` / `response.done`).
+    pub end: f64,
+}
+
+impl Timeline {
+    pub fn ttft(&self) -> Option<f64> {
+        self.first_text
+    }
+
+    pub fn tpot(&self) -> Option<f64> {
+        let n = self.output_tokens?;
+        if n < 2 {
+            return None;
+        }
+        Some((self.last_text? - self.first_text?) / (n - 1) as f64)
+    }
+
+    pub fn ttfp(&self) -> Option<f64> {
+        self.first_audio
+    }
+
+    pub fn audio_rtf(&self) -> Option<f64> {
+        (self.audio_seconds > 0.0).then(|| self.last_audio.unwrap_or(self.end) / self.audio_seconds)
+    }
+
+    pub fn e2el(&self) -> f64 {
+        self.end
+    }
+}
+
+/// Mean, median and tail of one metric over a level's requests.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// Requests that have this metric.
+    pub n: usize,
+    pub mean: f64,
+    pub median: f64,
+    pub p90: f64,
+    pub p99: f64,
+}
+
+/// Percentile `p` (0–100) with linear interpolation between closest ranks.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    match sorted.len() {
+        0 => 0.0,
+        1 => sorted[0],
+        n => {
+            let rank = p.clamp(0.0, 100.0) / 100.0 * (n - 1) as f64;
+            let lo = rank.floor() as usize;
+            let hi = rank.ceil() as usize;
+            sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
+        }
+    }
+}
+
+pub fn summarize(values: &[f64]) -> Summary {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return Summary::default();
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Summary {
+        n: v.len(),
+        mean: v.iter().sum::<f64>() / v.len() as f64,
+        median: percentile(&v, 50.0),
+        p90: percentile(&v, 90.0),
+        p99: percentile(&v, 99.0),
+    }
+}
+
+/// Reads one figure off a level (for ratios and plots).
+pub type Figure = fn(&LevelMetrics) -> f64;
+
+/// Everything measured at one load level.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LevelMetrics {
+    pub completed: usize,
+    pub failed: usize,
+    /// First request sent → last response ended, seconds.
+    pub wall_s: f64,
+    pub ttft_ms: Summary,
+    pub tpot_ms: Summary,
+    pub ttfp_ms: Summary,
+    pub audio_rtf: Summary,
+    pub e2el_ms: Summary,
+    pub input_tokens: Summary,
+    pub output_tokens: Summary,
+    pub audio_seconds: Summary,
+    /// Audio seconds produced per wall second (all streams together).
+    pub audio_throughput: f64,
+    pub output_tok_s: f64,
+    pub req_s: f64,
+}
+
+/// Aggregates the completed requests of a level that ran for `wall_s`.
+pub fn level_metrics(done: &[Timeline], failed: usize, wall_s: f64) -> LevelMetrics {
+    let ms = |f: &dyn Fn(&Timeline) -> Option<f64>| {
+        summarize(
+            &done
+                .iter()
+                .filter_map(f)
+                .map(|s| s * 1e3)
+                .collect::<Vec<_>>(),
+        )
+    };
+    let plain = |f: &dyn Fn(&Timeline) -> Option<f64>| {
+        summarize(&done.iter().filter_map(f).collect::<Vec<_>>())
+    };
+    let per_s = |x: f64| if wall_s > 0.0 { x / wall_s } else { 0.0 };
+    let audio: f64 = done.iter().map(|t| t.audio_seconds).sum();
+    let tokens: usize = done.iter().filter_map(|t| t.output_tokens).sum();
+    LevelMetrics {
+        completed: done.len(),
+        failed,
+        wall_s,
+        ttft_ms: ms(&|t| t.ttft()),
+        tpot_ms: ms(&|t| t.tpot()),
+        ttfp_ms: ms(&|t| t.ttfp()),
+        audio_rtf: plain(&|t| t.audio_rtf()),
+        e2el_ms: ms(&|t| Some(t.e2el())),
+        input_tokens: plain(&|t| t.input_tokens.map(|n| n as f64)),
+        output_tokens: plain(&|t| t.output_tokens.map(|n| n as f64)),
+        audio_seconds: plain(&|t| (t.audio_seconds > 0.0).then_some(t.audio_seconds)),
+        audio_throughput: per_s(audio),
+        output_tok_s: per_s(tokens as f64),
+        req_s: per_s(done.len() as f64),
+    }
+}
+
+/// One stage's share of a level, from `/metrics` read before and after it
+/// (and queue depth sampled while it ran).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageLoad {
+    pub stage: String,
+    /// Fraction of the wall clock the stage spent stepping.
+    pub busy_fraction: f64,
+    /// Fraction of the wall clock the stage waited for input.
+    pub wait_fraction: f64,
+    pub steps: u64,
+    /// Mean batch items per step.
+    pub mean_batch: f64,
+    pub queue_depth_mean: f64,
+    pub queue_depth_max: f64,
+}
+
+/// The per-stage counters the server exports as
+/// `omnistream_stage{stage=..., metric=...}`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StageCounters {
+    pub step_seconds: f64,
+    pub idle_seconds: f64,
+    pub steps: f64,
+    pub batch_items: f64,
+    pub queue_depth: f64,
+}
+
+/// Parses the per-stage gauges out of a Prometheus text exposition, in the
+/// order the stages first appear.
+pub fn parse_stage_counters(text: &str) -> Vec<(String, StageCounters)> {
+    let mut out: Vec<(String, StageCounters)> = Vec::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("omnistream_stage{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.split_once("} ") else {
+            continue;
+        };
+        let Ok(value) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        let label = |key: &str| {
+            labels.split(',').find_map(|kv| {
+                let (k, v) = kv.split_once('=')?;
+                (k.trim() == key).then(|| v.trim().trim_matches('"').to_string())
+            })
+        };
+        let (Some(stage), Some(metric)) = (label("stage"), label("metric")) else {
+            continue;
+        };
+        let i = match out.iter().position(|(s, _)| *s == stage) {
+            Some(i) => i,
+            None => {
+                out.push((stage, StageCounters::default()));
+                out.len() - 1
+            }
+        };
+        let c = &mut out[i].1;
+        match metric.as_str() {
+            "step_seconds_total" => c.step_seconds = value,
+            "idle_seconds_total" => c.idle_seconds = value,
+            "steps_total" => c.steps = value,
+            "batch_items_total" => c.batch_items = value,
+            "queue_depth" => c.queue_depth = value,
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Stage loads over a level from counters `before` and `after` it and the
+/// queue-depth samples taken while it ran.
+pub fn stage_loads(
+    before: &[(String, StageCounters)],
+    after: &[(String, StageCounters)],
+    samples: &[Vec<(String, StageCounters)>],
+    wall_s: f64,
+) -> Vec<StageLoad> {
+    after
+        .iter()
+        .map(|(name, a)| {
+            let b = before
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, c)| c.clone())
+                .unwrap_or_default();
+            let depths: Vec<f64> = samples
+                .iter()
+                .filter_map(|s| {
+                    s.iter()
+                        .find(|(n, _)| n == name)
+                        .map(|(_, c)| c.queue_depth)
+                })
+                .collect();
+            let steps = (a.steps - b.steps).max(0.0);
+            let frac = |x: f64| if wall_s > 0.0 { x / wall_s } else { 0.0 };
+            StageLoad {
+                stage: name.clone(),
+                busy_fraction: frac(a.step_seconds - b.step_seconds),
+                wait_fraction: frac(a.idle_seconds - b.idle_seconds),
+                steps: steps as u64,
+                mean_batch: if steps > 0.0 {
+                    (a.batch_items - b.batch_items) / steps
+                } else {
+                    0.0
+                },
+                queue_depth_mean: if depths.is_empty() {
+                    0.0
+                } else {
+                    depths.iter().sum::<f64>() / depths.len() as f64
+                },
+                queue_depth_max: depths.iter().copied().fold(0.0, f64::max),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64) {
+        assert!((a - b).abs() < 1e-9, "{a} != {b}");
+    }
+
+    #[test]
+    fn percentiles_interpolate_like_numpy() {
+        // numpy.percentile([1..10], [50, 90, 99]) = 5.5, 9.1, 9.91
+        let v: Vec<f64> = (1..=10).map(f64::from).collect();
+        let s = summarize(&v);
+        assert_eq!(s.n, 10);
+        close(s.mean, 5.5);
+        close(s.median, 5.5);
+        close(s.p90, 9.1);
+        close(s.p99, 9.91);
+        // Unsorted input, odd count: median is the middle value.
+        let s = summarize(&[9.0, 1.0, 5.0]);
+        close(s.median, 5.0);
+        close(s.p90, 8.2); // 5 + (9 - 5) * 0.8
+        assert_eq!(summarize(&[]), Summary::default());
+        close(summarize(&[3.0]).p99, 3.0);
+        // NaN and infinities are not measurements.
+        assert_eq!(summarize(&[f64::NAN, 2.0, f64::INFINITY]).n, 1);
+    }
+
+    /// A request sent at 0 s: first text at 0.2 s, 11 tokens, last text at
+    /// 1.2 s; first audio at 0.5 s, last at 2.0 s, 4 s of audio; done at 2.1 s.
+    fn speaking() -> Timeline {
+        Timeline {
+            first_text: Some(0.2),
+            last_text: Some(1.2),
+            first_audio: Some(0.5),
+            last_audio: Some(2.0),
+            audio_seconds: 4.0,
+            output_tokens: Some(11),
+            input_tokens: Some(30),
+            end: 2.1,
+        }
+    }
+
+    #[test]
+    fn one_request_by_hand() {
+        let t = speaking();
+        close(t.ttft().unwrap(), 0.2);
+        close(t.tpot().unwrap(), (1.2 - 0.2) / 10.0);
+        close(t.ttfp().unwrap(), 0.5);
+        close(t.audio_rtf().unwrap(), 2.0 / 4.0);
+        close(t.e2el(), 2.1);
+
+        // One token: no TPOT. No audio: no TTFP, no RTF.
+        let single = Timeline {
+            output_tokens: Some(1),
+            ..speaking()
+        };
+        assert_eq!(single.tpot(), None);
+        let text_only = Timeline {
+            first_audio: None,
+            last_audio: None,
+            audio_seconds: 0.0,
+            ..speaking()
+        };
+        assert_eq!(text_only.ttfp(), None);
+        assert_eq!(text_only.audio_rtf(), None);
+        // Speech endpoint: audio, no text, no token count.
+        let speech = Timeline {
+            first_text: None,
+            last_text: None,
+            output_tokens: None,
+            input_tokens: None,
+            ..speaking()
+        };
+        assert_eq!(speech.ttft(), None);
+        assert_eq!(speech.tpot(), None);
+        close(speech.audio_rtf().unwrap(), 0.5);
+    }
+
+    #[test]
+    fn a_level_by_hand() {
+        // Two requests over a 4 s wall clock, one failure.
+        let a = speaking();
+        let b = Timeline {
+            first_text: Some(0.4),
+            last_text: Some(3.4),
+            first_audio: Some(1.0),
+            last_audio: Some(3.9),
+            audio_seconds: 2.0,
+            output_tokens: Some(31),
+            input_tokens: Some(10),
+            end: 4.0,
+        };
+        let m = level_metrics(&[a, b], 1, 4.0);
+        assert_eq!((m.completed, m.failed), (2, 1));
+        close(m.ttft_ms.mean, 300.0);
+        close(m.ttft_ms.median, 300.0);
+        close(m.ttft_ms.p90, 200.0 + 200.0 * 0.9);
+        close(m.tpot_ms.mean, (100.0 + 100.0) / 2.0); // 1000/10 and 3000/30
+        close(m.ttfp_ms.median, 750.0);
+        close(m.audio_rtf.mean, (0.5 + 1.95) / 2.0);
+        close(m.e2el_ms.p99, 2100.0 + 1900.0 * 0.99);
+        close(m.input_tokens.mean, 20.0);
+        close(m.output_tokens.mean, 21.0);
+        close(m.audio_seconds.mean, 3.0);
+        close(m.audio_throughput, 6.0 / 4.0);
+        close(m.output_tok_s, 42.0 / 4.0);
+        close(m.req_s, 0.5);
+        // Nothing finished: zeros, no division by zero.
+        let empty = level_metrics(&[], 3, 0.0);
+        assert_eq!((empty.completed, empty.failed, empty.req_s), (0, 3, 0.0));
+    }
+
+    #[test]
+    fn stage_loads_from_two_scrapes() {
+        let text = |steps: u64, step_s: f64, idle_s: f64, items: u64, depth: u64| {
+            format!(
+                "# TYPE omnistream_stage gauge\n\
+                 omnistream_stage{{metric=\"steps_total\",stage=\"talker\"}} {steps}\n\
+                 omnistream_stage{{metric=\"step_seconds_total\",stage=\"talker\"}} {step_s}\n\
+                 omnistream_stage{{metric=\"idle_seconds_total\",stage=\"talker\"}} {idle_s}\n\
+                 omnistream_stage{{metric=\"batch_items_total\",stage=\"talker\"}} {items}\n\
+                 omnistream_stage{{metric=\"queue_depth\",stage=\"talker\"}} {depth}\n\
+                 omnistream_stage{{metric=\"steps_total\",stage=\"thinker\"}} 7\n\
+                 omnistream_requests_total{{endpoint=\"chat\",outcome=\"ok\"}} 3\n"
+            )
+        };
+        let before = parse_stage_counters(&text(100, 10.0, 5.0, 150, 0));
+        assert_eq!(before[0].0, "talker");
+        assert_eq!(before[1].0, "thinker");
+        close(before[0].1.steps, 100.0);
+        let after = parse_stage_counters(&text(140, 12.0, 6.0, 250, 1));
+        let samples = vec![
+            parse_stage_counters(&text(0, 0.0, 0.0, 0, 2)),
+            parse_stage_counters(&text(0, 0.0, 0.0, 0, 4)),
+        ];
+        let loads = stage_loads(&before, &after, &samples, 4.0);
+        let t = &loads[0];
+        assert_eq!(t.stage, "talker");
+        close(t.busy_fraction, 0.5);
+        close(t.wait_fraction, 0.25);
+        assert_eq!(t.steps, 40);
+        close(t.mean_batch, 2.5);
+        close(t.queue_depth_mean, 3.0);
+        close(t.queue_depth_max, 4.0);
+        // A stage with no steps in the level: no batch, no division by zero.
+        assert_eq!(loads[1].steps, 0);
+        close(loads[1].mean_batch, 0.0);
+    }
+}

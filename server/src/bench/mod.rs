@@ -1,0 +1,551 @@
+//! Benchmarks. `omnistream bench` drives a running server (or servers it
+//! starts, one profile at a time, for `--compare`) with sweeps of load and
+//! reports the metrics vLLM-Omni's bench defines (see `metrics`);
+//! `omnistream bench-pipeline` measures the engine in-process (`pipeline`).
+
+mod client;
+mod dataset;
+pub mod metrics;
+mod pipeline;
+mod plot;
+mod report;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::SeedableRng;
+use rand_distr::Distribution;
+
+pub use client::Endpoint;
+use client::{Client, RequestShape};
+use metrics::{level_metrics, parse_stage_counters, stage_loads, StageCounters, Timeline};
+pub use pipeline::bench_pipeline;
+use report::{Dataset, Level, Load, Report, Run};
+
+/// The CPU and core count, for every report.
+pub fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mem_gib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(String::new(), |kb| format!(", {:.0} GiB", kb / 1048576.0));
+    format!("{cpu}, {cores} cores{mem_gib}")
+}
+
+/// `omnistream bench` options.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// The server to drive (http://HOST:PORT). Ignored with --compare.
+    #[arg(long, default_value = "http://127.0.0.1:8091")]
+    pub url: String,
+    /// API key sent as `Authorization: Bearer`.
+    #[arg(long, env = "OMNISTREAM_API_KEY")]
+    pub api_key: Option<String>,
+    /// What each request is.
+    #[arg(long, value_enum, default_value = "chat")]
+    pub endpoint: Endpoint,
+    /// Closed loop: these numbers of requests in flight, one level each.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    pub concurrency: Vec<usize>,
+    /// Open loop instead: Poisson arrivals at these rates (requests/s; `inf`
+    /// sends all at once), one level each.
+    #[arg(long, value_delimiter = ',')]
+    pub request_rate: Vec<String>,
+    /// Open loop: at most this many requests in flight.
+    #[arg(long)]
+    pub max_concurrency: Option<usize>,
+    /// Measured requests per level.
+    #[arg(long, default_value_t = 16)]
+    pub num_prompts: usize,
+    /// Requests sent (and not measured) before each run's first level.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Prompts, one per line (cycled). Without it: random prompts.
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+    /// Random prompts: words per prompt (about one token each).
+    #[arg(long, default_value_t = 32)]
+    pub input_len: usize,
+    /// Output tokens per answer (max_tokens); exact with ignore_eos.
+    #[arg(long, default_value_t = 32)]
+    pub output_len: usize,
+    /// Stop at the model's end of sequence instead of generating exactly --output-len.
+    #[arg(long)]
+    pub no_ignore_eos: bool,
+    /// Text only (chat/realtime): no audio.
+    #[arg(long)]
+    pub text_only: bool,
+    #[arg(long, default_value = "joe")]
+    pub voice: String,
+    /// The `model` field of each request.
+    #[arg(long, default_value = "omnistream")]
+    pub model: String,
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// Seeds the random prompts, the arrival times and each request's sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Seconds one request may take.
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
+    /// Start `omnistream serve` with each of these profiles in turn, run the
+    /// same sweep on each and report every metric as a ratio to the first.
+    #[arg(long, num_args = 1..)]
+    pub compare: Vec<PathBuf>,
+    /// --compare: the first started server's port (the next ones count up);
+    /// 0 picks free ports.
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+    /// Also draw these earlier reports' runs in the plots.
+    #[arg(long)]
+    pub overlay: Vec<PathBuf>,
+    /// Skip the PNG plots.
+    #[arg(long)]
+    pub no_plots: bool,
+    /// Folder for bench.json, bench.md and the plots.
+    #[arg(long, default_value = "bench-out")]
+    pub out: PathBuf,
+}
+
+impl BenchArgs {
+    fn loads(&self) -> Result<Vec<Load>> {
+        if !self.request_rate.is_empty() {
+            return self
+                .request_rate
+                .iter()
+                .map(|r| {
+                    let rate = match r.trim() {
+                        "inf" => None,
+                        s => Some(
+                            s.parse::<f64>()
+                                .ok()
+                                .filter(|v| v.is_finite() && *v > 0.0)
+                                .with_context(|| {
+                                    format!("--request-rate: {s:?} is not a positive number or inf")
+                                })?,
+                        ),
+                    };
+                    Ok(Load::Open {
+                        rate,
+                        max_concurrency: self.max_concurrency,
+                    })
+                })
+                .collect();
+        }
+        if self.concurrency.is_empty() || self.concurrency.contains(&0) {
+            bail!("--concurrency must list numbers of at least 1");
+        }
+        Ok(self
+            .concurrency
+            .iter()
+            .map(|&c| Load::Closed { concurrency: c })
+            .collect())
+    }
+
+    fn shape(&self) -> RequestShape {
+        let speech = self.endpoint == Endpoint::Speech;
+        RequestShape {
+            endpoint: self.endpoint,
+            model: self.model.clone(),
+            voice: self.voice.clone(),
+            audio: speech || !self.text_only,
+            max_tokens: (!speech).then_some(self.output_len),
+            ignore_eos: !speech && !self.no_ignore_eos,
+            temperature: self.temperature,
+            timeout: Duration::from_secs(self.timeout.max(1)),
+        }
+    }
+}
+
+pub fn bench(args: BenchArgs) -> Result<()> {
+    let loads = args.loads()?;
+    if args.num_prompts == 0 {
+        bail!("--num-prompts must be at least 1");
+    }
+    if args.output_len == 0 {
+        bail!("--output-len must be at least 1");
+    }
+    let overlays = args
+        .overlay
+        .iter()
+        .map(|p| load_report(p))
+        .collect::<Result<Vec<_>>>()?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let rt = tokio::runtime::Runtime::new().context("starting tokio")?;
+    let started_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+
+    let per_run = args.warmup + args.num_prompts * loads.len();
+    let targets: Vec<Option<&PathBuf>> = if args.compare.is_empty() {
+        vec![None]
+    } else {
+        args.compare.iter().map(Some).collect()
+    };
+    let bar = ProgressBar::new((per_run * targets.len()) as u64);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg:>28} {bar:40} {pos}/{len} requests [{elapsed}, eta {eta}]",
+        )
+        .context("progress bar template")?,
+    );
+
+    let mut runs = Vec::new();
+    let mut failed_total = 0;
+    for (i, profile) in targets.iter().enumerate() {
+        let (url, server) = match profile {
+            None => (args.url.clone(), None),
+            Some(p) => {
+                let port = if args.port == 0 {
+                    free_port()?
+                } else {
+                    args.port.checked_add(i as u16).context("--port too high")?
+                };
+                bar.set_message(format!("starting {}", label_of(p)));
+                let s = SpawnedServer::start(p, port, &args.out)?;
+                (s.url.clone(), Some(s))
+            }
+        };
+        let label = profile.map_or_else(|| url.clone(), |p| label_of(p));
+        let client = Client::new(&url, args.api_key.clone())?;
+        let run = rt.block_on(sweep(&args, &client, &loads, &label, &bar));
+        drop(server);
+        let mut run = run?;
+        run.profile = profile.map(|p| p.display().to_string());
+        failed_total += run.levels.iter().map(|l| l.metrics.failed).sum::<usize>();
+        runs.push(run);
+    }
+    bar.finish_and_clear();
+
+    let report = Report {
+        schema: report::SCHEMA.into(),
+        omnistream_version: env!("CARGO_PKG_VERSION").into(),
+        started_unix,
+        machine: machine(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        request: serde_json::to_value(args.shape())?,
+        dataset: Dataset {
+            source: args
+                .prompts
+                .as_ref()
+                .map_or("random".into(), |p| p.display().to_string()),
+            input_len: args.prompts.is_none().then_some(args.input_len),
+            num_prompts: args.num_prompts,
+            warmup: args.warmup,
+            seed: args.seed,
+        },
+        ratios: report::ratios(&runs),
+        runs,
+    };
+    let json_path = args.out.join("bench.json");
+    std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)
+        .with_context(|| format!("writing {}", json_path.display()))?;
+    let md = report::markdown(&report);
+    std::fs::write(args.out.join("bench.md"), &md)?;
+    println!("{md}");
+    if !args.no_plots {
+        let mut plotted = report.runs.clone();
+        for (path, r) in args.overlay.iter().zip(overlays) {
+            let stem = label_of(path);
+            plotted.extend(r.runs.into_iter().map(|mut run| {
+                run.label = format!("{} ({stem})", run.label);
+                run
+            }));
+        }
+        let x_label = if args.request_rate.is_empty() {
+            "concurrency (requests in flight)"
+        } else {
+            "request rate (requests/s)"
+        };
+        let files = plot::plot_runs(&plotted, x_label, &args.out).context("plots")?;
+        for f in files {
+            eprintln!("wrote {}", f.display());
+        }
+    }
+    eprintln!("wrote {} and bench.md", json_path.display());
+    if failed_total > 0 {
+        bail!("{failed_total} request(s) failed; see the failures in bench.md");
+    }
+    Ok(())
+}
+
+fn label_of(path: &Path) -> String {
+    path.file_stem().map_or_else(
+        || path.display().to_string(),
+        |s| s.to_string_lossy().into(),
+    )
+}
+
+fn load_report(path: &Path) -> Result<Report> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let r: Report = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not an omnistream bench report", path.display()))?;
+    if r.schema != report::SCHEMA {
+        bail!(
+            "{}: schema {:?}, this omnistream reads {:?}",
+            path.display(),
+            r.schema,
+            report::SCHEMA
+        );
+    }
+    Ok(r)
+}
+
+/// Every load level against one server.
+async fn sweep(
+    args: &BenchArgs,
+    client: &Client,
+    loads: &[Load],
+    label: &str,
+    bar: &ProgressBar,
+) -> Result<Run> {
+    client.get_text("/health").await.map_err(|e| {
+        anyhow::anyhow!(
+            "cannot reach the server at {}/health: {e} (is `omnistream serve` running?)",
+            client.base()
+        )
+    })?;
+    let shape = args.shape();
+    // Warm-up: its own prompts, so that no measured prompt is already cached.
+    bar.set_message(format!("{label}: warm-up"));
+    let warm = dataset::prompts(
+        args.prompts.as_deref(),
+        args.warmup,
+        args.input_len,
+        args.seed.wrapping_add(u64::MAX / 2),
+    )?;
+    for (i, p) in warm.iter().enumerate() {
+        client
+            .run(&shape, p, args.seed.wrapping_add(i as u64))
+            .await
+            .map_err(|e| anyhow::anyhow!("warm-up request failed: {e}"))?;
+        bar.inc(1);
+    }
+    let mut levels = Vec::new();
+    for (k, load) in loads.iter().enumerate() {
+        bar.set_message(format!("{label}: {}", load.name()));
+        // Fresh prompts per level (same for every run): the prefix cache
+        // cannot serve a prompt measured at an earlier level.
+        let prompts = dataset::prompts(
+            args.prompts.as_deref(),
+            args.num_prompts,
+            args.input_len,
+            args.seed.wrapping_add(k as u64 + 1),
+        )?;
+        levels.push(run_level(args, client, &shape, *load, &prompts, bar).await);
+    }
+    Ok(Run {
+        label: label.into(),
+        profile: None,
+        url: client.base().into(),
+        levels,
+    })
+}
+
+async fn scrape(client: &Client) -> Vec<(String, StageCounters)> {
+    client
+        .get_text("/metrics")
+        .await
+        .map(|t| parse_stage_counters(&t))
+        .unwrap_or_default()
+}
+
+/// One level: every prompt sent under `load`, timelines collected, stages
+/// scraped before, during and after.
+async fn run_level(
+    args: &BenchArgs,
+    client: &Client,
+    shape: &RequestShape,
+    load: Load,
+    prompts: &[String],
+    bar: &ProgressBar,
+) -> Level {
+    let before = scrape(client).await;
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let sampler = {
+        let (client, samples) = (client.clone(), samples.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            loop {
+                tick.tick().await;
+                let s = scrape(&client).await;
+                if let Ok(mut v) = samples.lock() {
+                    v.push(s);
+                }
+            }
+        })
+    };
+
+    let results: Arc<Mutex<Vec<Result<Timeline, String>>>> = Arc::new(Mutex::new(Vec::new()));
+    let t0 = Instant::now();
+    let send = |i: usize| {
+        let (client, shape, results, bar) =
+            (client.clone(), shape.clone(), results.clone(), bar.clone());
+        let prompt = prompts[i].clone();
+        let seed = args.seed.wrapping_add(1000 + i as u64);
+        async move {
+            let r = client.run(&shape, &prompt, seed).await;
+            bar.inc(1);
+            if let Ok(mut v) = results.lock() {
+                v.push(r);
+            }
+        }
+    };
+    // Closed loop: a new request the moment one ends, `concurrency` in
+    // flight. Open loop: Poisson arrivals, capped by `max_concurrency`.
+    let (limit, rate) = match load {
+        Load::Closed { concurrency } => (concurrency, None),
+        Load::Open {
+            rate,
+            max_concurrency,
+        } => (
+            max_concurrency.unwrap_or(tokio::sync::Semaphore::MAX_PERMITS),
+            rate,
+        ),
+    };
+    let limit = Arc::new(tokio::sync::Semaphore::new(limit));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
+    let exp = rate.and_then(|r| rand_distr::Exp::new(r).ok());
+    let mut at = 0.0;
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..prompts.len() {
+        if let Some(exp) = &exp {
+            at += exp.sample(&mut rng);
+            tokio::time::sleep_until((t0 + Duration::from_secs_f64(at)).into()).await;
+        }
+        let Ok(permit) = limit.clone().acquire_owned().await else {
+            break;
+        };
+        let job = send(i);
+        tasks.spawn(async move {
+            job.await;
+            drop(permit);
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+    let wall = t0.elapsed().as_secs_f64();
+    sampler.abort();
+    let after = scrape(client).await;
+
+    let results = std::mem::take(&mut *results.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut done = Vec::new();
+    let mut errors: Vec<String> = Vec::new();
+    let mut failed = 0;
+    for r in results {
+        match r {
+            Ok(t) => done.push(t),
+            Err(e) => {
+                failed += 1;
+                if errors.len() < 5 && !errors.contains(&e) {
+                    errors.push(e);
+                }
+            }
+        }
+    }
+    let samples = std::mem::take(&mut *samples.lock().unwrap_or_else(|e| e.into_inner()));
+    Level {
+        load,
+        x: load.x(),
+        metrics: level_metrics(&done, failed, wall),
+        stages: stage_loads(&before, &after, &samples, wall),
+        errors,
+    }
+}
+
+/// `omnistream serve` started by the bench for `--compare`; killed on drop.
+struct SpawnedServer {
+    child: Child,
+    url: String,
+}
+
+impl SpawnedServer {
+    fn start(profile: &Path, port: u16, out: &Path) -> Result<Self> {
+        let exe = std::env::current_exe().context("locating the omnistream binary")?;
+        let log_path = out.join(format!("server-{}.log", label_of(profile)));
+        let log = std::fs::File::create(&log_path)
+            .with_context(|| format!("creating {}", log_path.display()))?;
+        let child = Command::new(exe)
+            .args(["serve", "--host", "127.0.0.1", "--port"])
+            .arg(port.to_string())
+            .arg("--profile")
+            .arg(profile)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting omnistream serve")?;
+        let mut server = Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+        };
+        let health = format!("127.0.0.1:{port}");
+        let t0 = Instant::now();
+        loop {
+            if let Some(status) = server.child.try_wait()? {
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(15).collect();
+                bail!(
+                    "omnistream serve --profile {} exited ({status}) before it was ready:\n{}",
+                    profile.display(),
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
+            if http_ok(&health) {
+                return Ok(server);
+            }
+            if t0.elapsed() > Duration::from_secs(600) {
+                bail!("omnistream serve on port {port} was not ready within 10 minutes");
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+}
+
+impl Drop for SpawnedServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .context("finding a free port")?
+        .port())
+}
+
+/// A blocking `GET /health` (before the async client exists).
+fn http_ok(addr: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    if s.write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut buf = [0u8; 16];
+    matches!(s.read(&mut buf), Ok(n) if n >= 12 && buf[9..12] == *b"200")
+}

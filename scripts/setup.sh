@@ -15,8 +15,9 @@ command -v protoc >/dev/null || need_apt+=(protobuf-compiler) # candle-onnx comp
 command -v pkg-config >/dev/null || need_apt+=(pkg-config)
 python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
 pkg-config --exists opus 2>/dev/null || need_apt+=(libopus-dev) # Opus output (the opus crate links the system libopus)
+[[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]] || need_apt+=(fonts-dejavu-core) # text in `omnistream bench` plots
 if [[ $MODE == dev ]]; then
-  [[ -x /usr/bin/chromium ]] || need_apt+=(chromium fonts-dejavu-core) # the page test's browsers (tests/tests/page.rs)
+  [[ -x /usr/bin/chromium ]] || need_apt+=(chromium) # the page test's browsers (tests/tests/page.rs)
   [[ -x /usr/bin/firefox-esr ]] || need_apt+=(firefox-esr)
   command -v npm >/dev/null || need_apt+=(npm)                          # puppeteer-core for the page test
 fi

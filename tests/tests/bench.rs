@@ -76,6 +76,9 @@ fn sweep_against_a_running_server() {
         assert!(f(&l["tpot_ms"]["median"]) > 0.0, "{l}");
         assert!(f(&l["audio_rtf"]["median"]) > 0.0, "{l}");
         assert!(f(&l["audio_seconds"]["mean"]) > 0.5, "{l}");
+        // The server's memory, as /metrics reports it.
+        let peak = f(&l["server_peak_rss_mib"]);
+        assert!(peak > 100.0 && peak >= f(&l["server_rss_mib"]), "{l}");
         // Throughputs follow from the level's own totals.
         let wall = f(&l["wall_s"]);
         assert!((f(&l["req_s"]) - 3.0 / wall).abs() < 1e-9, "{l}");
@@ -107,6 +110,19 @@ fn sweep_against_a_running_server() {
         let bytes = std::fs::read(dir.path().join(png)).expect(png);
         assert!(bytes.starts_with(b"\x89PNG") && bytes.len() > 5000, "{png}");
     }
+
+    // Plots redrawn from the report alone.
+    let replot = tempfile::tempdir().unwrap();
+    let o = omnistream([
+        "bench",
+        "--overlay",
+        dir.path().join("bench.json").to_str().unwrap(),
+        "--plot-only",
+        "--out",
+        replot.path().to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(replot.path().join("ttfp.png").exists());
 
     // Open loop over the speech endpoint, the earlier report overlaid.
     let dir2 = tempfile::tempdir().unwrap();

@@ -174,6 +174,9 @@ pub struct StageLoad {
     pub mean_batch: f64,
     pub queue_depth_mean: f64,
     pub queue_depth_max: f64,
+    /// Requests holding state in the stage (sampled): work it has admitted
+    /// but not finished, which an input queue alone does not show.
+    pub active_mean: f64,
 }
 
 /// The per-stage counters the server exports as
@@ -185,6 +188,7 @@ pub struct StageCounters {
     pub steps: f64,
     pub batch_items: f64,
     pub queue_depth: f64,
+    pub active: f64,
 }
 
 /// Parses the per-stage gauges out of a Prometheus text exposition, in the
@@ -224,10 +228,19 @@ pub fn parse_stage_counters(text: &str) -> Vec<(String, StageCounters)> {
             "steps_total" => c.steps = value,
             "batch_items_total" => c.batch_items = value,
             "queue_depth" => c.queue_depth = value,
+            "active_requests" => c.active = value,
             _ => {}
         }
     }
     out
+}
+
+/// A gauge without labels (`omnistream_process_peak_resident_bytes`, ...).
+pub fn parse_gauge(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(name)?;
+        rest.strip_prefix(' ')?.trim().parse().ok()
+    })
 }
 
 /// Stage loads over a level from counters `before` and `after` it and the
@@ -246,14 +259,20 @@ pub fn stage_loads(
                 .find(|(n, _)| n == name)
                 .map(|(_, c)| c.clone())
                 .unwrap_or_default();
-            let depths: Vec<f64> = samples
-                .iter()
-                .filter_map(|s| {
-                    s.iter()
-                        .find(|(n, _)| n == name)
-                        .map(|(_, c)| c.queue_depth)
-                })
-                .collect();
+            let sampled = |f: fn(&StageCounters) -> f64| -> Vec<f64> {
+                samples
+                    .iter()
+                    .filter_map(|s| s.iter().find(|(n, _)| n == name).map(|(_, c)| f(c)))
+                    .collect()
+            };
+            let mean = |v: &[f64]| {
+                if v.is_empty() {
+                    0.0
+                } else {
+                    v.iter().sum::<f64>() / v.len() as f64
+                }
+            };
+            let depths = sampled(|c| c.queue_depth);
             let steps = (a.steps - b.steps).max(0.0);
             let frac = |x: f64| if wall_s > 0.0 { x / wall_s } else { 0.0 };
             StageLoad {
@@ -266,12 +285,9 @@ pub fn stage_loads(
                 } else {
                     0.0
                 },
-                queue_depth_mean: if depths.is_empty() {
-                    0.0
-                } else {
-                    depths.iter().sum::<f64>() / depths.len() as f64
-                },
+                queue_depth_mean: mean(&depths),
                 queue_depth_max: depths.iter().copied().fold(0.0, f64::max),
+                active_mean: mean(&sampled(|c| c.active)),
             }
         })
         .collect()
@@ -400,6 +416,7 @@ mod tests {
                  omnistream_stage{{metric=\"idle_seconds_total\",stage=\"talker\"}} {idle_s}\n\
                  omnistream_stage{{metric=\"batch_items_total\",stage=\"talker\"}} {items}\n\
                  omnistream_stage{{metric=\"queue_depth\",stage=\"talker\"}} {depth}\n\
+                 omnistream_stage{{metric=\"active_requests\",stage=\"talker\"}} {depth}\n\
                  omnistream_stage{{metric=\"steps_total\",stage=\"thinker\"}} 7\n\
                  omnistream_requests_total{{endpoint=\"chat\",outcome=\"ok\"}} 3\n"
             )
@@ -422,6 +439,13 @@ mod tests {
         close(t.mean_batch, 2.5);
         close(t.queue_depth_mean, 3.0);
         close(t.queue_depth_max, 4.0);
+        close(t.active_mean, 3.0);
+        let t = "omnistream_process_peak_resident_bytes 1048576\nomnistream_process_peak_resident_bytes_x 3\n";
+        assert_eq!(
+            parse_gauge(t, "omnistream_process_peak_resident_bytes"),
+            Some(1048576.0)
+        );
+        assert_eq!(parse_gauge(t, "omnistream_process_resident_bytes"), None);
         // A stage with no steps in the level: no batch, no division by zero.
         assert_eq!(loads[1].steps, 0);
         close(loads[1].mean_batch, 0.0);

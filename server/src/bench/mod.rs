@@ -22,7 +22,9 @@ use rand_distr::Distribution;
 
 pub use client::Endpoint;
 use client::{Client, RequestShape};
-use metrics::{level_metrics, parse_stage_counters, stage_loads, StageCounters, Timeline};
+use metrics::{
+    level_metrics, parse_gauge, parse_stage_counters, stage_loads, StageCounters, Timeline,
+};
 pub use pipeline::bench_pipeline;
 use report::{Dataset, Level, Load, Report, Run};
 
@@ -120,6 +122,9 @@ pub struct BenchArgs {
     /// Skip the PNG plots.
     #[arg(long)]
     pub no_plots: bool,
+    /// Run nothing: draw the plots of the --overlay reports into --out.
+    #[arg(long, requires = "overlay")]
+    pub plot_only: bool,
     /// Folder for bench.json, bench.md and the plots.
     #[arg(long, default_value = "bench-out")]
     pub out: PathBuf,
@@ -190,6 +195,14 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
+    if args.plot_only {
+        let x_label = x_label(overlays.iter().flat_map(|r| &r.runs));
+        let runs: Vec<Run> = overlays.into_iter().flat_map(|r| r.runs).collect();
+        for f in plot::plot_runs(&runs, x_label, &args.out).context("plots")? {
+            eprintln!("wrote {}", f.display());
+        }
+        return Ok(());
+    }
     let rt = tokio::runtime::Runtime::new().context("starting tokio")?;
     let started_unix = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -271,11 +284,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
                 run
             }));
         }
-        let x_label = if args.request_rate.is_empty() {
-            "concurrency (requests in flight)"
-        } else {
-            "request rate (requests/s)"
-        };
+        let x_label = x_label(&plotted);
         let files = plot::plot_runs(&plotted, x_label, &args.out).context("plots")?;
         for f in files {
             eprintln!("wrote {}", f.display());
@@ -286,6 +295,19 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         bail!("{failed_total} request(s) failed; see the failures in bench.md");
     }
     Ok(())
+}
+
+/// The plots' x axis: what the levels varied.
+fn x_label<'a>(runs: impl IntoIterator<Item = &'a Run>) -> &'static str {
+    let open = runs
+        .into_iter()
+        .flat_map(|r| &r.levels)
+        .any(|l| matches!(l.load, Load::Open { .. }));
+    if open {
+        "request rate (requests/s)"
+    } else {
+        "concurrency (requests in flight)"
+    }
 }
 
 fn label_of(path: &Path) -> String {
@@ -352,7 +374,18 @@ async fn sweep(
             args.input_len,
             args.seed.wrapping_add(k as u64 + 1),
         )?;
-        levels.push(run_level(args, client, &shape, *load, &prompts, bar).await);
+        let level = run_level(args, client, &shape, *load, &prompts, bar).await;
+        if bar.is_hidden() {
+            // No terminal for the bar: one line per level for the log.
+            eprintln!(
+                "{label}: {} done: {} ok, {} failed in {:.1} s",
+                load.name(),
+                level.metrics.completed,
+                level.metrics.failed,
+                level.metrics.wall_s
+            );
+        }
+        levels.push(level);
     }
     Ok(Run {
         label: label.into(),
@@ -368,6 +401,18 @@ async fn scrape(client: &Client) -> Vec<(String, StageCounters)> {
         .await
         .map(|t| parse_stage_counters(&t))
         .unwrap_or_default()
+}
+
+/// The server's (resident, peak resident) memory in MiB.
+async fn server_memory(client: &Client) -> (Option<f64>, Option<f64>) {
+    let Ok(text) = client.get_text("/metrics").await else {
+        return (None, None);
+    };
+    let mib = |name| parse_gauge(&text, name).map(|b| b / 1048576.0);
+    (
+        mib("omnistream_process_resident_bytes"),
+        mib("omnistream_process_peak_resident_bytes"),
+    )
 }
 
 /// One level: every prompt sent under `load`, timelines collected, stages
@@ -446,6 +491,7 @@ async fn run_level(
     let wall = t0.elapsed().as_secs_f64();
     sampler.abort();
     let after = scrape(client).await;
+    let (rss, peak) = server_memory(client).await;
 
     let results = std::mem::take(&mut *results.lock().unwrap_or_else(|e| e.into_inner()));
     let mut done = Vec::new();
@@ -469,6 +515,8 @@ async fn run_level(
         metrics: level_metrics(&done, failed, wall),
         stages: stage_loads(&before, &after, &samples, wall),
         errors,
+        server_rss_mib: rss,
+        server_peak_rss_mib: peak,
     }
 }
 

@@ -106,6 +106,10 @@ fn draw(chart: &Chart, runs: &[Run], x_label: &str, path: &Path) -> Result<()> {
         .iter()
         .flat_map(|r| chart.series.iter().flat_map(move |(_, f)| points(r, *f)))
         .collect();
+    // Ticks at the measured loads only (a log axis's own ticks repeat labels).
+    let mut xs: Vec<f64> = all.iter().map(|p| p.0).collect();
+    xs.sort_by(|a, b| a.total_cmp(b));
+    xs.dedup();
     let (x_min, x_max) = all.iter().fold((f64::MAX, f64::MIN), |(lo, hi), (x, _)| {
         (lo.min(*x), hi.max(*x))
     });
@@ -129,11 +133,14 @@ fn draw(chart: &Chart, runs: &[Run], x_label: &str, path: &Path) -> Result<()> {
         .margin(16)
         .x_label_area_size(48)
         .y_label_area_size(72)
-        .build_cartesian_2d((x_min..x_max).log_scale(), 0.0..y_max)?;
+        .build_cartesian_2d(
+            (x_min..x_max).log_scale().with_key_points(xs.clone()),
+            0.0..y_max,
+        )?;
     ctx.configure_mesh()
         .x_desc(x_label)
         .y_desc(chart.y_label)
-        .x_label_formatter(&|x| format!("{x:.0}"))
+        .x_label_formatter(&|x| format!("{x}"))
         .y_label_formatter(&|y| {
             if y_max > 20.0 {
                 format!("{y:.0}")

@@ -90,6 +90,12 @@ pub struct Level {
     pub stages: Vec<StageLoad>,
     /// The first distinct failure messages (all failures are counted).
     pub errors: Vec<String>,
+    /// The server's resident memory after the level, and its peak so far
+    /// (MiB; from `/metrics`, absent when the server does not say).
+    #[serde(default)]
+    pub server_rss_mib: Option<f64>,
+    #[serde(default)]
+    pub server_peak_rss_mib: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -171,8 +177,8 @@ pub fn markdown(r: &Report) -> String {
     for run in &r.runs {
         md += &format!(
             "\n## {}{}\n\n\
-             | load | ok | failed | TTFT p50 | TTFT p90 | TPOT p50 | TTFP p50 | TTFP p90 | TTFP p99 | RTF p50 | RTF p90 | E2EL p50 | audio s/s | tok/s | req/s |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+             | load | ok | failed | TTFT p50 | TTFT p90 | TPOT p50 | TTFP p50 | TTFP p90 | TTFP p99 | RTF p50 | RTF p90 | E2EL p50 | audio s/s | tok/s | req/s | server peak RSS MiB |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
             run.label,
             run.profile
                 .as_ref()
@@ -181,7 +187,7 @@ pub fn markdown(r: &Report) -> String {
         for l in &run.levels {
             let m = &l.metrics;
             md += &format!(
-                "| {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {:.3} | {:.3} | {} | {:.2} | {:.1} | {:.2} |\n",
+                "| {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {:.3} | {:.3} | {} | {:.2} | {:.1} | {:.2} | {} |\n",
                 l.load.name(),
                 m.completed,
                 m.failed,
@@ -197,17 +203,18 @@ pub fn markdown(r: &Report) -> String {
                 m.audio_throughput,
                 m.output_tok_s,
                 m.req_s,
+                l.server_peak_rss_mib.map_or("–".into(), |v| format!("{v:.0}")),
             );
         }
         if run.levels.iter().any(|l| !l.stages.is_empty()) {
             md += "\nStages (from `/metrics`): busy and waiting-for-input as shares of the \
-                   level's wall clock, mean batch per step, input queue depth sampled every 250 ms.\n\n\
-                   | load | stage | busy | waiting | steps | mean batch | queue mean | queue max |\n\
-                   |---|---|---|---|---|---|---|---|\n";
+                   level's wall clock, mean batch per step, input queue depth and requests held (active) sampled every 250 ms.\n\n\
+                   | load | stage | busy | waiting | steps | mean batch | queue mean | queue max | active mean |\n\
+                   |---|---|---|---|---|---|---|---|---|\n";
             for l in &run.levels {
                 for s in &l.stages {
                     md += &format!(
-                        "| {} | {} | {:.0}% | {:.0}% | {} | {:.2} | {:.2} | {:.0} |\n",
+                        "| {} | {} | {:.0}% | {:.0}% | {} | {:.2} | {:.2} | {:.0} | {:.1} |\n",
                         l.load.name(),
                         s.stage,
                         s.busy_fraction * 100.0,
@@ -216,6 +223,7 @@ pub fn markdown(r: &Report) -> String {
                         s.mean_batch,
                         s.queue_depth_mean,
                         s.queue_depth_max,
+                        s.active_mean,
                     );
                 }
             }
@@ -308,6 +316,8 @@ mod tests {
                 metrics,
                 stages: vec![],
                 errors: vec![],
+                server_rss_mib: None,
+                server_peak_rss_mib: None,
             }],
         }
     }

@@ -139,8 +139,40 @@ impl Metrics {
              omnistream_engine_requests_in_flight {}\n",
             stats.requests_in_flight
         ));
+        // Memory as the kernel counts it (Linux), so a bench can report it.
+        let (rss, peak) = process_memory();
+        for (name, help, v) in [
+            ("process_resident_bytes", "Resident memory now", rss),
+            (
+                "process_peak_resident_bytes",
+                "Peak resident memory since start",
+                peak,
+            ),
+        ] {
+            if let Some(v) = v {
+                text.push_str(&format!(
+                    "# HELP omnistream_{name} {help}\n# TYPE omnistream_{name} gauge\nomnistream_{name} {v}\n"
+                ));
+            }
+        }
         text
     }
+}
+
+/// (VmRSS, VmHWM) of this process in bytes, from /proc/self/status.
+fn process_memory() -> (Option<u64>, Option<u64>) {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return (None, None);
+    };
+    let field = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
 }
 
 /// Counts a spawned task while it lives (for `omnistream_tasks_open`).

@@ -10,3 +10,5 @@ echo "==> cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 echo "==> cargo test"
 cargo test --workspace -- --test-threads=2
+echo "==> fuzz the codecs' parsers (20 s per target)"
+scripts/fuzz.sh 20

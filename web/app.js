@@ -1,9 +1,13 @@
-// omnistream demo page: a chat over the OpenAI Realtime WebSocket
-// (/v1/realtime, GA event names). The answer's text streams into the page and
-// its audio (pcm16, 24 kHz, base64 in response.output_audio.delta) is played
-// with the Web Audio API, each chunk scheduled right after the previous one
-// so playback is gapless while the network keeps ahead of it.
-// window.omnistreamStats exposes per-turn timings for tests.
+// omnistream demo page: a chat with the OpenAI Realtime events (GA names).
+// By default it is a WebRTC call (POST /v1/webrtc): the microphone goes up
+// (echo cancellation on), the answer's audio comes down on the peer's track
+// and plays in an <audio> element, and the events travel on the `oai-events`
+// data channel. Where WebRTC cannot connect it falls back to the Realtime
+// WebSocket (/v1/realtime): the answer's audio (pcm16, 24 kHz, base64 in
+// response.output_audio.delta) is played with the Web Audio API, each chunk
+// scheduled right after the previous one so playback is gapless while the
+// network keeps ahead of it. `?transport=websocket` (or the setting) skips
+// WebRTC. window.omnistreamStats exposes per-turn timings for tests.
 "use strict";
 
 (() => {
@@ -27,18 +31,26 @@
     stop: $("stop"),
     voice: $("voice"),
     key: $("api-key"),
+    transport: $("transport"),
   };
+  const wanted = new URLSearchParams(location.search).get("transport");
+  if (wanted === "websocket" || wanted === "webrtc") ui.transport.value = wanted;
 
   const stats = { turns: [] };
   // The audio clock shows whether playback really runs (a suspended or
   // missing output device leaves it at 0).
   Object.defineProperty(stats, "audio_clock_s", {
     enumerable: true,
-    get: () => (audioCtx ? audioCtx.currentTime : 0),
+    get: () => (rtc ? rtc.audioEl.currentTime : audioCtx ? audioCtx.currentTime : 0),
   });
   Object.defineProperty(stats, "audio_state", {
     enumerable: true,
-    get: () => (audioCtx ? audioCtx.state : "none"),
+    get: () => (rtc ? (rtc.audioEl.paused ? "paused" : "running") : audioCtx ? audioCtx.state : "none"),
+  });
+  // "webrtc" or "websocket": how the page is connected now.
+  Object.defineProperty(stats, "transport", {
+    enumerable: true,
+    get: () => (rtc ? "webrtc" : ws ? "websocket" : "none"),
   });
   window.omnistreamStats = stats;
 
@@ -46,6 +58,11 @@
   let wsReady = null;
   let wsKey = null;
   let eventSeq = 0;
+  // The WebRTC call: { pc, dc, audioEl, mic, key } once connected.
+  let rtc = null;
+  let rtcReady = null;
+  // Set when WebRTC failed once: the page stays on the WebSocket.
+  let rtcFailed = null;
 
   let audioCtx = null;
   let nextTime = 0;
@@ -155,8 +172,121 @@
   }
 
   function send(event) {
+    if (rtc && rtc.dc.readyState === "open") {
+      rtc.dc.send(JSON.stringify(event));
+      return;
+    }
     if (!ws || ws.readyState !== WebSocket.OPEN) throw new Error("not connected");
     ws.send(JSON.stringify(event));
+  }
+
+  function connected() {
+    return Boolean((rtc && rtc.dc.readyState === "open") || (ws && ws.readyState === WebSocket.OPEN));
+  }
+
+  function hangUp() {
+    if (!rtc) return;
+    const old = rtc;
+    rtc = null;
+    rtcReady = null;
+    if (old.mic) old.mic.getTracks().forEach((tr) => tr.stop());
+    old.pc.close();
+    old.audioEl.srcObject = null;
+  }
+
+  // The WebRTC call: offer (ICE gathered) -> POST /v1/webrtc -> answer.
+  // Resolves once the events channel is open.
+  async function callServer(key) {
+    const pc = new RTCPeerConnection();
+    const call = { pc, dc: null, audioEl: new Audio(), mic: null, key };
+    call.audioEl.autoplay = true;
+    try {
+      call.mic = await navigator.mediaDevices.getUserMedia({
+        audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+      });
+      call.mic.getTracks().forEach((tr) => pc.addTrack(tr, call.mic));
+    } catch (_) {
+      // No microphone (or no permission): listen only.
+      pc.addTransceiver("audio", { direction: "recvonly" });
+    }
+    pc.ontrack = (e) => {
+      call.audioEl.srcObject = e.streams && e.streams[0] ? e.streams[0] : new MediaStream([e.track]);
+      call.audioEl.play().catch(() => {});
+    };
+    call.dc = pc.createDataChannel("oai-events");
+    const opened = new Promise((resolve, reject) => {
+      call.dc.onopen = resolve;
+      setTimeout(() => reject(new Error("the WebRTC call did not connect within 10 s")), 10000);
+    });
+    call.dc.onmessage = (m) => {
+      if (rtc === call) onEvent(m.data);
+    };
+    call.dc.onclose = () => {
+      if (rtc !== call) return;
+      hangUp();
+      setStatus("Not connected");
+      if (turn && turn.active) {
+        showError("the call ended");
+        finishTurn("disconnected");
+      }
+    };
+    await pc.setLocalDescription(await pc.createOffer());
+    // No trickle ICE: wait for our candidates to be in the offer.
+    await new Promise((resolve) => {
+      if (pc.iceGatheringState === "complete") return resolve();
+      pc.addEventListener("icegatheringstatechange", () => {
+        if (pc.iceGatheringState === "complete") resolve();
+      });
+      setTimeout(resolve, 2000);
+    });
+    const headers = { "Content-Type": "application/sdp" };
+    if (key) headers.Authorization = `Bearer ${key}`;
+    const r = await fetch("/v1/webrtc", { method: "POST", headers, body: pc.localDescription.sdp });
+    if (!r.ok) {
+      let msg = `HTTP ${r.status}`;
+      try {
+        msg = (await r.json()).error.message;
+      } catch (_) {
+        // Not JSON: keep the status.
+      }
+      pc.close();
+      throw new Error(msg);
+    }
+    await pc.setRemoteDescription({ type: "answer", sdp: await r.text() });
+    rtc = call;
+    try {
+      await opened;
+    } catch (e) {
+      hangUp();
+      throw e;
+    }
+    return call;
+  }
+
+  // Connects the chosen way; WebRTC falls back to the WebSocket when it fails.
+  async function connect() {
+    const key = ui.key.value.trim();
+    const useRtc = ui.transport.value === "webrtc" && window.RTCPeerConnection && !rtcFailed;
+    if (useRtc) {
+      if (rtc && rtc.key === key && rtc.dc.readyState === "open") return rtc;
+      if (rtcReady && rtc && rtc.key === key) return rtcReady;
+      hangUp();
+      setStatus("Calling…");
+      rtcReady = callServer(key);
+      try {
+        await rtcReady;
+        setStatus("Connected (WebRTC)", true);
+        sessionUpdate();
+        return rtc;
+      } catch (e) {
+        // 401 is the key's fault, not WebRTC's: say so rather than fall back.
+        if (/api key/i.test(e.message)) throw e;
+        rtcFailed = e.message;
+        console.warn(`WebRTC failed (${e.message}); using the WebSocket`);
+      }
+    }
+    hangUp();
+    return connectWebSocket();
   }
 
   function sessionUpdate() {
@@ -172,7 +302,7 @@
   }
 
   // Opens the socket (again, when the key changed or it closed); resolves when open.
-  function connect() {
+  function connectWebSocket() {
     const key = ui.key.value.trim();
     if (ws && ws.readyState <= WebSocket.OPEN && wsKey === key) return wsReady;
     if (ws) ws.close();
@@ -194,7 +324,7 @@
       let opened = false;
       sock.onopen = () => {
         opened = true;
-        setStatus("Connected", true);
+        setStatus(rtcFailed ? "Connected (WebSocket; WebRTC failed)" : "Connected (WebSocket)", true);
         sessionUpdate();
         resolve(sock);
       };
@@ -297,6 +427,29 @@
     t.el.audio.textContent = `${t.stats.audio_seconds.toFixed(1)} s`;
   }
 
+  // WebRTC answers play on the track: their timing comes from the server's
+  // output_audio_buffer events.
+  function onTrackAudio(t, started) {
+    if (started) {
+      if (t.stats.ttfp_ms === null) {
+        t.stats.ttfp_ms = ms(t);
+        t.el.ttfp.textContent = `${t.stats.ttfp_ms} ms`;
+      }
+      t.stats.audio_started = true;
+      t.playStart = performance.now();
+      t.playTimer = setInterval(() => {
+        t.stats.audio_seconds = (performance.now() - t.playStart) / 1000;
+        t.el.audio.textContent = `${t.stats.audio_seconds.toFixed(1)} s`;
+      }, 250);
+      rtc && rtc.audioEl.play().catch(() => {});
+    } else if (t.playTimer) {
+      clearInterval(t.playTimer);
+      t.playTimer = null;
+      t.stats.audio_seconds = (performance.now() - t.playStart) / 1000;
+      t.el.audio.textContent = `${t.stats.audio_seconds.toFixed(1)} s`;
+    }
+  }
+
   function finishTurn(status) {
     const t = turn;
     if (!t || !t.active) return;
@@ -324,7 +477,14 @@
     switch (ev.type) {
       case "session.created":
       case "session.updated":
-        setStatus("Connected", true);
+        break;
+      case "output_audio_buffer.started":
+        // WebRTC: the first frame of this answer is on the wire.
+        if (mine || (t && ev.response_id === t.responseId)) onTrackAudio(t, true);
+        break;
+      case "output_audio_buffer.stopped":
+      case "output_audio_buffer.cleared":
+        if (t && (!ev.response_id || ev.response_id === t.responseId)) onTrackAudio(t, false);
         break;
       case "response.created":
         if (t && t.active && !t.responseId && ev.response) t.responseId = ev.response.id;
@@ -401,11 +561,14 @@
 
   function stop() {
     stopPlayback();
-    if (turn && turn.active && ws && ws.readyState === WebSocket.OPEN) {
+    if (!connected()) return;
+    if (turn && turn.active) {
       const ev = { type: "response.cancel", event_id: nextEventId("cancel") };
       if (turn.responseId) ev.response_id = turn.responseId;
-      ws.send(JSON.stringify(ev));
+      send(ev);
     }
+    // WebRTC: what the server queued for the track stops too.
+    if (rtc) send({ type: "output_audio_buffer.clear", event_id: nextEventId("clear") });
   }
 
   ui.form.addEventListener("submit", (e) => {
@@ -420,10 +583,25 @@
   });
   ui.stop.addEventListener("click", stop);
   ui.voice.addEventListener("change", () => {
-    if (ws && ws.readyState === WebSocket.OPEN) sessionUpdate();
+    if (connected()) sessionUpdate();
+  });
+  ui.transport.addEventListener("change", () => {
+    if (turn && turn.active) return;
+    rtcFailed = null;
+    hangUp();
+    if (ws) {
+      const old = ws;
+      ws = null;
+      old.close();
+    }
+    setStatus("Not connected");
   });
   // A different key needs a new connection: drop the old one.
   ui.key.addEventListener("change", () => {
+    if (rtc && rtc.key !== ui.key.value.trim() && !(turn && turn.active)) {
+      hangUp();
+      setStatus("Not connected");
+    }
     if (ws && wsKey !== ui.key.value.trim() && !(turn && turn.active)) {
       const old = ws;
       ws = null;

@@ -1,12 +1,15 @@
 //! Audio formats and transforms: PCM sample conversions, WAV, streaming
-//! sample-rate conversion and Ogg Opus.
+//! sample-rate conversion, Ogg Opus, raw Opus packets and G.711 for RTP.
 
+pub mod g711;
+mod ogg_demux;
 pub mod ogg_opus;
+pub mod opus_frames;
 pub mod pcm;
 pub mod resample;
 pub mod wav;
 
-pub use ogg_opus::{decode_ogg_opus, OggOpusEncoder};
+pub use ogg_opus::{decode_ogg_opus, OggOpusDecoder, OggOpusEncoder};
 pub use resample::StreamResampler;
 
 /// Errors of the codecs.

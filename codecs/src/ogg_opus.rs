@@ -5,13 +5,14 @@
 //! pkg-config finds: Debian's `libopus-dev`). Not `opus` 0.4: its
 //! `opusic-sys` always builds a bundled libopus with CMake. Not `audiopus`:
 //! its only maintained line is a pre-release. The Ogg framing is the pure-Rust
-//! `ogg` crate.
+//! `ogg` crate for writing; reading goes through the push-based
+//! `ogg_demux`, which streams and never panics on any input.
 
 use std::borrow::Cow;
-use std::io::Cursor;
 
-use ogg::{PacketReader, PacketWriteEndInfo, PacketWriter};
+use ogg::{PacketWriteEndInfo, PacketWriter};
 
+use crate::ogg_demux::{OggDemuxer, Packet, Page};
 use crate::resample::StreamResampler;
 use crate::CodecError;
 
@@ -232,103 +233,312 @@ fn random_serial() -> u32 {
 /// Demuxes and decodes a whole Ogg Opus stream (one logical stream, 1 or 2
 /// channels, mapping family 0) to mono f32 at 48 kHz, with the pre-skip and
 /// the end trim of the last granule position applied. Anything malformed or
-/// cut short (no end-of-stream page) is an error.
+/// cut short (no end-of-stream page) is an error; no input panics.
 pub fn decode_ogg_opus(bytes: &[u8]) -> Result<(Vec<f32>, u32), CodecError> {
-    let mut rdr = PacketReader::new(Cursor::new(bytes));
-    let head = rdr
-        .read_packet()?
-        .ok_or_else(|| CodecError::Truncated("no pages".into()))?;
-    let d = &head.data;
-    if d.len() < 19 || &d[..8] != b"OpusHead" {
-        return Err(CodecError::Malformed("first packet is not OpusHead".into()));
+    let mut dec = OggOpusDecoder::new();
+    let pcm = dec.push(bytes)?;
+    dec.finish()?;
+    Ok((pcm, OPUS_RATE))
+}
+
+/// Most bytes kept of one Ogg packet. An Opus packet is at most 120 ms of
+/// 1275-byte frames (~61 kB); a longer OpusTags (cover art) is only counted.
+const MAX_OGG_PACKET: usize = 1 << 17;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Head,
+    Tags,
+    Audio,
+    Ended,
+    Failed,
+}
+
+/// Streaming Ogg Opus decoder: bytes in as they arrive (split anywhere),
+/// mono f32 at 48 kHz out as each page completes. Same rules and output as
+/// [`decode_ogg_opus`], which is this decoder fed everything at once.
+///
+/// A page's samples leave when the page is complete, with the pre-skip cut
+/// from the start and, on the end-of-stream page, the end trim applied; so
+/// output lags input by at most one page. The first error ends the stream:
+/// later calls fail too. Bytes after the end-of-stream page are ignored.
+///
+/// Memory stays at about one page besides the output, but the output can be
+/// thousands of times the input (a 3-byte packet may stand for 120 ms of
+/// concealment): callers taking untrusted streams should cap the duration
+/// they accept, as `push` lets them do as it goes.
+pub struct OggOpusDecoder {
+    demux: OggDemuxer,
+    stage: Stage,
+    dec: Option<opus::Decoder>,
+    channels: usize,
+    pre_skip: u64,
+    input_rate: Option<u32>,
+    /// Decoder output for one packet (interleaved).
+    frame: Vec<f32>,
+    /// Mono samples of the page being decoded.
+    page_pcm: Vec<f32>,
+    /// Samples decoded so far (pre-skip included), up to the last page.
+    decoded: u64,
+    /// The stream's granule clock minus our sample count, fixed at the first
+    /// page with a granule position (0 unless the stream was cut from a
+    /// longer one).
+    offset: Option<i128>,
+    last_granule: Option<u64>,
+}
+
+impl Default for OggOpusDecoder {
+    fn default() -> Self {
+        Self::new()
     }
-    if d[8] & 0xF0 != 0 {
-        return Err(CodecError::Malformed(format!(
-            "unsupported OpusHead version {}",
-            d[8]
-        )));
+}
+
+impl OggOpusDecoder {
+    pub fn new() -> Self {
+        Self {
+            demux: OggDemuxer::new(MAX_OGG_PACKET),
+            stage: Stage::Head,
+            dec: None,
+            channels: 1,
+            pre_skip: 0,
+            input_rate: None,
+            frame: Vec::new(),
+            page_pcm: Vec::new(),
+            decoded: 0,
+            offset: None,
+            last_granule: None,
+        }
     }
-    let channels = d[9] as usize;
-    let pre_skip = u16::from_le_bytes([d[10], d[11]]) as usize;
-    if d[18] != 0 || !(1..=2).contains(&channels) {
-        return Err(CodecError::Malformed(format!(
-            "unsupported channel mapping (family {}, {channels} channels)",
-            d[18]
-        )));
+
+    /// The rate of the output: always 48 kHz (Opus decodes at 48 kHz).
+    pub fn sample_rate(&self) -> u32 {
+        OPUS_RATE
     }
-    let serial = head.stream_serial();
-    let next = |rdr: &mut PacketReader<Cursor<&[u8]>>| -> Result<Option<ogg::Packet>, CodecError> {
-        match rdr.read_packet()? {
-            Some(p) if p.stream_serial() != serial => {
-                Err(CodecError::Malformed("more than one logical stream".into()))
+
+    /// The encoder's input rate from OpusHead (informational), once read.
+    pub fn input_sample_rate(&self) -> Option<u32> {
+        self.input_rate
+    }
+
+    /// Whether the end-of-stream page was read.
+    pub fn is_finished(&self) -> bool {
+        self.stage == Stage::Ended
+    }
+
+    /// Takes the next bytes of the stream; returns the samples of the pages
+    /// they complete.
+    pub fn push(&mut self, bytes: &[u8]) -> Result<Vec<f32>, CodecError> {
+        match self.stage {
+            Stage::Ended => return Ok(Vec::new()),
+            Stage::Failed => {
+                return Err(CodecError::Invalid(
+                    "ogg opus decoder stopped at an earlier error".into(),
+                ))
             }
-            other => Ok(other),
+            _ => {}
         }
-    };
-    if head.last_in_stream() {
-        return Err(CodecError::Truncated("stream ends after OpusHead".into()));
+        let r = self.push_pages(bytes);
+        if r.is_err() {
+            self.stage = Stage::Failed;
+            self.demux.clear();
+        }
+        r
     }
-    let tags = next(&mut rdr)?.ok_or_else(|| CodecError::Truncated("no OpusTags".into()))?;
-    if tags.data.len() < 8 || &tags.data[..8] != b"OpusTags" {
-        return Err(CodecError::Malformed(
-            "second packet is not OpusTags".into(),
-        ));
-    }
-    let ch = if channels == 2 {
-        opus::Channels::Stereo
-    } else {
-        opus::Channels::Mono
-    };
-    let mut dec = opus::Decoder::new(OPUS_RATE, ch)?;
-    let mut frame = vec![0f32; MAX_PACKET_SAMPLES * channels];
-    let mut pcm: Vec<f32> = Vec::new();
-    let mut eos = tags.last_in_stream();
-    // Granule position of the last completed page, and the offset of the
-    // stream's granule clock from our decoded sample count (0 unless the
-    // stream was cut from a longer one).
-    let mut last_granule: Option<u64> = None;
-    let mut offset: Option<i128> = None;
-    while !eos {
-        let Some(p) = next(&mut rdr)? else {
-            return Err(CodecError::Truncated("no end-of-stream page".into()));
+
+    /// Ends the input: an error unless the end-of-stream page came (all
+    /// samples have already been returned by `push`).
+    pub fn finish(&mut self) -> Result<(), CodecError> {
+        let what = match self.stage {
+            Stage::Ended => return Ok(()),
+            Stage::Failed => {
+                return Err(CodecError::Invalid(
+                    "ogg opus decoder stopped at an earlier error".into(),
+                ))
+            }
+            Stage::Head if !self.demux.started() => {
+                if self.demux.pending() == 0 {
+                    "no pages"
+                } else {
+                    "the first page is incomplete"
+                }
+            }
+            Stage::Head => "no OpusHead",
+            Stage::Tags => "no OpusTags",
+            Stage::Audio => "no end-of-stream page",
         };
-        let n = dec.decode_float(&p.data, &mut frame, false)?;
-        if channels == 2 {
-            pcm.extend(frame[..2 * n].chunks_exact(2).map(|f| 0.5 * (f[0] + f[1])));
-        } else {
-            pcm.extend_from_slice(&frame[..n]);
+        self.stage = Stage::Failed;
+        Err(CodecError::Truncated(what.into()))
+    }
+
+    fn push_pages(&mut self, bytes: &[u8]) -> Result<Vec<f32>, CodecError> {
+        self.demux.push(bytes);
+        let mut out = Vec::new();
+        while self.stage != Stage::Ended {
+            let Some(page) = self.demux.next_page()? else {
+                break;
+            };
+            self.page(page, &mut out)?;
         }
-        eos = p.last_in_stream();
+        if self.stage == Stage::Ended {
+            self.demux.clear();
+        }
+        Ok(out)
+    }
+
+    fn page(&mut self, page: Page, out: &mut Vec<f32>) -> Result<(), CodecError> {
+        self.page_pcm.clear();
+        let mut audio_ended = false;
+        for p in &page.packets {
+            match self.stage {
+                Stage::Head => {
+                    self.head(p)?;
+                    self.stage = Stage::Tags;
+                }
+                Stage::Tags => {
+                    if p.data.len() < 8 || &p.data[..8] != b"OpusTags" {
+                        return Err(CodecError::Malformed(
+                            "second packet is not OpusTags".into(),
+                        ));
+                    }
+                    self.stage = Stage::Audio;
+                }
+                _ => {
+                    self.audio(p)?;
+                    audio_ended = true;
+                }
+            }
+        }
+        if page.eos {
+            match self.stage {
+                Stage::Head => {
+                    return Err(CodecError::Truncated("stream ends before OpusHead".into()))
+                }
+                Stage::Tags => {
+                    return Err(CodecError::Truncated("stream ends after OpusHead".into()))
+                }
+                _ if page.ends_inside_packet => {
+                    return Err(CodecError::Malformed(
+                        "end-of-stream page ends inside a packet".into(),
+                    ))
+                }
+                _ => {}
+            }
+        }
+        let base = self.decoded;
+        self.decoded += self.page_pcm.len() as u64;
         // -1 marks a page on which no packet ends.
-        if p.last_in_page() && p.absgp_page() != u64::MAX {
-            let g = p.absgp_page();
-            if offset.is_none() && !eos {
-                let off = g as i128 - pcm.len() as i128;
+        if audio_ended && page.granule != u64::MAX {
+            let g = page.granule;
+            if self.offset.is_none() && !page.eos {
+                let off = g as i128 - self.decoded as i128;
                 if off < 0 {
                     return Err(CodecError::Malformed(
                         "granule position before the decoded audio".into(),
                     ));
                 }
-                offset = Some(off);
+                self.offset = Some(off);
             }
-            last_granule = Some(g);
+            self.last_granule = Some(g);
         }
+        let start = base.max(self.pre_skip);
+        if !page.eos {
+            if self.decoded > start {
+                out.extend_from_slice(&self.page_pcm[(start - base) as usize..]);
+            }
+            return Ok(());
+        }
+        // End trim (RFC 7845 4.5): the last granule position says where the
+        // audio really ends, inside the final page.
+        let Some(end_granule) = self.last_granule else {
+            return Err(CodecError::Malformed("no granule position".into()));
+        };
+        let end = end_granule as i128 - self.offset.unwrap_or(0);
+        if end > self.decoded as i128 {
+            return Err(CodecError::Malformed(format!(
+                "final granule position {end_granule} is past the {} decoded samples",
+                self.decoded
+            )));
+        }
+        let end = end.max(0) as u64;
+        // Samples of earlier pages were already returned.
+        if end.max(self.pre_skip) < base {
+            return Err(CodecError::Malformed(format!(
+                "final granule position {end_granule} cuts into earlier pages"
+            )));
+        }
+        if end > start {
+            out.extend_from_slice(&self.page_pcm[(start - base) as usize..(end - base) as usize]);
+        }
+        self.stage = Stage::Ended;
+        Ok(())
     }
-    let Some(end_granule) = last_granule else {
-        return Err(CodecError::Malformed("no granule position".into()));
-    };
-    let end = end_granule as i128 - offset.unwrap_or(0);
-    if end > pcm.len() as i128 {
-        return Err(CodecError::Malformed(format!(
-            "final granule position {end_granule} is past the {} decoded samples",
-            pcm.len()
-        )));
+
+    /// RFC 7845 5.1: OpusHead.
+    fn head(&mut self, p: &Packet) -> Result<(), CodecError> {
+        let d = &p.data;
+        if d.len() < 19 || &d[..8] != b"OpusHead" {
+            return Err(CodecError::Malformed("first packet is not OpusHead".into()));
+        }
+        if d[8] & 0xF0 != 0 {
+            return Err(CodecError::Malformed(format!(
+                "unsupported OpusHead version {}",
+                d[8]
+            )));
+        }
+        let channels = d[9] as usize;
+        if d[18] != 0 || !(1..=2).contains(&channels) {
+            return Err(CodecError::Malformed(format!(
+                "unsupported channel mapping (family {}, {channels} channels)",
+                d[18]
+            )));
+        }
+        self.pre_skip = u16::from_le_bytes([d[10], d[11]]) as u64;
+        self.input_rate = Some(u32::from_le_bytes([d[12], d[13], d[14], d[15]]));
+        let gain = i16::from_le_bytes([d[16], d[17]]);
+        let ch = if channels == 2 {
+            opus::Channels::Stereo
+        } else {
+            opus::Channels::Mono
+        };
+        let mut dec = opus::Decoder::new(OPUS_RATE, ch)?;
+        // The output gain (Q7.8 dB) is the decoder's own gain setting.
+        if gain != 0 {
+            dec.set_gain(gain as i32)?;
+        }
+        self.dec = Some(dec);
+        self.channels = channels;
+        self.frame = vec![0.0; MAX_PACKET_SAMPLES * channels];
+        Ok(())
     }
-    let end = end.max(0) as usize;
-    let start = pre_skip.min(end);
-    pcm.truncate(end);
-    pcm.drain(..start);
-    Ok((pcm, OPUS_RATE))
+
+    fn audio(&mut self, p: &Packet) -> Result<(), CodecError> {
+        if p.len > p.data.len() {
+            return Err(CodecError::Malformed(format!(
+                "{}-byte packet is larger than any opus packet",
+                p.len
+            )));
+        }
+        // An empty slice would make libopus conceal a loss; a packet has at
+        // least its TOC byte (RFC 6716 3.4).
+        if p.data.is_empty() {
+            return Err(CodecError::Malformed("empty opus packet".into()));
+        }
+        let Some(dec) = self.dec.as_mut() else {
+            return Err(CodecError::Invalid("opus decoder missing".into()));
+        };
+        let n = dec.decode_float(&p.data, &mut self.frame, false)?;
+        let n = n.min(self.frame.len() / self.channels);
+        if self.channels == 2 {
+            self.page_pcm.extend(
+                self.frame[..2 * n]
+                    .chunks_exact(2)
+                    .map(|f| 0.5 * (f[0] + f[1])),
+            );
+        } else {
+            self.page_pcm.extend_from_slice(&self.frame[..n]);
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -523,5 +733,171 @@ mod tests {
             let cut = rng.gen_range(0..=b.len());
             let _ = decode_ogg_opus(&b[..cut]);
         }
+    }
+
+    /// Feeds `bytes` in random pieces (empty ones included).
+    fn decode_in_pieces(bytes: &[u8], rng: &mut rand::rngs::StdRng) -> Vec<f32> {
+        let mut d = OggOpusDecoder::new();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < bytes.len() {
+            let n = rng.gen_range(0..300).min(bytes.len() - i);
+            out.extend(d.push(&bytes[i..i + n]).unwrap());
+            i += n;
+        }
+        d.finish().unwrap();
+        assert!(d.is_finished());
+        out
+    }
+
+    #[test]
+    fn streaming_decoder_matches_whole_decode() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for (rate, n) in [
+            (22050, 44_100),
+            (48_000, 4_800),
+            (24_000, 0),
+            (8_000, 7_777),
+        ] {
+            let bytes = encode(&sine(330.0, rate, n), rate, 1234);
+            let (whole, _) = decode_ogg_opus(&bytes).unwrap();
+            for _ in 0..5 {
+                assert_eq!(decode_in_pieces(&bytes, &mut rng), whole, "{rate} Hz");
+            }
+            // Byte by byte too.
+            let mut d = OggOpusDecoder::new();
+            let mut out = Vec::new();
+            for b in &bytes {
+                out.extend(d.push(std::slice::from_ref(b)).unwrap());
+            }
+            d.finish().unwrap();
+            assert_eq!(out, whole);
+            assert_eq!(d.sample_rate(), 48_000);
+            assert_eq!(d.input_sample_rate(), Some(rate));
+        }
+        // Audio comes out as pages complete, not at the end.
+        let bytes = encode(&sine(330.0, 22050, 44_100), 22050, 1234);
+        let mut d = OggOpusDecoder::new();
+        let first = d.push(&bytes[..bytes.len() / 2]).unwrap();
+        assert!(
+            first.len() > 30_000,
+            "{} samples from half the stream",
+            first.len()
+        );
+        assert!(!d.is_finished());
+        assert!(matches!(d.finish(), Err(CodecError::Truncated(_))));
+    }
+
+    #[test]
+    fn a_stream_cut_anywhere_gives_a_prefix_then_a_clear_error() {
+        let bytes = encode(&sine(500.0, 16_000, 4_000), 16_000, 800);
+        let (whole, _) = decode_ogg_opus(&bytes).unwrap();
+        for cut in 0..bytes.len() {
+            let err = decode_ogg_opus(&bytes[..cut]).unwrap_err();
+            assert!(
+                matches!(err, CodecError::Truncated(_)),
+                "cut at {cut}: {err}"
+            );
+            // The streaming decoder returns what the whole pages hold: a
+            // prefix of the full output.
+            let mut d = OggOpusDecoder::new();
+            let got = d.push(&bytes[..cut]).unwrap();
+            assert_eq!(got[..], whole[..got.len()], "cut at {cut}");
+            assert!(d.finish().is_err());
+        }
+        assert!(decode_ogg_opus(&[])
+            .unwrap_err()
+            .to_string()
+            .contains("no pages"));
+        assert!(decode_ogg_opus(&bytes[..10])
+            .unwrap_err()
+            .to_string()
+            .contains("first page is incomplete"));
+    }
+
+    #[test]
+    fn garbage_is_an_error_never_a_panic() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for _ in 0..500 {
+            let n = rng.gen_range(0..2000);
+            let mut b: Vec<u8> = (0..n).map(|_| rng.gen()).collect();
+            if rng.gen_bool(0.5) && b.len() >= 4 {
+                b[..4].copy_from_slice(b"OggS");
+            }
+            assert!(decode_ogg_opus(&b).is_err());
+        }
+        // Errors are sticky; bytes after the end of a stream are ignored.
+        let mut d = OggOpusDecoder::new();
+        assert!(d.push(b"RIFF....").is_err());
+        assert!(d.push(b"OggS").is_err());
+        assert!(d.finish().is_err());
+        let bytes = encode(&sine(500.0, 48_000, 4_800), 48_000, 960);
+        let mut d = OggOpusDecoder::new();
+        let y = d
+            .push(&[bytes.as_slice(), b"trailing junk"].concat())
+            .unwrap();
+        assert_eq!(y.len(), 4_800);
+        assert!(d.push(b"more junk").unwrap().is_empty());
+        d.finish().unwrap();
+    }
+
+    /// A stereo stream written here by hand: OpusHead with `gain` (Q7.8 dB),
+    /// an OpusTags of `tags_len` bytes (over several pages when large), and
+    /// 0.5 s of a 440 Hz tone in both channels.
+    fn stereo_stream(gain: i16, tags_len: usize) -> Vec<u8> {
+        let mut enc =
+            opus::Encoder::new(48_000, opus::Channels::Stereo, opus::Application::Audio).unwrap();
+        let pre_skip = enc.get_lookahead().unwrap() as u16;
+        let mut w = PacketWriter::new(Vec::new());
+        let mut head = b"OpusHead".to_vec();
+        head.extend([1, 2]);
+        head.extend(pre_skip.to_le_bytes());
+        head.extend(48_000u32.to_le_bytes());
+        head.extend(gain.to_le_bytes());
+        head.push(0);
+        w.write_packet(head, 5, PacketWriteEndInfo::EndPage, 0)
+            .unwrap();
+        let mut tags = b"OpusTags".to_vec();
+        tags.resize(tags_len.max(16), b'x');
+        w.write_packet(tags, 5, PacketWriteEndInfo::EndPage, 0)
+            .unwrap();
+        let frames = 25u64;
+        let end = pre_skip as u64 + frames * 960 - 500;
+        for k in 0..frames {
+            let pcm: Vec<f32> = (0..960)
+                .flat_map(|i| {
+                    let t = (k * 960 + i) as f32 / 48_000.0;
+                    let v = 0.25 * (2.0 * std::f32::consts::PI * 440.0 * t).sin();
+                    [v, v]
+                })
+                .collect();
+            let p = enc.encode_vec_float(&pcm, 4000).unwrap();
+            let (info, g) = if k + 1 == frames {
+                (PacketWriteEndInfo::EndStream, end)
+            } else {
+                (PacketWriteEndInfo::NormalPacket, (k + 1) * 960)
+            };
+            w.write_packet(p, 5, info, g).unwrap();
+        }
+        w.into_inner()
+    }
+
+    #[test]
+    fn stereo_gain_and_large_tags() {
+        let rms = |x: &[f32]| (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32).sqrt();
+        let (plain, _) = decode_ogg_opus(&stereo_stream(0, 100)).unwrap();
+        // 25 frames less the 500-sample end trim (and the pre-skip).
+        assert_eq!(plain.len(), 25 * 960 - 500);
+        let r = rms(&plain[4800..]);
+        assert!((r - 0.25 / 2f32.sqrt()).abs() < 0.02, "downmixed rms {r}");
+        // +6.02 dB (1541 / 256) doubles the amplitude.
+        let (loud, _) = decode_ogg_opus(&stereo_stream(1541, 100)).unwrap();
+        let ratio = rms(&loud[4800..]) / r;
+        assert!((ratio - 2.0).abs() < 0.02, "gain ratio {ratio}");
+        // A 200 kB OpusTags spans pages and is skipped, not stored.
+        let big = stereo_stream(0, 200_000);
+        assert!(big.len() > 200_000);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        assert_eq!(decode_in_pieces(&big, &mut rng), plain);
     }
 }

@@ -1,8 +1,10 @@
 //! WAV (RIFF, PCM16 mono) through hound, plus a streaming header for output
 //! whose length is not known when the first bytes leave.
 
-use std::io::Cursor;
+use std::cell::Cell;
+use std::io::{Cursor, Read};
 use std::path::Path;
+use std::rc::Rc;
 
 use crate::pcm::f32_to_i16;
 use crate::CodecError;
@@ -39,22 +41,105 @@ pub fn wav_bytes(samples: &[f32], sample_rate: u32) -> Result<Vec<u8>, CodecErro
     Ok(buf.into_inner())
 }
 
+/// A data chunk declaring at least this many bytes (just under 2 GiB) is a
+/// stream of unknown length: writers that cannot seek back put the largest
+/// size there (as [`streaming_header`] does).
+const STREAMING_DATA_LEN: u64 = 0x7FFF_0000;
+
 /// Reads a WAV file as mono f32 (multi-channel input is averaged) and its rate.
 pub fn read_wav(path: &Path) -> Result<(Vec<f32>, u32), CodecError> {
-    let mut r = hound::WavReader::open(path)?;
+    // hound::WavReader::open, with the end of input marked.
+    let file = std::fs::File::open(path).map_err(hound::Error::IoError)?;
+    let len = file.metadata().map_err(hound::Error::IoError)?.len();
+    let (input, eof) = EofMark::new(std::io::BufReader::new(file));
+    samples_of(hound::WavReader::new(input)?, len, &eof)
+}
+
+/// [`read_wav`] from memory. Any malformed or truncated input is an error
+/// (never a panic); a streamed WAV whose header declares the unknown length
+/// gives the samples up to the end of `bytes`.
+pub fn parse_wav(bytes: &[u8]) -> Result<(Vec<f32>, u32), CodecError> {
+    let (input, eof) = EofMark::new(Cursor::new(bytes));
+    samples_of(hound::WavReader::new(input)?, bytes.len() as u64, &eof)
+}
+
+/// Notes when the input runs out: hound reports a short read as a generic
+/// I/O error, and only a read past the end may end an open-ended data chunk.
+struct EofMark<R> {
+    inner: R,
+    hit: Rc<Cell<bool>>,
+}
+
+impl<R> EofMark<R> {
+    fn new(inner: R) -> (Self, Rc<Cell<bool>>) {
+        let hit = Rc::new(Cell::new(false));
+        (
+            Self {
+                inner,
+                hit: hit.clone(),
+            },
+            hit,
+        )
+    }
+}
+
+impl<R: Read> Read for EofMark<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if n == 0 && !buf.is_empty() {
+            self.hit.set(true);
+        }
+        Ok(n)
+    }
+}
+
+/// The samples of `r` as mono f32; `input_len` is the whole input's size.
+fn samples_of<R: Read>(
+    mut r: hound::WavReader<R>,
+    input_len: u64,
+    eof: &Cell<bool>,
+) -> Result<(Vec<f32>, u32), CodecError> {
     let spec = r.spec();
     let ch = spec.channels.max(1) as usize;
-    let interleaved: Vec<f32> = match spec.sample_format {
-        hound::SampleFormat::Float => r.samples::<f32>().collect::<Result<_, _>>()?,
-        hound::SampleFormat::Int => {
-            let scale = 1.0 / (1u64 << (spec.bits_per_sample.saturating_sub(1))) as f32;
-            r.samples::<i32>()
-                .map(|s| s.map(|v| v as f32 * scale))
-                .collect::<Result<_, _>>()?
+    let bits = spec.bits_per_sample;
+    if !(1..=32).contains(&bits) {
+        return Err(CodecError::Invalid(format!(
+            "wav: {bits} bits per sample is not supported"
+        )));
+    }
+    let sample_bytes = (bits as u64).div_ceil(8);
+    let declared = r.len() as u64 * sample_bytes;
+    let open_ended = declared >= STREAMING_DATA_LEN && declared > input_len;
+    // Never reserve more than the input can hold.
+    let mut interleaved: Vec<f32> =
+        Vec::with_capacity((r.len() as u64).min(input_len / sample_bytes) as usize);
+    // An open-ended data chunk ends where the input does.
+    let at_end =
+        |e: &hound::Error| open_ended && eof.get() && matches!(e, hound::Error::IoError(_));
+    match spec.sample_format {
+        hound::SampleFormat::Float => {
+            for s in r.samples::<f32>() {
+                match s {
+                    Ok(v) => interleaved.push(v),
+                    Err(e) if at_end(&e) => break,
+                    Err(e) => return Err(e.into()),
+                }
+            }
         }
-    };
+        hound::SampleFormat::Int => {
+            let scale = 1.0 / (1u64 << (bits - 1)) as f32;
+            for s in r.samples::<i32>() {
+                match s {
+                    Ok(v) => interleaved.push(v as f32 * scale),
+                    Err(e) if at_end(&e) => break,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+    }
+    // chunks_exact: a cut-off last frame (open-ended input only) is dropped.
     let mono = interleaved
-        .chunks(ch)
+        .chunks_exact(ch)
         .map(|f| f.iter().sum::<f32>() / ch as f32)
         .collect();
     Ok((mono, spec.sample_rate))
@@ -112,5 +197,130 @@ mod tests {
         assert_eq!(r.spec().bits_per_sample, 16);
         let got: Vec<i16> = r.samples::<i16>().take(3).map(|s| s.unwrap()).collect();
         assert_eq!(got, vec![3277, -3277, 6553]);
+    }
+
+    fn hound_bytes(
+        spec: hound::WavSpec,
+        write: impl Fn(&mut hound::WavWriter<&mut Cursor<Vec<u8>>>),
+    ) -> Vec<u8> {
+        let mut buf = Cursor::new(Vec::new());
+        {
+            let mut w = hound::WavWriter::new(&mut buf, spec).unwrap();
+            write(&mut w);
+            w.finalize().unwrap();
+        }
+        buf.into_inner()
+    }
+
+    #[test]
+    fn parse_matches_read_and_formats() {
+        let xs: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.03).sin() * 0.7).collect();
+        let bytes = wav_bytes(&xs, 16_000).unwrap();
+        let (ys, rate) = parse_wav(&bytes).unwrap();
+        assert_eq!(rate, 16_000);
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("b.wav");
+        std::fs::write(&p, &bytes).unwrap();
+        assert_eq!(read_wav(&p).unwrap(), (ys.clone(), 16_000));
+        for (a, b) in xs.iter().zip(&ys) {
+            assert!((a - b).abs() < 1e-4);
+        }
+        // Stereo is averaged.
+        let st = hound::WavSpec {
+            channels: 2,
+            sample_rate: 8000,
+            bits_per_sample: 16,
+            sample_format: hound::SampleFormat::Int,
+        };
+        let b = hound_bytes(st, |w| {
+            for (l, r) in [(16384i16, 0i16), (-32768, -32768), (8192, 8192)] {
+                w.write_sample(l).unwrap();
+                w.write_sample(r).unwrap();
+            }
+        });
+        assert_eq!(parse_wav(&b).unwrap(), (vec![0.25, -1.0, 0.25], 8000));
+        // 8-bit (unsigned in the file), 24-bit and float.
+        let b = hound_bytes(
+            hound::WavSpec {
+                bits_per_sample: 8,
+                channels: 1,
+                ..st
+            },
+            |w| {
+                for v in [-128i8, 0, 64] {
+                    w.write_sample(v).unwrap();
+                }
+            },
+        );
+        assert_eq!(parse_wav(&b).unwrap().0, [-1.0, 0.0, 0.5]);
+        let b = hound_bytes(
+            hound::WavSpec {
+                bits_per_sample: 24,
+                channels: 1,
+                ..st
+            },
+            |w| {
+                for v in [-(1i32 << 23), 1 << 22] {
+                    w.write_sample(v).unwrap();
+                }
+            },
+        );
+        assert_eq!(parse_wav(&b).unwrap().0, [-1.0, 0.5]);
+        let fl = hound::WavSpec {
+            channels: 1,
+            sample_rate: 24_000,
+            bits_per_sample: 32,
+            sample_format: hound::SampleFormat::Float,
+        };
+        let b = hound_bytes(fl, |w| {
+            for v in [0.125f32, -0.5] {
+                w.write_sample(v).unwrap();
+            }
+        });
+        assert_eq!(parse_wav(&b).unwrap(), (vec![0.125, -0.5], 24_000));
+    }
+
+    #[test]
+    fn streamed_wav_reads_to_the_end() {
+        let mut bytes = streaming_header(24000).to_vec();
+        bytes.extend(crate::pcm::f32_to_pcm16_le(&[0.1, -0.1, 0.2]));
+        let (ys, rate) = parse_wav(&bytes).unwrap();
+        assert_eq!(rate, 24000);
+        assert_eq!(ys.len(), 3);
+        assert!((ys[2] - 0.2).abs() < 1e-4);
+        // A cut-off last sample is dropped.
+        bytes.push(0x12);
+        assert_eq!(parse_wav(&bytes).unwrap().0.len(), 3);
+        // Just the header: no samples.
+        assert!(parse_wav(&streaming_header(8000)).unwrap().0.is_empty());
+    }
+
+    #[test]
+    fn garbage_and_truncation_are_errors_never_panics() {
+        use rand::{Rng, SeedableRng};
+        let xs: Vec<f32> = (0..300).map(|i| (i as f32 * 0.1).sin() * 0.5).collect();
+        let bytes = wav_bytes(&xs, 22050).unwrap();
+        assert!(parse_wav(&[]).is_err());
+        assert!(parse_wav(b"RIFF").is_err());
+        assert!(parse_wav(b"OggS\0\0\0\0\0\0\0\0\0\0\0\0").is_err());
+        // Cut anywhere: the header or the data is short, an error either way.
+        for cut in 0..bytes.len() {
+            assert!(parse_wav(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        for _ in 0..2000 {
+            let mut b = bytes[..rng.gen_range(0..200)].to_vec();
+            for _ in 0..rng.gen_range(1..6) {
+                if !b.is_empty() {
+                    let k = rng.gen_range(0..b.len());
+                    b[k] = rng.gen();
+                }
+            }
+            if let Ok((ys, _)) = parse_wav(&b) {
+                assert!(ys.len() <= b.len());
+            }
+            let noise: Vec<u8> = (0..rng.gen_range(0..100)).map(|_| rng.gen()).collect();
+            assert!(parse_wav(&noise).is_err());
+        }
     }
 }

@@ -118,7 +118,12 @@ fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                // The WebRTC stack warns about every peer that hangs up.
+                .unwrap_or_else(|_| {
+                    tracing_subscriber::EnvFilter::new(
+                        "warn,webrtc=error,webrtc_ice=error,webrtc_dtls=error,webrtc_sctp=error,webrtc_srtp=error,webrtc_mdns=error,webrtc_data=error,interceptor=error",
+                    )
+                }),
         )
         .with_writer(std::io::stderr)
         .init();

@@ -169,6 +169,55 @@ pub struct ServerSpec {
     pub api_keys: Vec<String>,
     #[serde(default)]
     pub allowed_origins: Vec<String>,
+    #[serde(default)]
+    pub webrtc: WebRtcSpec,
+}
+
+/// WebRTC peers (`POST /v1/webrtc`): ICE servers for clients behind NAT and
+/// the address a server behind NAT should advertise.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebRtcSpec {
+    /// STUN/TURN servers, as in the browser's `RTCIceServer`.
+    #[serde(default)]
+    pub ice_servers: Vec<IceServerSpec>,
+    /// Public IPs to advertise instead of the host's own (1:1 NAT).
+    #[serde(default)]
+    pub public_ips: Vec<std::net::IpAddr>,
+    /// UDP ports for ICE, `[first, last]`; empty = any ephemeral port.
+    #[serde(default)]
+    pub udp_ports: Option<[u16; 2]>,
+    /// Audio an answer must have queued before it starts playing on the
+    /// track (ms): more delays the first audio, less risks holes mid-answer
+    /// when generation comes in bursts.
+    #[serde(default = "default_playout_lead_ms")]
+    pub playout_lead_ms: u64,
+}
+
+fn default_playout_lead_ms() -> u64 {
+    200
+}
+
+impl Default for WebRtcSpec {
+    fn default() -> Self {
+        Self {
+            ice_servers: vec![],
+            public_ips: vec![],
+            udp_ports: None,
+            playout_lead_ms: default_playout_lead_ms(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IceServerSpec {
+    /// `stun:host:port`, `turn:host:port?transport=udp`, ...
+    pub urls: Vec<String>,
+    #[serde(default)]
+    pub username: Option<String>,
+    #[serde(default)]
+    pub credential: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -258,6 +307,30 @@ impl Profile {
     fn validate(&self) -> Result<(), ProfileError> {
         if self.stages.is_empty() {
             return Err(self.invalid("stages", "at least one stage is required"));
+        }
+        if let Some(w) = self.server.as_ref().map(|s| &s.webrtc) {
+            if let Some([lo, hi]) = w.udp_ports {
+                if lo == 0 || hi < lo {
+                    return Err(self.invalid(
+                        "server.webrtc.udp_ports",
+                        format!("expected [first, last] with 0 < first <= last, got [{lo}, {hi}]"),
+                    ));
+                }
+            }
+            for (i, ice) in w.ice_servers.iter().enumerate() {
+                let bad = ice.urls.is_empty()
+                    || ice.urls.iter().any(|u| {
+                        !["stun:", "stuns:", "turn:", "turns:"]
+                            .iter()
+                            .any(|p| u.starts_with(p))
+                    });
+                if bad {
+                    return Err(self.invalid(
+                        format!("server.webrtc.ice_servers[{i}].urls"),
+                        "expected one or more stun:, stuns:, turn: or turns: URLs",
+                    ));
+                }
+            }
         }
         for (i, s) in self.stages.iter().enumerate() {
             let key = |k: &str| format!("stages[{i}].{k}");

@@ -72,16 +72,21 @@ fn run_page_test(browser: &str, url: &str, limit: Duration) -> Value {
 }
 
 #[test]
-fn page_streams_text_and_audio_in_chromium() {
-    page_streams_text_and_audio(CHROMIUM);
+fn page_calls_over_webrtc_in_chromium() {
+    page_streams_text_and_audio(CHROMIUM, "webrtc");
 }
 
 #[test]
-fn page_streams_text_and_audio_in_firefox() {
-    page_streams_text_and_audio(FIREFOX);
+fn page_calls_over_webrtc_in_firefox() {
+    page_streams_text_and_audio(FIREFOX, "webrtc");
 }
 
-fn page_streams_text_and_audio(browser: (&str, &str, &str)) {
+#[test]
+fn page_streams_over_the_websocket_in_chromium() {
+    page_streams_text_and_audio(CHROMIUM, "websocket");
+}
+
+fn page_streams_text_and_audio(browser: (&str, &str, &str), transport: &str) {
     require_tools(browser);
     let server = spawn_server(&[]);
 
@@ -91,11 +96,8 @@ fn page_streams_text_and_audio(browser: (&str, &str, &str)) {
     assert!(http_get(server.port, "/app.js").contains("omnistreamStats"));
     assert!(http_get(server.port, "/style.css").contains(".composer"));
 
-    let v = run_page_test(
-        browser.0,
-        &format!("{}/", server.url),
-        Duration::from_secs(420),
-    );
+    let url = format!("{}/?transport={transport}", server.url);
+    let v = run_page_test(browser.0, &url, Duration::from_secs(420));
     eprintln!(
         "page test: {}",
         serde_json::to_string_pretty(&v).unwrap_or_default()
@@ -103,6 +105,12 @@ fn page_streams_text_and_audio(browser: (&str, &str, &str)) {
     assert_eq!(v["status"], 200);
     assert_eq!(v["title"], "omnistream");
     assert_eq!(v["browser"], browser.0);
+    // The page connected the asked way (no silent fallback).
+    assert_eq!(
+        v["after_first"]["transport"], transport,
+        "{}",
+        v["status_text"]
+    );
     // The controls carry the names a screen-reader user hears.
     assert_eq!(
         v["labels"],

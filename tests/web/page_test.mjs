@@ -1,5 +1,6 @@
 // Drives the demo page in a real headless browser:
 //   BROWSER=chromium|firefox node page_test.mjs URL [PROMPT]
+// (URL may carry ?transport=websocket to skip the default WebRTC call.)
 // Debian's Chromium is driven over CDP and Debian's Firefox ESR over WebDriver
 // BiDi, both through puppeteer-core (one driver that speaks both; Playwright's
 // Firefox needs its own patched build or a newer Firefox than ESR).
@@ -43,6 +44,9 @@ const launch = {
         "--disable-component-update",
         "--disable-sync",
         "--autoplay-policy=no-user-gesture-required",
+        // The WebRTC call asks for the microphone: a fake device, no prompt.
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
       ],
       defaultViewport: { width: 900, height: 760 },
     }),
@@ -60,6 +64,9 @@ const launch = {
         "app.update.enabled": false,
         "browser.shell.checkDefaultBrowser": false,
         "network.connectivity-service.enabled": false,
+        // The WebRTC call asks for the microphone: a fake device, no prompt.
+        "media.navigator.streams.fake": true,
+        "media.navigator.permission.disabled": true,
       },
       defaultViewport: { width: 900, height: 760 },
     }),
@@ -110,6 +117,7 @@ try {
   // Let the scheduled audio play on a little, to see the audio clock run.
   await new Promise((r) => setTimeout(r, 1000));
   result.after_first = await stats(page);
+  result.status_text = await text(page, "#status");
 
   // Turn 2: Stop as soon as the answer starts; the server must cancel it.
   await ask(page, "Tell me a long story about the sea and the ships on it.");

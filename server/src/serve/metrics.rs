@@ -8,8 +8,8 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use super::state::AppState;
@@ -32,6 +32,9 @@ pub struct Metrics {
     pub ttfp: HistogramVec,
     pub rtf: HistogramVec,
     pub bytes_out: IntCounterVec,
+    /// WebRTC frames of silence sent in the middle of an answer (generation
+    /// slower than real time).
+    pub webrtc_underrun_frames: IntCounter,
     stage: GaugeVec,
 }
 
@@ -94,6 +97,11 @@ impl Metrics {
         registry.register(Box::new(rtf.clone()))?;
         registry.register(Box::new(bytes_out.clone()))?;
         registry.register(Box::new(stage.clone()))?;
+        let webrtc_underrun_frames = IntCounter::new(
+            "webrtc_underrun_frames_total",
+            "WebRTC 20 ms frames of silence sent mid-answer because its audio was late",
+        )?;
+        registry.register(Box::new(webrtc_underrun_frames.clone()))?;
         Ok(Self {
             registry,
             sessions_open,
@@ -105,6 +113,7 @@ impl Metrics {
             ttfp,
             rtf,
             bytes_out,
+            webrtc_underrun_frames,
             stage,
         })
     }
@@ -139,6 +148,14 @@ impl Metrics {
              omnistream_engine_requests_in_flight {}\n",
             stats.requests_in_flight
         ));
+        if let Some(rtc) = state.webrtc.as_ref() {
+            text.push_str(&format!(
+                "# HELP omnistream_webrtc_peers Live WebRTC peer connections\n\
+                 # TYPE omnistream_webrtc_peers gauge\n\
+                 omnistream_webrtc_peers {}\n",
+                rtc.peers()
+            ));
+        }
         // Memory as the kernel counts it (Linux), so a bench can report it.
         let (rss, peak) = process_memory();
         for (name, help, v) in [

@@ -10,6 +10,7 @@ mod sessions;
 mod state;
 mod stream;
 mod web;
+mod webrtc;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -65,7 +66,8 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
         allowed_origins: server.allowed_origins.clone(),
         limits: opts.limits,
     };
-    let state = AppState::new(pipeline, config)?;
+    let rtc = webrtc::WebRtc::new(&server.webrtc).context("setting up WebRTC")?;
+    let state = AppState::new(pipeline, config, Some(rtc))?;
     let app = router(state.clone());
     let addr: SocketAddr = format!("{}:{}", opts.host, opts.port)
         .parse()
@@ -99,6 +101,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(openai::routes())
         .merge(realtime::routes())
         .merge(stream::routes())
+        .merge(webrtc::routes())
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_key,
@@ -178,6 +181,15 @@ impl ApiError {
             code: "overloaded",
             message: message.into(),
             retry_after: Some(1),
+        }
+    }
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            kind: "invalid_request_error",
+            code: "not_found",
+            message: message.into(),
+            retry_after: None,
         }
     }
     pub fn internal(message: impl Into<String>) -> Self {

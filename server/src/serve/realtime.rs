@@ -30,6 +30,7 @@ use omnistream_stages::models::gguf_tokenizer::ChatMessage;
 use super::metrics::TaskGuard;
 use super::sessions::{Session, SessionGuard};
 use super::state::AppState;
+use super::webrtc::media::AudioOut;
 use conn::{Active, ClientError, End, Generation, Outbox, Step};
 
 /// The only output (and input) audio format: pcm16, mono, 24 kHz.
@@ -53,7 +54,7 @@ async fn upgrade(
 }
 
 /// A server event: `type` and a fresh `event_id` added to `body`.
-fn event(kind: &str, mut body: Value) -> Message {
+pub fn event(kind: &str, mut body: Value) -> Message {
     if let Value::Object(m) = &mut body {
         m.insert("type".into(), kind.into());
         m.insert("event_id".into(), conn::new_id("event").into());
@@ -84,14 +85,47 @@ struct Realtime {
     audio_items: VecDeque<(String, Vec<u8>)>,
     last_item: Option<String>,
     active: Option<Active>,
+    /// WebRTC: the paced track the answers' audio goes to.
+    speaker: Option<AudioOut>,
 }
 
 async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
-    let _task = TaskGuard::new(&state.metrics);
     let _conn = conn::ConnGauge::new(&state.metrics, "realtime");
-    let (sink, mut stream) = socket.split();
+    let (sink, stream) = socket.split();
     let slow = error_event(&ClientError::slow_client(), None);
     let out = Outbox::start(sink, &state.metrics, slow);
+    run_session(state, out, stream, session, None).await;
+}
+
+/// Audio that travels outside the event channel (WebRTC): the answer's audio
+/// goes to a paced media track and the microphone comes in as PCM.
+pub struct MediaPath {
+    pub speaker: AudioOut,
+    /// pcm16 LE, 24 kHz mono, as the peer's track is decoded.
+    pub mic: tokio::sync::mpsc::Receiver<Vec<u8>>,
+}
+
+/// Error event for a client too slow to read (the last thing it is sent).
+pub fn slow_client_event() -> Message {
+    error_event(&ClientError::slow_client(), None)
+}
+
+/// A Realtime conversation over any transport: events in from `stream`, out
+/// through `out`; with `media`, audio over a media track instead of events.
+pub async fn run_session<St>(
+    state: Arc<AppState>,
+    out: Outbox,
+    mut stream: St,
+    session: SessionGuard,
+    media: Option<MediaPath>,
+) where
+    St: futures_util::Stream<Item = Result<Message, axum::Error>> + Unpin,
+{
+    let _task = TaskGuard::new(&state.metrics);
+    let (speaker, mut mic) = match media {
+        Some(m) => (Some(m.speaker), Some(m.mic)),
+        None => (None, None),
+    };
     let mut rt = Realtime {
         state,
         out: out.clone(),
@@ -101,6 +135,7 @@ async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
         audio_items: VecDeque::new(),
         last_item: None,
         active: None,
+        speaker,
     };
     rt.send_session("session.created").await;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -115,6 +150,9 @@ async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
                     out.close(Some(error_event(&ClientError::expired(), None)), close_code::POLICY);
                     break;
                 }
+            }
+            Some(pcm) = async { match mic.as_mut() { Some(m) => m.recv().await, None => None } } => {
+                rt.mic_audio(&pcm);
             }
             msg = stream.next() => match msg {
                 None | Some(Ok(Message::Close(_))) => break,
@@ -574,6 +612,14 @@ impl Realtime {
                     .await;
                 Ok(())
             }
+            "output_audio_buffer.clear" if self.speaker.is_some() => {
+                if let Some(sp) = &self.speaker {
+                    sp.clear();
+                }
+                self.send(event("output_audio_buffer.cleared", json!({})))
+                    .await;
+                Ok(())
+            }
             "conversation.item.delete"
             | "conversation.item.truncate"
             | "conversation.item.retrieve"
@@ -718,6 +764,16 @@ impl Realtime {
         }
         self.input_audio.extend_from_slice(&pcm);
         Ok(())
+    }
+
+    /// Microphone audio from a media track: always accepted, keeping the
+    /// newest `MAX_INPUT_AUDIO_BYTES` (a live microphone never stops).
+    fn mic_audio(&mut self, pcm: &[u8]) {
+        self.input_audio.extend_from_slice(pcm);
+        if self.input_audio.len() > MAX_INPUT_AUDIO_BYTES {
+            let excess = self.input_audio.len() - MAX_INPUT_AUDIO_BYTES;
+            self.input_audio.drain(..excess + excess % 2);
+        }
     }
 
     async fn audio_commit(&mut self) -> Result<(), ClientError> {
@@ -866,6 +922,7 @@ impl Realtime {
             record,
             max_out,
             gen,
+            speaker: self.speaker.clone().filter(|_| audio_out),
         };
         tokio::spawn(job.run());
         Ok(())
@@ -886,6 +943,8 @@ struct Job {
     record: bool,
     max_out: Option<usize>,
     gen: Generation,
+    /// WebRTC: audio goes to the track, not into `output_audio.delta` events.
+    speaker: Option<AudioOut>,
 }
 
 impl Job {
@@ -989,6 +1048,15 @@ impl Job {
         loop {
             let msg = match self.gen.next().await {
                 Step::Text(t) => self.delta(text_delta, json!({ "delta": t })),
+                Step::Audio(pcm) if self.speaker.is_some() => {
+                    let queued = self.speaker.as_ref().map(|sp| sp.push(&self.id, &pcm));
+                    if queued.is_some_and(|r| r.is_err()) {
+                        self.gen.abandon();
+                        return Some(End::SlowClient);
+                    }
+                    self.gen.sent_audio();
+                    continue;
+                }
                 Step::Audio(pcm) => self.delta(
                     "response.output_audio.delta",
                     json!({ "delta": base64::engine::general_purpose::STANDARD.encode(&pcm) }),
@@ -1004,6 +1072,9 @@ impl Job {
     }
 
     async fn finish(&mut self, end: End, text: &str) {
+        if let Some(sp) = &self.speaker {
+            sp.end(&self.id);
+        }
         let (status, details, usage) = match &end {
             End::Completed(u) => {
                 let incomplete = self.max_out.is_some_and(|m| u.completion_tokens >= m);
@@ -1091,7 +1162,7 @@ pub(super) mod conn {
     use axum::http::StatusCode;
     use base64::Engine as _;
     use futures_util::stream::SplitSink;
-    use futures_util::SinkExt;
+    use futures_util::{Sink, SinkExt};
     use prometheus::IntGauge;
     use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
@@ -1360,6 +1431,15 @@ pub(super) mod conn {
             metrics: &Metrics,
             slow: Message,
         ) -> Self {
+            Self::start_on(sink, metrics, slow, true)
+        }
+
+        /// The same over any sink of messages (a WebRTC data channel's
+        /// bridge); `pings` off where the transport acknowledges by itself.
+        pub fn start_on<K>(sink: K, metrics: &Metrics, slow: Message, pings: bool) -> Self
+        where
+            K: Sink<Message> + Unpin + Send + 'static,
+        {
             let (tx, rx) = mpsc::unbounded_channel();
             let shared = Arc::new(Shared {
                 tx,
@@ -1369,7 +1449,11 @@ pub(super) mod conn {
                 slow: AtomicBool::new(false),
             });
             let task = TaskGuard::new(metrics);
-            tokio::spawn(write_loop(sink, rx, shared.clone(), slow, task));
+            let reading = Reading {
+                pings,
+                ..Reading::default()
+            };
+            tokio::spawn(write_loop(sink, rx, shared.clone(), slow, task, reading));
             Self(shared)
         }
 
@@ -1436,6 +1520,8 @@ pub(super) mod conn {
     /// The writer's view of whether the client reads what it is sent.
     #[derive(Default)]
     struct Reading {
+        /// Whether to probe the client with pings at all.
+        pings: bool,
         written: u64,
         last_ping_at: u64,
         next_seq: u64,
@@ -1459,7 +1545,10 @@ pub(super) mod conn {
 
         /// A ping to send now, if it is time.
         fn ping(&mut self) -> Option<Message> {
-            if self.outstanding.is_some() || self.written - self.last_ping_at < PING_EVERY_BYTES {
+            if !self.pings
+                || self.outstanding.is_some()
+                || self.written - self.last_ping_at < PING_EVERY_BYTES
+            {
                 return None;
             }
             self.next_seq += 1;
@@ -1479,8 +1568,8 @@ pub(super) mod conn {
 
     /// Sends one message, giving up when the connection closes or the client
     /// turns out too slow.
-    async fn send_watched(
-        sink: &mut SplitSink<WebSocket, Message>,
+    async fn send_watched<K: Sink<Message> + Unpin>(
+        sink: &mut K,
         msg: Message,
         closing: &mut watch::Receiver<Option<Ending>>,
         reading: &mut Reading,
@@ -1506,15 +1595,15 @@ pub(super) mod conn {
         }
     }
 
-    async fn write_loop(
-        mut sink: SplitSink<WebSocket, Message>,
+    async fn write_loop<K: Sink<Message> + Unpin>(
+        mut sink: K,
         mut rx: mpsc::UnboundedReceiver<(Message, OwnedSemaphorePermit)>,
         shared: Arc<Shared>,
         slow: Message,
         _task: TaskGuard,
+        mut reading: Reading,
     ) {
         let mut closing = shared.closing.subscribe();
-        let mut reading = Reading::default();
         let stop = loop {
             let next = tokio::select! {
                 biased;

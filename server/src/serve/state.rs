@@ -26,10 +26,16 @@ pub struct AppState {
     pub metrics: Metrics,
     pub config: ServerConfig,
     pub started_unix: u64,
+    /// WebRTC peers (`POST /v1/webrtc`); `None` where it could not be set up.
+    pub webrtc: Option<super::webrtc::WebRtc>,
 }
 
 impl AppState {
-    pub fn new(pipeline: Pipeline, config: ServerConfig) -> Result<Arc<Self>> {
+    pub fn new(
+        pipeline: Pipeline,
+        config: ServerConfig,
+        webrtc: Option<super::webrtc::WebRtc>,
+    ) -> Result<Arc<Self>> {
         let metrics = Metrics::new()?;
         Ok(Arc::new(Self {
             sessions: SessionManager::new(config.limits.clone(), metrics.clone()),
@@ -39,6 +45,7 @@ impl AppState {
             started_unix: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            webrtc,
         }))
     }
 }

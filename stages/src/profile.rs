@@ -187,15 +187,17 @@ pub struct WebRtcSpec {
     /// UDP ports for ICE, `[first, last]`; empty = any ephemeral port.
     #[serde(default)]
     pub udp_ports: Option<[u16; 2]>,
-    /// Audio an answer must have queued before it starts playing on the
-    /// track (ms): more delays the first audio, less risks holes mid-answer
-    /// when generation comes in bursts.
+    /// How long a new answer is held after its first audio arrives before it
+    /// plays on the track (ms, a jitter buffer): more delays the first audio,
+    /// less risks holes mid-answer when generation comes in bursts.
     #[serde(default = "default_playout_lead_ms")]
     pub playout_lead_ms: u64,
 }
 
 fn default_playout_lead_ms() -> u64 {
-    200
+    // Measured on the tiny CPU pipeline (docs/bench/webrtc.md): 1 s is the
+    // shortest hold with no holes mid-answer at 1 and 2 concurrent calls.
+    1000
 }
 
 impl Default for WebRtcSpec {

@@ -175,7 +175,9 @@ pub struct Speaker {
     silence: Vec<i16>,
     /// Frames of silence sent in the middle of answers, all answers.
     pub underruns: u64,
-    lead_samples: usize,
+    /// Ticks a new answer is held after its first audio arrived.
+    lead_ticks: u32,
+    waited: u32,
 }
 
 impl Speaker {
@@ -184,7 +186,8 @@ impl Speaker {
     /// leave holes mid-answer.
     pub fn new(codec: Codec, queued: Arc<AtomicUsize>, lead: Duration) -> Result<Self, CodecError> {
         Ok(Self {
-            lead_samples: (lead.as_secs_f64() * f64::from(codec.clock_rate())) as usize,
+            lead_ticks: (lead.as_millis() / FRAME.as_millis()) as u32,
+            waited: 0,
             codec,
             encoder: FrameCodec::new(codec)?,
             resampler: StreamResampler::new(SESSION_RATE, codec.clock_rate())?,
@@ -241,12 +244,14 @@ impl Speaker {
         if let Some((response, samples)) = self.pending.front_mut() {
             let done = self.ended.contains(response);
             let starting = !matches!(&self.playing, Some((id, _)) if id == response);
-            let need = if starting {
-                n.max(self.lead_samples)
-            } else {
-                n
+            // A new answer waits `lead` after its first audio arrived (a
+            // jitter buffer: the pipeline delivers in bursts), unless complete.
+            let held = starting && !done && {
+                self.waited += 1;
+                self.waited <= self.lead_ticks
             };
-            if samples.len() >= need || (done && !samples.is_empty()) {
+            if !held && (samples.len() >= n || (done && !samples.is_empty())) {
+                self.waited = 0;
                 let take = samples.len().min(n);
                 let mut frame: Vec<i16> = samples.drain(..take).collect();
                 frame.resize(n, 0);
@@ -446,18 +451,20 @@ mod tests {
     }
 
     #[test]
-    fn an_answer_starts_once_its_lead_is_queued() {
+    fn an_answer_starts_after_its_lead() {
         let (out, mut rx, queued) = AudioOut::new();
-        let mut sp = Speaker::new(Codec::Pcmu, queued, Duration::from_millis(200)).unwrap();
-        out.push("r1", &tone(100)).unwrap();
+        let mut sp = Speaker::new(Codec::Pcmu, queued, Duration::from_millis(100)).unwrap();
+        out.push("r1", &tone(300)).unwrap();
         feed(&mut rx, &mut sp);
-        assert!(matches!(sp.next_slot().unwrap(), Slot::Silence { .. }));
-        out.push("r1", &tone(200)).unwrap();
-        feed(&mut rx, &mut sp);
+        // Held for 100 ms (five ticks) after its audio arrived, then plays.
+        for _ in 0..5 {
+            assert!(matches!(sp.next_slot().unwrap(), Slot::Silence { .. }));
+        }
         assert!(matches!(
             sp.next_slot().unwrap(),
             Slot::Speech { first: true, .. }
         ));
+        assert_eq!(sp.underruns, 0);
         // A short answer that is complete plays at once.
         let (out, mut rx, queued) = AudioOut::new();
         let mut sp = Speaker::new(Codec::Pcmu, queued, Duration::from_millis(500)).unwrap();

@@ -80,6 +80,23 @@ impl Client {
         }
     }
 
+    /// Sends `body` to `path`; returns when it was sent and the response,
+    /// a non-2xx status turned into the server's message.
+    async fn post_json(
+        &self,
+        path: &str,
+        body: &Value,
+    ) -> Result<(Instant, reqwest::Response), String> {
+        let t0 = Instant::now();
+        let resp = self
+            .post(path)
+            .json(body)
+            .send()
+            .await
+            .map_err(|e| describe(&e))?;
+        Ok((t0, ok_or_error_body(resp).await?))
+    }
+
     /// `GET path` → body, for `/health` and `/metrics`.
     pub async fn get_text(&self, path: &str) -> Result<String, String> {
         let mut rb = self
@@ -145,14 +162,7 @@ impl Client {
         if let Some(t) = shape.temperature {
             body["temperature"] = json!(t);
         }
-        let t0 = Instant::now();
-        let resp = self
-            .post("/v1/chat/completions")
-            .json(&body)
-            .send()
-            .await
-            .map_err(|e| describe(&e))?;
-        let resp = ok_or_error_body(resp).await?;
+        let (t0, resp) = self.post_json("/v1/chat/completions", &body).await?;
         let mut tl = Timeline::default();
         let mut sse = SseLines::default();
         let mut stream = resp.bytes_stream();
@@ -201,14 +211,7 @@ impl Client {
             "response_format": "pcm",
             "stream_format": "audio",
         });
-        let t0 = Instant::now();
-        let resp = self
-            .post("/v1/audio/speech")
-            .json(&body)
-            .send()
-            .await
-            .map_err(|e| describe(&e))?;
-        let resp = ok_or_error_body(resp).await?;
+        let (t0, resp) = self.post_json("/v1/audio/speech", &body).await?;
         let mut tl = Timeline::default();
         let mut bytes = 0usize;
         let mut stream = resp.bytes_stream();

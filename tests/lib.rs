@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::Once;
+use std::sync::{Mutex, MutexGuard, Once};
 
 /// The repository root.
 pub fn root() -> PathBuf {
@@ -42,6 +42,15 @@ where
         .current_dir(root())
         .output()
         .expect("running omnistream")
+}
+
+/// Held by a test that judges real-time playback (gaps, underruns, what a
+/// listener hears) so no other test of the same binary loads the 2-core CI
+/// machine meanwhile; `cargo test` runs binaries one at a time, so this is
+/// enough. A panicking holder does not poison it for the others.
+pub fn exclusive() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Word error rate of Whisper tiny.en (faster-whisper over the shipped

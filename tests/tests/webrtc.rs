@@ -5,7 +5,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use omnistream_e2e::{root, spawn_server, whisper_wer, Server};
+use omnistream_e2e::{exclusive, root, spawn_server, whisper_wer, Server};
 use serde_json::Value;
 
 fn peer(server: &Server, args: &[&str]) -> Value {
@@ -105,12 +105,15 @@ fn answer_checks(v: &Value, rate: u64) {
 
 #[test]
 fn opus_and_pcmu_peers_hear_intelligible_answers() {
+    let _alone = exclusive();
     let server = spawn_server(&[]);
     let dir = tempfile::tempdir().unwrap();
     let mut pairs = Vec::new();
     for (codec, rate, prompt) in [
-        ("opus", 48_000, "What is the capital of France?"),
-        ("PCMU", 8_000, "What do bees make?"),
+        // Greedy answers of ~37 words each: one misheard word moves the
+        // pooled WER by ~1.4%, not by 17% as in a six-word answer.
+        ("opus", 48_000, "What do bees make?"),
+        ("PCMU", 8_000, "What is rain?"),
     ] {
         let out = dir.path().join(codec);
         std::fs::create_dir_all(&out).unwrap();
@@ -140,6 +143,7 @@ fn opus_and_pcmu_peers_hear_intelligible_answers() {
 
 #[test]
 fn hanging_up_mid_answer_cancels_it_everywhere() {
+    let _alone = exclusive();
     let server = spawn_server(&[]);
     let cancelled_before = server
         .metric("omnistream_stage{metric=\"cancelled_total\",stage=\"thinker\"}")
@@ -171,6 +175,7 @@ fn hanging_up_mid_answer_cancels_it_everywhere() {
 
 #[test]
 fn fifty_connect_disconnect_cycles_leave_nothing_behind() {
+    let _alone = exclusive();
     let server = spawn_server(&[]);
     peer(&server, &["--cycles", "5"]);
     settled(&server, Duration::from_secs(15));
@@ -197,6 +202,7 @@ fn fifty_connect_disconnect_cycles_leave_nothing_behind() {
 
 #[test]
 fn bad_offers_get_clear_errors_and_the_server_stays_healthy() {
+    let _alone = exclusive();
     let server = spawn_server(&[]);
     let post = |ctype: &str, body: &str| -> (u16, String) {
         let out = Command::new("curl")

@@ -2,7 +2,7 @@
 //! real models, a Rust WebSocket client (tokio-tungstenite).
 //!
 //! `/v1/realtime` (OpenAI Realtime, GA event names) and `/v1/stream` (plain
-//! PCM): answers, audio, cancellation, concurrency without cross-talk, bad
+//! PCM, or Ogg Opus both ways): answers, audio, cancellation, concurrency without cross-talk, bad
 //! input, connection churn and a client that stops reading.
 
 use std::path::Path;
@@ -16,6 +16,7 @@ use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 use omnistream_codecs::pcm::pcm16_le_to_f32;
 use omnistream_codecs::wav::write_wav;
+use omnistream_codecs::{decode_ogg_opus, OggOpusEncoder};
 use omnistream_e2e::{http_get, spawn_server, whisper_wer, Server};
 
 type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
@@ -435,28 +436,7 @@ async fn stream_speaks_at_every_rate_intelligibly() {
             json!({"type": "text", "text": format!("Repeat after me: {sentence}")}),
         )
         .await;
-        let mut pcm = Vec::new();
-        let mut transcript = String::new();
-        let mut response_id = None;
-        let done = loop {
-            match next_msg(&mut ws).await.expect("the stream ended early") {
-                Message::Binary(b) => {
-                    assert!(response_id.is_some(), "audio before audio_start");
-                    pcm.extend_from_slice(&b);
-                }
-                Message::Text(t) => {
-                    let v: Value = serde_json::from_str(&t).expect("JSON");
-                    match v["type"].as_str().unwrap_or_default() {
-                        "audio_start" => response_id = Some(v["response_id"].clone()),
-                        "transcript" => transcript += v["text"].as_str().unwrap_or_default(),
-                        "done" => break v,
-                        other => panic!("unexpected {other}: {v}"),
-                    }
-                }
-                other => panic!("unexpected {other:?}"),
-            }
-        };
-        assert_eq!(Some(done["response_id"].clone()), response_id);
+        let (pcm, transcript, done) = read_stream_answer(&mut ws, None).await;
         assert_eq!(done["status"], "completed", "{done}");
         let secs = done["audio_seconds"].as_f64().expect("audio_seconds");
         assert!(pcm.len() % 2 == 0);
@@ -477,6 +457,164 @@ async fn stream_speaks_at_every_rate_intelligibly() {
     }
     let (wer, detail) = whisper_wer(&pairs);
     assert!(wer <= 0.10, "WER {wer:.3} > 10%: {detail}");
+    assert_idle(&server).await;
+}
+
+/// One `/v1/stream` answer: its audio bytes, transcript and `done` event;
+/// sends `cancel` once `cancel_after` bytes of audio came.
+async fn read_stream_answer(ws: &mut Ws, cancel_after: Option<usize>) -> (Vec<u8>, String, Value) {
+    let mut audio = Vec::new();
+    let mut transcript = String::new();
+    let mut response_id = None;
+    let mut cancelled = false;
+    let done = loop {
+        match next_msg(ws).await.expect("the stream ended early") {
+            Message::Binary(b) => {
+                assert!(response_id.is_some(), "audio before audio_start");
+                audio.extend_from_slice(&b);
+                if cancel_after.is_some_and(|n| audio.len() >= n) && !cancelled {
+                    cancelled = true;
+                    send(ws, json!({"type": "cancel"})).await;
+                }
+            }
+            Message::Text(t) => {
+                let v: Value = serde_json::from_str(&t).expect("JSON");
+                match v["type"].as_str().unwrap_or_default() {
+                    "audio_start" => response_id = Some(v["response_id"].clone()),
+                    "transcript" => transcript += v["text"].as_str().unwrap_or_default(),
+                    "done" => break v,
+                    other => panic!("unexpected {other}: {v}"),
+                }
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(Some(done["response_id"].clone()), response_id);
+    (audio, transcript, done)
+}
+
+/// `seconds` of a 220 Hz tone at 16 kHz as one Ogg Opus stream.
+fn ogg_opus_tone(seconds: f64) -> Vec<u8> {
+    let n = (seconds * 16_000.0) as usize;
+    let tone: Vec<f32> = (0..n)
+        .map(|i| 0.3 * (2.0 * std::f32::consts::PI * 220.0 * i as f32 / 16_000.0).sin())
+        .collect();
+    let mut enc = OggOpusEncoder::new(16_000, None).expect("encoder");
+    let mut bytes = enc.push(&tone).expect("encode");
+    bytes.extend(enc.finish().expect("finish"));
+    bytes
+}
+
+/// Sends `bytes` in binary frames of uneven sizes (Ogg pages split anywhere).
+async fn send_split(ws: &mut Ws, bytes: &[u8]) {
+    let mut rest = bytes;
+    for size in [1usize, 700, 33, 4096].iter().cycle() {
+        if rest.is_empty() {
+            break;
+        }
+        let (now, later) = rest.split_at((*size).min(rest.len()));
+        ws.send(Message::binary(now.to_vec())).await.expect("send");
+        rest = later;
+    }
+}
+
+/// Sends `audio_end`; returns the seconds the server reports buffered.
+async fn audio_end(ws: &mut Ws) -> f64 {
+    send(ws, json!({"type": "audio_end"})).await;
+    let v = next_event(ws).await;
+    assert_eq!(v["type"], "audio_received", "{v}");
+    v["seconds"].as_f64().expect("seconds")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stream_speaks_and_hears_ogg_opus() {
+    let _serial = SERIAL.lock().await;
+    let server = spawn_server(&[]);
+    let mut ws = connect(&server, "/v1/stream").await;
+    // Opus is 48 kHz both ways: another rate is refused, not ignored.
+    send(
+        &mut ws,
+        json!({"type": "start", "format": "opus", "sample_rate": 16000}),
+    )
+    .await;
+    assert_eq!(next_event(&mut ws).await["code"], "unsupported_sample_rate");
+    send(&mut ws, json!({"type": "start", "format": "mp3"})).await;
+    let e = next_event(&mut ws).await;
+    assert_eq!(e["code"], "invalid_event", "{e}");
+    assert!(
+        e["message"].as_str().is_some_and(|m| m.contains("opus")),
+        "{e}"
+    );
+    send(&mut ws, json!({"type": "start", "format": "opus"})).await;
+    let started = next_event(&mut ws).await;
+    assert_eq!(started["type"], "started", "{started}");
+    assert_eq!(started["format"], "opus");
+    assert_eq!(started["sample_rate"], 48_000);
+
+    // Input: an Ogg Opus stream split anywhere is decoded whole.
+    let stream = ogg_opus_tone(1.5);
+    send_split(&mut ws, &stream).await;
+    let first = audio_end(&mut ws).await;
+    assert!((first - 1.5).abs() < 0.03, "{first} s buffered of 1.5 s");
+
+    // A truncated stream: a clear error; what was decoded before stays.
+    send_split(&mut ws, &stream[..stream.len() / 2]).await;
+    send(&mut ws, json!({"type": "audio_end"})).await;
+    let e = next_event(&mut ws).await;
+    assert_eq!(e["code"], "truncated_audio", "{e}");
+    let v = next_event(&mut ws).await;
+    assert_eq!(v["type"], "audio_received", "{v}");
+    let cut = v["seconds"].as_f64().expect("seconds");
+    assert!(cut > first && cut < first + 1.0, "{first} -> {cut}");
+
+    // Garbage: refused once, then its stream's later bytes too; a new
+    // stream after audio_end is taken again.
+    ws.send(Message::binary(b"RIFF....WAVEfmt not ogg at all".repeat(8)))
+        .await
+        .expect("send");
+    assert_eq!(next_event(&mut ws).await["code"], "invalid_audio");
+    ws.send(Message::binary(stream[..100].to_vec()))
+        .await
+        .expect("send");
+    assert_eq!(next_event(&mut ws).await["code"], "invalid_audio");
+    assert_eq!(audio_end(&mut ws).await, cut);
+    send_split(&mut ws, &stream).await;
+    let again = audio_end(&mut ws).await;
+    assert!((again - cut - 1.5).abs() < 0.03, "{cut} -> {again}");
+
+    // Output: each answer is one whole Ogg Opus stream, and it is heard.
+    let sentence = "Please call me back tomorrow morning.";
+    send(
+        &mut ws,
+        json!({"type": "text", "text": format!("Repeat after me: {sentence}")}),
+    )
+    .await;
+    let (ogg, transcript, done) = read_stream_answer(&mut ws, None).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let (pcm, rate) = decode_ogg_opus(&ogg).expect("the answer is one valid Ogg Opus stream");
+    assert_eq!(rate, 48_000);
+    let secs = done["audio_seconds"].as_f64().expect("audio_seconds");
+    let decoded = pcm.len() as f64 / 48_000.0;
+    assert!(
+        secs > 1.0 && (decoded - secs).abs() < 0.03,
+        "{decoded} s decoded, {secs} s said"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let wav = dir.path().join("answer_opus.wav");
+    write_wav(&wav, &pcm, 48_000).expect("write wav");
+    let (wer, detail) = whisper_wer(&[(wav, transcript)]);
+    assert!(wer <= 0.10, "WER {wer:.3} > 10%: {detail}");
+
+    // A cancelled answer still ends its Ogg stream: the bytes are a valid file.
+    send(
+        &mut ws,
+        json!({"type": "text", "text": "Tell me a long story about the sea."}),
+    )
+    .await;
+    let (ogg, _, done) = read_stream_answer(&mut ws, Some(1)).await;
+    assert_eq!(done["status"], "cancelled", "{done}");
+    decode_ogg_opus(&ogg).expect("a cancelled answer is still a valid Ogg Opus stream");
+    ws.close(None).await.ok();
     assert_idle(&server).await;
 }
 

@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use omnistream_stages::engine::{Modalities, RequestInput, RequestSpec};
 use omnistream_stages::models::gguf_tokenizer::ChatMessage;
 
+use super::audio::OutputFormat;
 use super::metrics::TaskGuard;
 use super::sessions::{Session, SessionGuard};
 use super::state::AppState;
@@ -898,7 +899,7 @@ impl Realtime {
             &self.out,
             "realtime",
             spec,
-            audio_out.then_some(RATE),
+            audio_out.then_some(OutputFormat::Pcm16 { rate: RATE }),
             cancel_rx,
         )?;
         let id = conn::new_id("resp");
@@ -1701,9 +1702,11 @@ pub(super) mod conn {
         cancel: watch::Receiver<bool>,
         metrics: Metrics,
         endpoint: &'static str,
-        /// Output rate when the client wants audio.
-        rate: Option<u32>,
+        /// The client's audio format, when it wants audio.
+        format: Option<OutputFormat>,
         encoder: Option<AudioEncoder>,
+        /// Pipeline audio taken in, in seconds (what an Ogg Opus answer lasts).
+        pipeline_seconds: f64,
         pending: Option<End>,
         started: Instant,
         first_text: bool,
@@ -1721,7 +1724,7 @@ pub(super) mod conn {
             out: &Outbox,
             endpoint: &'static str,
             spec: RequestSpec,
-            rate: Option<u32>,
+            format: Option<OutputFormat>,
             cancel: watch::Receiver<bool>,
         ) -> Result<Self, ClientError> {
             let in_flight = state.sessions.begin_request().map_err(ClientError::from)?;
@@ -1738,8 +1741,9 @@ pub(super) mod conn {
                 cancel,
                 metrics: state.metrics.clone(),
                 endpoint,
-                rate,
+                format,
                 encoder: None,
+                pipeline_seconds: 0.0,
                 pending: None,
                 started: Instant::now(),
                 first_text: true,
@@ -1756,12 +1760,26 @@ pub(super) mod conn {
             &self.text
         }
 
-        /// Seconds of audio handed out at the client's rate.
+        /// Seconds of audio handed out: exact for PCM (bytes at the client's
+        /// rate), the pipeline's audio for Ogg Opus.
         pub fn audio_seconds(&self) -> f64 {
-            match self.rate {
-                Some(r) if r > 0 => self.out_bytes as f64 / 2.0 / f64::from(r),
+            match self.format {
+                Some(OutputFormat::Pcm16 { rate } | OutputFormat::Wav { rate }) if rate > 0 => {
+                    self.out_bytes as f64 / 2.0 / f64::from(rate)
+                }
+                Some(OutputFormat::OggOpus) => self.pipeline_seconds,
                 _ => 0.0,
             }
+        }
+
+        /// After a cancelled answer: the end of an Ogg Opus stream (its last
+        /// pages, end-of-stream flag set), so what the client saved is still a
+        /// valid file. Nothing for PCM, whose bytes need no closing.
+        pub fn seal(&mut self) -> Vec<u8> {
+            if self.format != Some(OutputFormat::OggOpus) {
+                return Vec::new();
+            }
+            self.flush().unwrap_or_default()
         }
 
         /// Stops the request in every stage.
@@ -1788,11 +1806,15 @@ pub(super) mod conn {
         }
 
         fn encode(&mut self, samples: &[f32], input_rate: u32) -> Result<Vec<u8>, String> {
-            let Some(rate) = self.rate else {
+            let Some(format) = self.format else {
                 return Ok(Vec::new());
             };
             if self.encoder.is_none() {
-                self.encoder = Some(new_encoder(rate, input_rate)?);
+                self.encoder =
+                    Some(AudioEncoder::new(format, input_rate).map_err(|e| e.to_string())?);
+            }
+            if input_rate > 0 {
+                self.pipeline_seconds += samples.len() as f64 / f64::from(input_rate);
             }
             match self.encoder.as_mut() {
                 Some(e) => e.push(samples).map_err(|e| e.to_string()),
@@ -1932,9 +1954,5 @@ pub(super) mod conn {
                 }
             }
         }
-    }
-
-    fn new_encoder(rate: u32, input_rate: u32) -> Result<AudioEncoder, String> {
-        AudioEncoder::new(OutputFormat::Pcm16 { rate }, input_rate).map_err(|e| e.to_string())
     }
 }

@@ -1,9 +1,11 @@
 //! `GET /v1/stream`: a plain WebSocket for PCM clients (see `docs/stream.md`).
 //!
-//! JSON text frames carry control (`start`, `text`, `cancel` in; `started`,
-//! `transcript`, `audio_start`, `done`, `error` out); binary frames carry
-//! PCM16 LE mono both ways, at the rate the client chose in `start`. Output
-//! frames have no header: their order is the audio's order.
+//! JSON text frames carry control (`start`, `text`, `cancel`, `audio_end` in;
+//! `started`, `transcript`, `audio_start`, `done`, `audio_received`, `error`
+//! out); binary frames carry audio both ways: PCM16 LE mono at the rate the
+//! client chose in `start`, or with `"format":"opus"` Ogg Opus (one stream per
+//! input utterance, one per answer). Output frames have no header: their
+//! order is the audio's order.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,9 +21,13 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
+use omnistream_codecs::ogg_opus::OPUS_RATE;
+use omnistream_codecs::pcm::f32_to_pcm16_le;
+use omnistream_codecs::{CodecError, OggOpusDecoder};
 use omnistream_stages::engine::{Modalities, RequestInput, RequestSpec};
 use omnistream_stages::models::gguf_tokenizer::ChatMessage;
 
+use super::audio::OutputFormat;
 use super::metrics::TaskGuard;
 use super::realtime::conn::{self, Active, ClientError, End, Generation, Outbox, Step};
 use super::sessions::SessionGuard;
@@ -33,6 +39,10 @@ pub const SAMPLE_RATES: [u32; 4] = [8_000, 16_000, 24_000, 48_000];
 const MAX_INPUT_AUDIO_SECONDS: usize = 60;
 /// Longest user turn, in characters.
 const MAX_TEXT_CHARS: usize = 4096;
+/// Ogg Opus input is decoded this many bytes at a time, the buffer's cap
+/// checked in between: a few bytes of Opus can stand for 120 ms of audio, so a
+/// whole message decoded at once could outgrow memory before any check.
+const OPUS_DECODE_SLICE: usize = 512;
 
 pub fn routes() -> Router<Arc<AppState>> {
     Router::new().route("/v1/stream", get(upgrade))
@@ -61,9 +71,32 @@ fn error_msg(e: &ClientError) -> Message {
     msg(json!({"type": "error", "code": e.code, "message": e.message}))
 }
 
+/// How audio travels both ways, chosen in `start`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Format {
+    /// Headerless PCM16 LE mono at `sample_rate`.
+    #[default]
+    Pcm16,
+    /// Ogg Opus, 48 kHz: the client sends one Ogg stream per utterance and
+    /// gets one per answer.
+    Opus,
+}
+
+impl Format {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Pcm16 => "pcm16",
+            Self::Opus => "opus",
+        }
+    }
+}
+
 #[derive(Deserialize)]
 struct Start {
-    sample_rate: u32,
+    #[serde(default)]
+    format: Format,
+    sample_rate: Option<u32>,
     voice: Option<String>,
     instructions: Option<String>,
 }
@@ -79,7 +112,13 @@ struct PcmStream {
     session: SessionGuard,
     /// Chosen in `start`; nothing else is accepted before.
     rate: Option<u32>,
+    format: Format,
+    /// Input audio as PCM16 LE at `rate` (Ogg Opus input decoded).
     input_audio: Vec<u8>,
+    /// The Ogg Opus input stream being received, until `audio_end`. In a
+    /// Mutex only to be `Sync` (libopus's handle is not), as `&self` crosses
+    /// awaits; only this connection's task touches it.
+    opus_in: std::sync::Mutex<Option<OggOpusDecoder>>,
     active: Option<Active>,
 }
 
@@ -93,7 +132,9 @@ async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
         out: out.clone(),
         session,
         rate: None,
+        format: Format::Pcm16,
         input_audio: Vec::new(),
+        opus_in: std::sync::Mutex::new(None),
         active: None,
     };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -178,9 +219,10 @@ impl PcmStream {
             "start" => self.start(fields(v, "start")?).await,
             "text" => self.text(fields(v, "text")?).await,
             "cancel" => self.cancel(),
+            "audio_end" => self.audio_end().await,
             other => Err(ClientError::invalid(
                 "unknown_event_type",
-                format!("unknown message type {other:?}: use start, text or cancel"),
+                format!("unknown message type {other:?}: use start, text, cancel or audio_end"),
             )),
         }
     }
@@ -192,15 +234,29 @@ impl PcmStream {
                 "the stream is already started; open a new connection for another rate",
             ));
         }
-        if !SAMPLE_RATES.contains(&s.sample_rate) {
-            return Err(ClientError::invalid(
-                "unsupported_sample_rate",
-                format!(
-                    "sample_rate {} is not supported: use one of {SAMPLE_RATES:?}",
-                    s.sample_rate
-                ),
-            ));
-        }
+        let rate = match (s.format, s.sample_rate) {
+            (Format::Pcm16, Some(r)) if SAMPLE_RATES.contains(&r) => r,
+            (Format::Pcm16, Some(r)) => {
+                return Err(ClientError::invalid(
+                    "unsupported_sample_rate",
+                    format!("sample_rate {r} is not supported: use one of {SAMPLE_RATES:?}"),
+                ))
+            }
+            (Format::Pcm16, None) => {
+                return Err(ClientError::invalid(
+                    "invalid_event",
+                    format!("start: pcm16 needs a sample_rate, one of {SAMPLE_RATES:?}"),
+                ))
+            }
+            // Ogg Opus carries its own timing and always decodes at 48 kHz.
+            (Format::Opus, None | Some(OPUS_RATE)) => OPUS_RATE,
+            (Format::Opus, Some(r)) => {
+                return Err(ClientError::invalid(
+                    "unsupported_sample_rate",
+                    format!("sample_rate {r} does not apply to opus, which is 48000 both ways: leave it out"),
+                ))
+            }
+        };
         if let Some(v) = s.voice.as_deref().filter(|v| *v != "joe") {
             return Err(ClientError::invalid(
                 "unsupported_voice",
@@ -210,13 +266,14 @@ impl PcmStream {
         self.state.sessions.with(&self.session.id, |sess| {
             sess.voice = s.voice.clone();
             sess.instructions = s.instructions.clone().filter(|i| !i.trim().is_empty());
-            sess.input_format = format!("pcm16@{}", s.sample_rate);
-            sess.output_format = format!("pcm16@{}", s.sample_rate);
+            sess.input_format = format!("{}@{rate}", s.format.name());
+            sess.output_format = format!("{}@{rate}", s.format.name());
         });
-        self.rate = Some(s.sample_rate);
+        self.rate = Some(rate);
+        self.format = s.format;
         self.send(msg(json!({
             "type": "started", "session_id": self.session.id,
-            "sample_rate": s.sample_rate, "voice": "joe",
+            "format": s.format.name(), "sample_rate": rate, "voice": "joe",
         })))
         .await;
         Ok(())
@@ -268,7 +325,10 @@ impl PcmStream {
             &self.out,
             "stream",
             spec,
-            Some(rate),
+            Some(match self.format {
+                Format::Pcm16 => OutputFormat::Pcm16 { rate },
+                Format::Opus => OutputFormat::OggOpus,
+            }),
             cancel_rx,
         )?;
         let id = conn::new_id("resp");
@@ -286,6 +346,7 @@ impl PcmStream {
             session_id: self.session.id.clone(),
             id,
             rate,
+            format: self.format,
             gen,
         };
         tokio::spawn(job.run());
@@ -305,25 +366,90 @@ impl PcmStream {
         }
     }
 
-    fn on_audio(&mut self, pcm: &[u8]) -> Result<(), ClientError> {
-        let rate = self.rate.ok_or_else(Self::not_started)? as usize;
-        if pcm.len() % 2 == 1 {
+    fn on_audio(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
+        let rate = self.rate.ok_or_else(Self::not_started)?;
+        match self.format {
+            Format::Pcm16 => {
+                if bytes.len() % 2 == 1 {
+                    return Err(ClientError::invalid(
+                        "invalid_audio",
+                        "binary frames are PCM16 LE: an even number of bytes",
+                    ));
+                }
+                if self.input_audio.len() + bytes.len() > Self::input_cap(rate) {
+                    return Err(Self::buffer_full("this frame was dropped"));
+                }
+                self.input_audio.extend_from_slice(bytes);
+                Ok(())
+            }
+            Format::Opus => self.on_opus(bytes, rate),
+        }
+    }
+
+    /// Decodes the next bytes of the Ogg Opus input stream (split anywhere)
+    /// into the input buffer. A malformed stream is reported once; its later
+    /// bytes are refused until `audio_end` starts a new stream. Audio decoded
+    /// before the fault stays in the buffer.
+    fn on_opus(&mut self, bytes: &[u8], rate: u32) -> Result<(), ClientError> {
+        let opus_in = self.opus_in.get_mut().unwrap_or_else(|e| e.into_inner());
+        let dec = opus_in.get_or_insert_with(OggOpusDecoder::new);
+        if dec.is_finished() {
             return Err(ClientError::invalid(
-                "invalid_audio",
-                "binary frames are PCM16 LE: an even number of bytes",
+                "input_stream_ended",
+                "this Ogg Opus stream already ended (end-of-stream page): send {\"type\":\"audio_end\"} before the next stream",
             ));
         }
-        let cap = rate * 2 * MAX_INPUT_AUDIO_SECONDS;
-        if self.input_audio.len() + pcm.len() > cap {
-            return Err(ClientError::invalid(
-                "input_audio_buffer_full",
-                format!(
-                    "input audio is kept for voice input (a later issue), at most {MAX_INPUT_AUDIO_SECONDS} s; this frame was dropped"
-                ),
-            ));
+        let cap = Self::input_cap(rate);
+        for slice in bytes.chunks(OPUS_DECODE_SLICE) {
+            let samples = dec.push(slice).map_err(|e| {
+                ClientError::invalid(
+                    "invalid_audio",
+                    format!("the Ogg Opus input is not valid ({e}); the audio decoded before it is kept, send {{\"type\":\"audio_end\"}} to start a new stream"),
+                )
+            })?;
+            let pcm = f32_to_pcm16_le(&samples);
+            let room = cap.saturating_sub(self.input_audio.len());
+            if pcm.len() > room {
+                self.input_audio.extend_from_slice(&pcm[..room - room % 2]);
+                return Err(Self::buffer_full("the audio past it was dropped"));
+            }
+            self.input_audio.extend_from_slice(&pcm);
         }
-        self.input_audio.extend_from_slice(pcm);
         Ok(())
+    }
+
+    /// The end of the client's input utterance: closes an Ogg Opus stream (an
+    /// error if it was cut short) and reports what the buffer holds.
+    async fn audio_end(&mut self) -> Result<(), ClientError> {
+        let rate = self.rate.ok_or_else(Self::not_started)?;
+        let opus_in = self.opus_in.get_mut().unwrap_or_else(|e| e.into_inner());
+        // A stream that failed earlier was reported then; only a cut is news.
+        let truncated = match opus_in.take().map(|mut d| d.finish()) {
+            Some(Err(e @ CodecError::Truncated(_))) => Some(e),
+            _ => None,
+        };
+        let seconds = self.input_audio.len() as f64 / 2.0 / f64::from(rate);
+        if let Some(e) = truncated {
+            let e = ClientError::invalid(
+                "truncated_audio",
+                format!("the Ogg Opus input stream was cut short ({e}); the {seconds:.2} s decoded so far are kept"),
+            );
+            self.send(error_msg(&e)).await;
+        }
+        self.send(msg(json!({"type": "audio_received", "seconds": seconds})))
+            .await;
+        Ok(())
+    }
+
+    fn input_cap(rate: u32) -> usize {
+        rate as usize * 2 * MAX_INPUT_AUDIO_SECONDS
+    }
+
+    fn buffer_full(what: &str) -> ClientError {
+        ClientError::invalid(
+            "input_audio_buffer_full",
+            format!("input audio is kept for voice input (a later issue), at most {MAX_INPUT_AUDIO_SECONDS} s; {what}"),
+        )
     }
 }
 
@@ -334,6 +460,7 @@ struct Job {
     session_id: String,
     id: String,
     rate: u32,
+    format: Format,
     gen: Generation,
 }
 
@@ -353,6 +480,13 @@ impl Job {
         let Some(end) = end else {
             return;
         };
+        // A cut-short Ogg Opus answer still ends its stream: a valid file.
+        if matches!(end, End::Cancelled | End::Failed(_)) {
+            let tail = self.gen.seal();
+            if !tail.is_empty() && self.out.send(Message::Binary(tail.into())).await.is_err() {
+                return;
+            }
+        }
         let status = match end {
             End::Completed(_) => "completed",
             End::Cancelled => "cancelled",
@@ -379,7 +513,8 @@ impl Job {
 
     async fn stream(&mut self) -> Option<End> {
         let start = msg(json!({
-            "type": "audio_start", "response_id": self.id, "sample_rate": self.rate,
+            "type": "audio_start", "response_id": self.id,
+            "format": self.format.name(), "sample_rate": self.rate,
         }));
         if self.out.send(start).await.is_err() {
             self.gen.abandon();

@@ -5,3 +5,4 @@ pub mod engine;
 pub mod models;
 pub mod profile;
 pub mod roles;
+pub mod vad;

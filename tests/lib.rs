@@ -81,6 +81,34 @@ pub fn whisper_wer(pairs: &[(PathBuf, String)]) -> (f64, serde_json::Value) {
     (v["wer"].as_f64().expect("wer field"), v)
 }
 
+/// Word errors (substitutions, insertions, deletions) of `hyp` against
+/// `reference`, and the reference's word count; both normalised as
+/// `tests/python/wer.py` does for text without numbers (lower case, no
+/// punctuation).
+pub fn word_error_rate(reference: &str, hyp: &str) -> (usize, usize) {
+    let words = |s: &str| -> Vec<String> {
+        s.to_lowercase()
+            .chars()
+            .filter(|c| !matches!(c, '\'' | '\u{2019}' | '`'))
+            .map(|c| if c.is_alphanumeric() { c } else { ' ' })
+            .collect::<String>()
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect()
+    };
+    let (r, h) = (words(reference), words(hyp));
+    let mut prev: Vec<usize> = (0..=h.len()).collect();
+    for (i, rw) in r.iter().enumerate() {
+        let mut cur = vec![i + 1; h.len() + 1];
+        for (j, hw) in h.iter().enumerate() {
+            let sub = prev[j] + usize::from(rw != hw);
+            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    (prev[h.len()], r.len())
+}
+
 /// A running `omnistream serve` on a free loopback port; killed on drop.
 pub struct Server {
     child: std::process::Child,

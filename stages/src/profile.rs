@@ -39,6 +39,9 @@ pub enum StageKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ModelType {
+    /// Whisper in CTranslate2's format (`model.bin` with its `config.json`,
+    /// `tokenizer.json` beside it) as Listener: speech to text.
+    WhisperCt2,
     /// A llama-architecture GGUF chat model (SmolLM2) as Thinker.
     GgufLlama,
     /// Piper VITS text encoder + duration predictor + flow: phonemes to latent frames.
@@ -171,6 +174,33 @@ pub struct ServerSpec {
     pub allowed_origins: Vec<String>,
     #[serde(default)]
     pub webrtc: WebRtcSpec,
+    /// Voice activity detection for `server_vad` turn detection; without it
+    /// clients commit their turns themselves.
+    #[serde(default)]
+    pub vad: Option<VadSpec>,
+}
+
+/// Silero VAD for turn detection, and the knobs that suit the audio path
+/// (clients set threshold, padding and silence per session).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VadSpec {
+    /// The 16 kHz Silero VAD safetensors, relative to the profile's folder.
+    pub model: PathBuf,
+    /// Speech needed without a gap before a turn starts (ms): longer ignores
+    /// clicks and short echoes.
+    #[serde(default = "default_min_speech_ms")]
+    pub min_speech_ms: u32,
+    /// After an answer starts playing, speech is not taken as an interruption
+    /// for this long (ms): for speakerphones and telephony, where the answer
+    /// comes back in the microphone. 0 for headsets and browsers with echo
+    /// cancellation.
+    #[serde(default)]
+    pub echo_guard_ms: u32,
+}
+
+fn default_min_speech_ms() -> u32 {
+    250
 }
 
 /// WebRTC peers (`POST /v1/webrtc`): ICE servers for clients behind NAT and
@@ -301,7 +331,7 @@ impl Profile {
     pub fn connector_kind(&self, from: usize) -> Option<ConnectorKind> {
         let up = self.stages.get(from)?;
         Some(match up.model.model_type {
-            ModelType::GgufLlama => ConnectorKind::Text,
+            ModelType::WhisperCt2 | ModelType::GgufLlama => ConnectorKind::Text,
             ModelType::PiperTalker | ModelType::PiperDecoder => ConnectorKind::Frames,
         })
     }
@@ -330,6 +360,29 @@ impl Profile {
                     return Err(self.invalid(
                         format!("server.webrtc.ice_servers[{i}].urls"),
                         "expected one or more stun:, stuns:, turn: or turns: URLs",
+                    ));
+                }
+            }
+        }
+        if let Some(v) = self.server.as_ref().and_then(|s| s.vad.as_ref()) {
+            let p = self.resolve(&v.model);
+            if !p.is_file() {
+                return Err(self.invalid(
+                    "server.vad.model",
+                    format!(
+                        "{} does not exist (run `omnistream fetch-models`)",
+                        p.display()
+                    ),
+                ));
+            }
+            for (k, ms) in [
+                ("min_speech_ms", v.min_speech_ms),
+                ("echo_guard_ms", v.echo_guard_ms),
+            ] {
+                if ms > 10_000 {
+                    return Err(self.invalid(
+                        format!("server.vad.{k}"),
+                        format!("{ms} ms is over the 10000 ms limit"),
                     ));
                 }
             }
@@ -368,7 +421,7 @@ impl Profile {
                 ));
             }
             let expected_kind = match s.model.model_type {
-                ModelType::GgufLlama => StageKind::Ar,
+                ModelType::WhisperCt2 | ModelType::GgufLlama => StageKind::Ar,
                 ModelType::PiperTalker | ModelType::PiperDecoder => StageKind::Generation,
             };
             if s.kind != expected_kind {
@@ -407,7 +460,8 @@ impl Profile {
             let (i, pair) = w;
             let ok = matches!(
                 (pair[0], pair[1]),
-                (ModelType::GgufLlama, ModelType::PiperTalker)
+                (ModelType::WhisperCt2, ModelType::GgufLlama)
+                    | (ModelType::GgufLlama, ModelType::PiperTalker)
                     | (ModelType::PiperTalker, ModelType::PiperDecoder)
             );
             if !ok {
@@ -492,7 +546,7 @@ impl Profile {
                 "seed",
             ],
             ModelType::PiperTalker => &["noise_scale", "length_scale", "noise_w", "seed"],
-            ModelType::PiperDecoder => &[],
+            ModelType::PiperDecoder | ModelType::WhisperCt2 => &[],
         };
         for k in s.sampling.set_keys() {
             if !allowed.contains(&k) {

@@ -21,6 +21,14 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The profile's Thinker stage (after the Listener in the default profile).
+fn thinker(pr: &mut Profile) -> &mut omnistream_stages::profile::StageSpec {
+    pr.stages
+        .iter_mut()
+        .find(|s| s.name == "thinker")
+        .expect("a thinker stage")
+}
+
 fn profile() -> Profile {
     Profile::load(&root().join("deploy/tiny-cpu.yaml"))
         .expect("deploy/tiny-cpu.yaml (run `omnistream fetch-models` first)")
@@ -297,12 +305,17 @@ fn max_num_seqs_and_span_knobs_change_behaviour() {
         for h in &hs {
             assert_eq!(collect(h).error, None);
         }
-        let t = &p.stats().stages[0];
+        let stats = p.stats();
+        let t = stats
+            .stages
+            .iter()
+            .find(|s| s.name == "thinker")
+            .expect("a thinker stage");
         t.batch_items_total as f64 / t.steps as f64
     };
-    pr.stages[0].max_num_seqs = 1;
+    thinker(&mut pr).max_num_seqs = 1;
     assert_eq!(mean_batch(&pr), 1.0);
-    pr.stages[0].max_num_seqs = 8;
+    thinker(&mut pr).max_num_seqs = 8;
     assert!(mean_batch(&pr) > 1.5);
 
     // Span policy: a huge min_span_chars leaves one span per sentence-final flush.
@@ -314,7 +327,12 @@ fn max_num_seqs_and_span_knobs_change_behaviour() {
         let mut s = chat("Say: one, two, three, four, five, six.", 40);
         s.sampling.seed = Some(1);
         assert_eq!(collect(&p.submit(s).unwrap()).error, None);
-        p.stats().stages[1].steps
+        p.stats()
+            .stages
+            .iter()
+            .find(|s| s.name == "talker")
+            .expect("a talker stage")
+            .steps
     };
     assert!(talker_steps(2) > talker_steps(100_000));
 }
@@ -384,7 +402,7 @@ fn prefix_cache_reuses_kv_without_changing_the_answer() {
     let question = "What is the capital of France?";
     let run = |entries: usize| {
         let mut pr = profile();
-        pr.stages[0].prefix_cache_entries = Some(entries);
+        thinker(&mut pr).prefix_cache_entries = Some(entries);
         let p = build_pipeline(&pr).unwrap();
         let mut s = chat(question, 12);
         s.modalities = Modalities::TEXT;

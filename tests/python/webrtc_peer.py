@@ -12,6 +12,9 @@ events seen, the transcript, and the received audio's frame timing (largest gap
 between frames while the answer plays, whether RTP-derived timestamps only go
 up); writes the answer's audio to DIR/answer.wav. With --hangup-after-audio-ms
 it closes the peer connection that long after the first audio of the answer.
+With --mic-wav FILE the microphone says FILE instead of humming: the session
+turns `server_vad` on and the spoken question is found, heard (its transcript
+in `mic_transcript`) and answered without a text prompt.
 """
 import argparse
 import asyncio
@@ -35,16 +38,19 @@ import av
 
 
 class Tone(MediaStreamTrack):
-    """A microphone that hums: 20 ms frames of a 440 Hz tone at 48 kHz, paced."""
+    """A microphone, 20 ms frames at 48 kHz, paced: it hums a 440 Hz tone,
+    or with `speech` (mono float samples at 48 kHz) says that once after
+    half a second, then stays silent."""
 
     kind = "audio"
 
-    def __init__(self):
+    def __init__(self, speech=None):
         super().__init__()
         self.rate = 48000
         self.n = 960
         self.pts = 0
         self.start = None
+        self.speech = speech
 
     async def recv(self):
         if self.start is None:
@@ -53,8 +59,17 @@ class Tone(MediaStreamTrack):
         delay = due - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        t = (np.arange(self.n) + self.pts) / self.rate
-        pcm = (0.2 * 32767 * np.sin(2 * math.pi * 440 * t)).astype(np.int16)
+        if self.speech is None:
+            t = (np.arange(self.n) + self.pts) / self.rate
+            pcm = (0.2 * 32767 * np.sin(2 * math.pi * 440 * t)).astype(np.int16)
+        else:
+            lead = self.rate // 2
+            i = self.pts - lead
+            x = np.zeros(self.n, np.float32)
+            if i + self.n > 0 and i < len(self.speech):
+                part = self.speech[max(i, 0):i + self.n]
+                x[max(-i, 0):max(-i, 0) + len(part)] = part
+            pcm = (np.clip(x, -1, 1) * 32767).astype(np.int16)
         frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
         frame.sample_rate = self.rate
         frame.pts = self.pts
@@ -77,7 +92,14 @@ def post_offer(url, sdp, api_key):
 async def run(args, out_dir):
     pc = RTCPeerConnection()
     result = {"codec": args.codec, "events": [], "errors": []}
-    transceiver = pc.addTransceiver(Tone(), direction="sendrecv")
+    speech = None
+    if args.mic_wav:
+        with wave.open(args.mic_wav) as w:
+            rate = w.getframerate()
+            x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
+        n = int(len(x) * 48000 / rate)
+        speech = np.interp(np.arange(n) * rate / 48000, np.arange(len(x)), x).astype(np.float32)
+    transceiver = pc.addTransceiver(Tone(speech), direction="sendrecv")
     caps = RTCRtpSender.getCapabilities("audio").codecs
     transceiver.setCodecPreferences([c for c in caps if c.mimeType.lower() == "audio/" + args.codec.lower()])
     dc = pc.createDataChannel("oai-events")
@@ -129,26 +151,44 @@ async def run(args, out_dir):
             item = e.get("item") or {}
             if item.get("audio_seconds") is not None:
                 result["mic_seconds"] = item["audio_seconds"]
-            if e["type"] == kind:
+            if e["type"] == kind or (isinstance(kind, tuple) and e["type"] in kind):
                 return e
 
     created = await next_event("session.created")
     result["session_id"] = created["session"]["id"]
-    # One second of microphone, then commit it: proves the track's audio arrived.
-    await asyncio.sleep(1.2)
-    dc.send(json.dumps({"type": "input_audio_buffer.commit"}))
-    committed = await next_event("input_audio_buffer.committed", 20)
-    result["committed_item"] = committed.get("item_id")
-    await next_event("conversation.item.input_audio_transcription.failed", 20)
+    heard = ("conversation.item.input_audio_transcription.completed",
+             "conversation.item.input_audio_transcription.failed")
+    if speech is not None:
+        # Hands-free: the server finds the turn, hears it and answers it.
+        dc.send(json.dumps({"type": "session.update", "session": {
+            "max_output_tokens": args.max_tokens,
+            "audio": {"input": {"turn_detection": {"type": "server_vad"}}}}}))
+        await next_event("session.updated", 20)
+        stopped = await next_event("input_audio_buffer.speech_stopped", 60)
+        stopped_at = time.monotonic()
+        committed = await next_event("input_audio_buffer.committed", 20)
+        result["committed_item"] = committed.get("item_id")
+        t = await next_event(heard, 120)
+        result["mic_transcript"] = t.get("transcript")
+        result["speech_end_ms"] = stopped.get("audio_end_ms")
+        asked = stopped_at
+    else:
+        # One second of microphone, then commit it: proves the track's audio arrived.
+        await asyncio.sleep(1.2)
+        dc.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        committed = await next_event("input_audio_buffer.committed", 20)
+        result["committed_item"] = committed.get("item_id")
+        t = await next_event(heard, 120)
+        result["mic_transcript"] = t.get("transcript")
 
-    dc.send(json.dumps({
-        "type": "conversation.item.create",
-        "item": {"type": "message", "role": "user",
-                 "content": [{"type": "input_text", "text": args.prompt}]},
-    }))
-    asked = time.monotonic()
-    dc.send(json.dumps({"type": "response.create",
-                        "response": {"max_output_tokens": args.max_tokens}}))
+        dc.send(json.dumps({
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user",
+                     "content": [{"type": "input_text", "text": args.prompt}]},
+        }))
+        asked = time.monotonic()
+        dc.send(json.dumps({"type": "response.create",
+                            "response": {"max_output_tokens": args.max_tokens}}))
     transcript = ""
     started_at = None
     while True:
@@ -251,6 +291,7 @@ def main():
     p.add_argument("--api-key")
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--hangup-after-audio-ms", type=int)
+    p.add_argument("--mic-wav", help="say this WAV into the microphone; turns by server_vad")
     p.add_argument("--cycles", type=int, help="only connect and hang up, this many times")
     p.add_argument("--concurrent", type=int, help="this many calls at once (a load test)")
     args = p.parse_args()

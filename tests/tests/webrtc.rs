@@ -5,7 +5,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use omnistream_e2e::{exclusive, root, spawn_server, whisper_wer, Server};
+use omnistream_e2e::{exclusive, omnistream, root, spawn_server, whisper_wer, Server};
 use serde_json::Value;
 
 fn peer(server: &Server, args: &[&str]) -> Value {
@@ -137,6 +137,46 @@ fn opus_and_pcmu_peers_hear_intelligible_answers() {
         pairs.push((out.join("answer.wav"), transcript));
     }
     let (wer, detail) = whisper_wer(&pairs);
+    assert!(wer <= 0.15, "WER {wer:.3} > 15%: {detail}");
+    settled(&server, Duration::from_secs(15));
+}
+
+/// Hands-free: a question said into the microphone (omnistream's own voice;
+/// espeak-ng's is in `voice.rs`) is found by `server_vad`, heard, and
+/// answered in intelligible audio.
+#[test]
+fn a_spoken_question_is_heard_and_answered() {
+    let _alone = exclusive();
+    let server = spawn_server(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let question = dir.path().join("question.wav");
+    let said = omnistream([
+        "say",
+        "What do bees make?",
+        "-o",
+        question.to_str().unwrap(),
+    ]);
+    assert!(said.status.success(), "omnistream say: {said:?}");
+    let v = peer(
+        &server,
+        &[
+            "--mic-wav",
+            question.to_str().unwrap(),
+            "--max-tokens",
+            "40",
+            "--out",
+            dir.path().to_str().unwrap(),
+        ],
+    );
+    eprintln!("hands-free: {v}");
+    let heard = v["mic_transcript"]
+        .as_str()
+        .unwrap_or_default()
+        .to_lowercase();
+    assert!(heard.contains("bees"), "heard {heard:?}: {v}");
+    answer_checks(&v, 48_000);
+    let transcript = v["transcript"].as_str().unwrap_or("").to_string();
+    let (wer, detail) = whisper_wer(&[(dir.path().join("answer.wav"), transcript)]);
     assert!(wer <= 0.15, "WER {wer:.3} > 15%: {detail}");
     settled(&server, Duration::from_secs(15));
 }

@@ -31,6 +31,8 @@ pub struct Metrics {
     pub ttft: HistogramVec,
     pub ttfp: HistogramVec,
     pub rtf: HistogramVec,
+    /// Speech recognition of one user turn, end to end through the Listener.
+    pub transcribe_seconds: HistogramVec,
     pub bytes_out: IntCounterVec,
     /// WebRTC frames of silence sent in the middle of an answer (generation
     /// slower than real time).
@@ -76,6 +78,11 @@ impl Metrics {
             "(last audio chunk - start) / audio seconds",
             RTF_BUCKETS,
         )?;
+        let transcribe_seconds = hist(
+            "transcribe_seconds",
+            "A user turn's audio handed to the Listener to its transcript",
+            LATENCY_BUCKETS,
+        )?;
         let bytes_out = IntCounterVec::new(
             Opts::new("audio_bytes_out_total", "Audio bytes sent to clients"),
             &["endpoint"],
@@ -95,6 +102,7 @@ impl Metrics {
         registry.register(Box::new(ttft.clone()))?;
         registry.register(Box::new(ttfp.clone()))?;
         registry.register(Box::new(rtf.clone()))?;
+        registry.register(Box::new(transcribe_seconds.clone()))?;
         registry.register(Box::new(bytes_out.clone()))?;
         registry.register(Box::new(stage.clone()))?;
         let webrtc_underrun_frames = IntCounter::new(
@@ -112,6 +120,7 @@ impl Metrics {
             ttft,
             ttfp,
             rtf,
+            transcribe_seconds,
             bytes_out,
             webrtc_underrun_frames,
             stage,

@@ -3,12 +3,14 @@
 
 mod audio;
 mod auth;
+mod listen;
 mod metrics;
 mod openai;
 mod realtime;
 mod sessions;
 mod state;
 mod stream;
+mod turns;
 mod web;
 mod webrtc;
 
@@ -29,6 +31,7 @@ pub use state::{AppState, ServerConfig};
 
 use crate::run::{chat_spec, load_profile, run_request};
 use omnistream_stages::engine::{Modalities, SamplingOverrides};
+use omnistream_stages::models::silero_vad::SileroVad;
 use omnistream_stages::profile::Profile;
 
 /// Options of `omnistream serve`.
@@ -60,11 +63,25 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
     let server = profile.server.clone().unwrap_or_default();
     let mut api_keys = server.api_keys.clone();
     api_keys.extend(opts.api_keys.iter().cloned());
+    let vad = match &server.vad {
+        Some(v) => {
+            let path = profile.resolve(&v.model);
+            let model = SileroVad::load(&path, &candle_core::Device::Cpu)
+                .with_context(|| format!("loading the VAD model {}", path.display()))?;
+            Some(state::VadHub {
+                model: Arc::new(model),
+                min_speech_ms: v.min_speech_ms,
+                echo_guard_ms: v.echo_guard_ms,
+            })
+        }
+        None => None,
+    };
     let config = ServerConfig {
         model_name: profile.name.clone(),
         api_keys,
         allowed_origins: server.allowed_origins.clone(),
         limits: opts.limits,
+        vad,
     };
     let rtc = webrtc::WebRtc::new(&server.webrtc).context("setting up WebRTC")?;
     let state = AppState::new(pipeline, config, Some(rtc))?;
@@ -99,6 +116,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics::handler))
         .merge(openai::routes())
+        .merge(listen::routes())
         .merge(realtime::routes())
         .merge(stream::routes())
         .merge(webrtc::routes())

@@ -8,9 +8,11 @@
 //! (upgrade limits, the writer, slow-client detection, the response driver) is
 //! in [`conn`] and is used by `/v1/stream` too.
 
-use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::OnceLock;
 use std::time::Duration;
+use std::time::Instant;
 
 use axum::extract::ws::{close_code, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
@@ -24,22 +26,22 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use omnistream_stages::engine::{Modalities, RequestInput, RequestSpec};
+use omnistream_stages::engine::{Modalities, RequestInput, RequestSpec, TRANSCRIBE_RATE};
 use omnistream_stages::models::gguf_tokenizer::ChatMessage;
 
 use super::audio::OutputFormat;
+use super::listen;
 use super::metrics::TaskGuard;
 use super::sessions::{Session, SessionGuard};
 use super::state::AppState;
+use super::turns::{spoken_prefix, Turn, TurnDetector, TurnSettings};
 use super::webrtc::media::AudioOut;
 use conn::{Active, ClientError, End, Generation, Outbox, Step};
 
 /// The only output (and input) audio format: pcm16, mono, 24 kHz.
 const RATE: u32 = 24_000;
-/// Input audio kept per session until voice input lands (60 s at 24 kHz).
+/// The input audio buffer's limit (60 s at 24 kHz); commit or clear it.
 const MAX_INPUT_AUDIO_BYTES: usize = RATE as usize * 2 * 60;
-/// Committed input audio kept per session (the newest 2 minutes).
-const MAX_KEPT_AUDIO_BYTES: usize = 2 * MAX_INPUT_AUDIO_BYTES;
 const MAX_OUTPUT_TOKENS: u64 = 4096;
 
 pub fn routes() -> Router<Arc<AppState>> {
@@ -82,10 +84,14 @@ struct Realtime {
     /// Session default for `output_modalities`: `["audio"]` or `["text"]`.
     audio_out: bool,
     input_audio: Vec<u8>,
-    /// Committed audio items (id, pcm16 24 kHz), kept for voice input.
-    audio_items: VecDeque<(String, Vec<u8>)>,
     last_item: Option<String>,
     active: Option<Active>,
+    /// `server_vad` turn detection, when the session turned it on.
+    turns: Option<TurnDetector>,
+    /// The item id announced with `speech_started`, used at its commit.
+    speech_item: Option<String>,
+    /// How the latest answer is playing (for barge-in).
+    playback: Option<Arc<Playback>>,
     /// WebRTC: the paced track the answers' audio goes to.
     speaker: Option<AudioOut>,
 }
@@ -133,9 +139,11 @@ pub async fn run_session<St>(
         session,
         audio_out: true,
         input_audio: Vec::new(),
-        audio_items: VecDeque::new(),
         last_item: None,
         active: None,
+        turns: None,
+        speech_item: None,
+        playback: None,
         speaker,
     };
     rt.send_session("session.created").await;
@@ -153,7 +161,7 @@ pub async fn run_session<St>(
                 }
             }
             Some(pcm) = async { match mic.as_mut() { Some(m) => m.recv().await, None => None } } => {
-                rt.mic_audio(&pcm);
+                rt.mic_audio(&pcm).await;
             }
             msg = stream.next() => match msg {
                 None | Some(Ok(Message::Close(_))) => break,
@@ -368,6 +376,8 @@ struct AudioAppend {
 
 /// What a validated `session.update` changes.
 struct SessionChange {
+    /// Checked in `session_update`, which knows whether the server has VAD.
+    turn_detection: Option<Value>,
     instructions: Option<String>,
     voice: Option<String>,
     audio_out: Option<bool>,
@@ -390,25 +400,17 @@ impl SessionPatch {
         let audio = self.audio.unwrap_or_default();
         let input = audio.input.unwrap_or_default();
         let output = audio.output.unwrap_or_default();
-        for td in [&self.turn_detection, &input.turn_detection]
-            .into_iter()
-            .flatten()
-        {
-            if !td.is_null() {
-                return Err(ClientError {
-                    param: Some("session.audio.input.turn_detection"),
-                    ..ClientError::invalid(
-                        "unsupported_turn_detection",
-                        "turn detection (VAD) comes with voice input, a later issue: set turn_detection to null and commit the input audio buffer yourself",
-                    )
-                });
+        let turn_detection = input.turn_detection.or(self.turn_detection);
+        // Committed speech is always transcribed where the pipeline hears (the
+        // Thinker reads words); a transcription config may only ask for that.
+        if let Some(Value::Object(t)) = &input.transcription {
+            let lang = t.get("language").and_then(Value::as_str);
+            if lang.is_some_and(|l| l != "en") {
+                return Err(ClientError::param(
+                    "session.audio.input.transcription.language",
+                    "the recognizer (Whisper tiny.en) hears English only: use \"en\"",
+                ));
             }
-        }
-        if input.transcription.as_ref().is_some_and(|t| !t.is_null()) {
-            return Err(ClientError::param(
-                "session.audio.input.transcription",
-                "input audio transcription comes with voice input, a later issue: set it to null",
-            ));
         }
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(ClientError::param(
@@ -450,6 +452,7 @@ impl SessionPatch {
             None => None,
         };
         Ok(SessionChange {
+            turn_detection,
             instructions: self.instructions,
             voice,
             audio_out,
@@ -547,9 +550,13 @@ impl Realtime {
             "audio": {
                 "input": {
                     "format": {"type": "audio/pcm", "rate": RATE},
-                    "transcription": null,
+                    "transcription": if listen::can_hear(&self.state) {
+                        json!({"model": "whisper-tiny.en", "language": "en", "prompt": ""})
+                    } else {
+                        Value::Null
+                    },
                     "noise_reduction": null,
-                    "turn_detection": null,
+                    "turn_detection": self.turns.as_ref().map_or(Value::Null, |t| t.settings.to_json()),
                 },
                 "output": {
                     "format": {"type": "audio/pcm", "rate": RATE},
@@ -605,10 +612,13 @@ impl Realtime {
             "conversation.item.create" => self.item_create(v).await,
             "response.create" => self.response_create(v).await,
             "response.cancel" => self.response_cancel(v).await,
-            "input_audio_buffer.append" => self.audio_append(v),
+            "input_audio_buffer.append" => self.audio_append(v).await,
             "input_audio_buffer.commit" => self.audio_commit().await,
             "input_audio_buffer.clear" => {
                 self.input_audio.clear();
+                if let Some(t) = self.turns.as_mut() {
+                    t.clear();
+                }
                 self.send(event("input_audio_buffer.cleared", json!({})))
                     .await;
                 Ok(())
@@ -643,6 +653,14 @@ impl Realtime {
         let change = fields::<SessionUpdate>(v, "session.update")?
             .session
             .validate()?;
+        if let Some(td) = &change.turn_detection {
+            let hub = self.state.config.vad.as_ref();
+            let param = "session.audio.input.turn_detection";
+            self.turns = match (TurnSettings::parse(td, hub, param)?, hub) {
+                (Some(settings), Some(hub)) => Some(TurnDetector::new(settings, hub, RATE)?),
+                _ => None,
+            };
+        }
         if let Some(a) = change.audio_out {
             self.audio_out = a;
         }
@@ -751,7 +769,7 @@ impl Realtime {
         Ok(())
     }
 
-    fn audio_append(&mut self, v: Value) -> Result<(), ClientError> {
+    async fn audio_append(&mut self, v: Value) -> Result<(), ClientError> {
         let AudioAppend { audio } = fields(v, "input_audio_buffer.append")?;
         let pcm = conn::decode_pcm16_base64(&audio)?;
         if self.input_audio.len() + pcm.len() > MAX_INPUT_AUDIO_BYTES {
@@ -764,17 +782,115 @@ impl Realtime {
             ));
         }
         self.input_audio.extend_from_slice(&pcm);
-        Ok(())
+        self.detect(&pcm).await
     }
 
     /// Microphone audio from a media track: always accepted, keeping the
     /// newest `MAX_INPUT_AUDIO_BYTES` (a live microphone never stops).
-    fn mic_audio(&mut self, pcm: &[u8]) {
+    async fn mic_audio(&mut self, pcm: &[u8]) {
         self.input_audio.extend_from_slice(pcm);
         if self.input_audio.len() > MAX_INPUT_AUDIO_BYTES {
             let excess = self.input_audio.len() - MAX_INPUT_AUDIO_BYTES;
             self.input_audio.drain(..excess + excess % 2);
         }
+        if let Err(e) = self.detect(pcm).await {
+            self.fail(e, None).await;
+        }
+    }
+
+    /// `server_vad`: runs the turn detector over new input audio; a turn that
+    /// starts interrupts the answer, a turn that ends is committed, heard and
+    /// (with `create_response`) answered.
+    async fn detect(&mut self, pcm: &[u8]) -> Result<(), ClientError> {
+        let Some(t) = self.turns.as_mut() else {
+            return Ok(());
+        };
+        let since = self
+            .playback
+            .as_ref()
+            .and_then(|p| p.started.get().copied());
+        let (create, interrupt) = (t.settings.create_response, t.settings.interrupt_response);
+        for turn in t.push(pcm, since)? {
+            match turn {
+                Turn::Started { audio_start_ms } => {
+                    let id = conn::new_id("item");
+                    self.speech_item = Some(id.clone());
+                    self.send(event(
+                        "input_audio_buffer.speech_started",
+                        json!({"audio_start_ms": audio_start_ms, "item_id": id}),
+                    ))
+                    .await;
+                    if interrupt {
+                        self.barge_in().await;
+                    }
+                }
+                Turn::Stopped {
+                    audio_end_ms,
+                    audio,
+                } => {
+                    let id = self
+                        .speech_item
+                        .take()
+                        .unwrap_or_else(|| conn::new_id("item"));
+                    self.send(event(
+                        "input_audio_buffer.speech_stopped",
+                        json!({"audio_end_ms": audio_end_ms, "item_id": id}),
+                    ))
+                    .await;
+                    // The utterance is the turn; the buffer starts afresh.
+                    self.input_audio.clear();
+                    let heard = self.commit(id, audio).await?;
+                    let busy = self.active.as_ref().is_some_and(Active::running);
+                    if create && !heard.is_empty() && !busy {
+                        self.response_create(json!({"type": "response.create"}))
+                            .await?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The user spoke over the answer: it stops in every stage, the audio
+    /// queued for playback is dropped, and the conversation keeps only what
+    /// was heard (`conversation.item.truncated`).
+    async fn barge_in(&mut self) {
+        let Some(p) = self.playback.clone() else {
+            return;
+        };
+        let queued = self.speaker.as_ref().map_or(0, AudioOut::queued_samples);
+        let running = self.active.as_ref().is_some_and(Active::running);
+        if !running && queued == 0 {
+            return; // nothing is playing
+        }
+        p.interrupt(queued);
+        if let Some(sp) = &self.speaker {
+            sp.clear();
+        }
+        if let Some(a) = self.active.as_ref().filter(|a| a.running()) {
+            let _ = a.cancel.send(true);
+        } else {
+            // The answer was generated whole but was still playing: cut the
+            // conversation's copy of it back to what was heard.
+            let rate = self.state.speech_rate.chars_per_second();
+            let heard_ms = p.heard_ms();
+            self.state.sessions.with(&self.session.id, |s| {
+                if let Some(m) = s.history.last_mut().filter(|m| m.role == "assistant") {
+                    m.content =
+                        spoken_prefix(&m.content, heard_ms as f64 / 1000.0, rate).to_string();
+                }
+            });
+            self.send(event(
+                "conversation.item.truncated",
+                json!({"item_id": p.item_id, "content_index": 0, "audio_end_ms": heard_ms}),
+            ))
+            .await;
+        }
+        self.send(event(
+            "output_audio_buffer.cleared",
+            json!({"response_id": p.response_id}),
+        ))
+        .await;
     }
 
     async fn audio_commit(&mut self) -> Result<(), ClientError> {
@@ -784,22 +900,41 @@ impl Realtime {
                 "the input audio buffer is empty",
             ));
         }
-        let seconds = self.input_audio.len() as f64 / (f64::from(RATE) * 2.0);
-        let id = conn::new_id("item");
-        // Committed audio is kept (bounded, oldest dropped first) for voice input.
         let pcm = std::mem::take(&mut self.input_audio);
-        self.audio_items.push_back((id.clone(), pcm));
-        while self.audio_items.iter().map(|(_, a)| a.len()).sum::<usize>() > MAX_KEPT_AUDIO_BYTES {
-            self.audio_items.pop_front();
+        if let Some(t) = self.turns.as_mut() {
+            t.clear();
         }
+        let audio = if listen::can_hear(&self.state) {
+            listen::to_listener_rate(&pcm, RATE)?
+        } else {
+            Vec::new()
+        };
+        let id = self
+            .speech_item
+            .take()
+            .unwrap_or_else(|| conn::new_id("item"));
+        let seconds = pcm.len() as f64 / (f64::from(RATE) * 2.0);
+        self.commit_item(id, audio, seconds).await;
+        Ok(())
+    }
+
+    /// Commits a VAD turn (16 kHz audio); returns its transcript.
+    async fn commit(&mut self, id: String, audio: Vec<f32>) -> Result<String, ClientError> {
+        let seconds = audio.len() as f64 / f64::from(TRANSCRIBE_RATE);
+        Ok(self.commit_item(id, audio, seconds).await)
+    }
+
+    /// Adds the user's speech as an item, transcribes it (16 kHz `audio`;
+    /// empty where the pipeline cannot hear) and puts the words in the
+    /// conversation; returns them (empty when nothing was heard).
+    async fn commit_item(&mut self, id: String, audio: Vec<f32>, seconds: f64) -> String {
         let previous = self.last_item.replace(id.clone());
         self.send(event(
             "input_audio_buffer.committed",
             json!({"previous_item_id": previous, "item_id": id}),
         ))
         .await;
-        // The item holds the audio; it has no transcript and does not reach the
-        // Thinker until voice input (speech recognition) lands.
+        // As in OpenAI's API the item comes first, its transcript after.
         let item = json!({
             "id": id, "object": "realtime.item", "type": "message",
             "status": "completed", "role": "user",
@@ -807,18 +942,42 @@ impl Realtime {
             "audio_seconds": seconds,
         });
         self.announce_item(item, previous).await;
-        self.send(event(
-            "conversation.item.input_audio_transcription.failed",
-            json!({
-                "item_id": id, "content_index": 0,
-                "error": {
-                    "type": "not_implemented", "code": "transcription_unavailable",
-                    "message": "speech input is not transcribed yet (voice input is a later issue); the audio is kept without a transcript and the model does not hear it",
-                },
-            }),
-        ))
-        .await;
-        Ok(())
+        let result = if listen::can_hear(&self.state) {
+            listen::transcribe(&self.state, "realtime", audio).await
+        } else {
+            Err(ClientError::invalid(
+                "transcription_unavailable",
+                "this server's pipeline has no speech recognition stage: the audio is kept without a transcript and the model does not hear it",
+            ))
+        };
+        match result {
+            Ok(transcript) => {
+                // A blank transcript (noise, a cough) adds no turn to answer.
+                if !transcript.is_empty() {
+                    let user = ChatMessage::new("user", transcript.clone());
+                    self.state
+                        .sessions
+                        .with(&self.session.id, |s| conn::remember(s, user));
+                }
+                self.send(event(
+                    "conversation.item.input_audio_transcription.completed",
+                    json!({"item_id": id, "content_index": 0, "transcript": transcript}),
+                ))
+                .await;
+                transcript
+            }
+            Err(e) => {
+                self.send(event(
+                    "conversation.item.input_audio_transcription.failed",
+                    json!({
+                        "item_id": id, "content_index": 0,
+                        "error": {"type": e.kind, "code": e.code, "message": e.message},
+                    }),
+                ))
+                .await;
+                String::new()
+            }
+        }
     }
 
     async fn response_cancel(&mut self, v: Value) -> Result<(), ClientError> {
@@ -912,7 +1071,10 @@ impl Realtime {
         });
         let item_id = conn::new_id("item");
         let previous = self.last_item.replace(item_id.clone());
+        let playback = Arc::new(Playback::new(id.clone(), item_id.clone()));
+        self.playback = Some(playback.clone());
         let job = Job {
+            playback,
             state: self.state.clone(),
             out: self.out.clone(),
             session_id: self.session.id.clone(),
@@ -927,6 +1089,56 @@ impl Realtime {
         };
         tokio::spawn(job.run());
         Ok(())
+    }
+}
+
+/// How an answer is playing: shared by the session (which interrupts it)
+/// and the job streaming it (which counts what went out).
+struct Playback {
+    response_id: String,
+    item_id: String,
+    /// When its first audio went out.
+    started: OnceLock<Instant>,
+    /// Samples (at 24 kHz) handed to the client or the track.
+    sent: AtomicUsize,
+    interrupted: AtomicBool,
+    /// What the user had heard when they interrupted (ms of audio).
+    heard: AtomicU64,
+}
+
+impl Playback {
+    fn new(response_id: String, item_id: String) -> Self {
+        Self {
+            response_id,
+            item_id,
+            started: OnceLock::new(),
+            sent: AtomicUsize::new(0),
+            interrupted: AtomicBool::new(false),
+            heard: AtomicU64::new(0),
+        }
+    }
+
+    fn sent_audio(&self, samples: usize) {
+        self.started.get_or_init(Instant::now);
+        self.sent.fetch_add(samples, Ordering::AcqRel);
+    }
+
+    /// Marks it interrupted. Heard: what left (sent minus what a WebRTC
+    /// track still had `queued`), and never more than real time since its
+    /// first audio (a WebSocket client plays as it receives).
+    fn interrupt(&self, queued: usize) {
+        let sent = self.sent.load(Ordering::Acquire).saturating_sub(queued) as u64;
+        let sent_ms = sent * 1000 / u64::from(RATE);
+        let since_ms = self
+            .started
+            .get()
+            .map_or(0, |t| t.elapsed().as_millis() as u64);
+        self.heard.store(sent_ms.min(since_ms), Ordering::Release);
+        self.interrupted.store(true, Ordering::Release);
+    }
+
+    fn heard_ms(&self) -> u64 {
+        self.heard.load(Ordering::Acquire)
     }
 }
 
@@ -946,6 +1158,7 @@ struct Job {
     gen: Generation,
     /// WebRTC: audio goes to the track, not into `output_audio.delta` events.
     speaker: Option<AudioOut>,
+    playback: Arc<Playback>,
 }
 
 impl Job {
@@ -993,7 +1206,23 @@ impl Job {
     async fn run(mut self) {
         let _task = TaskGuard::new(&self.state.metrics);
         let end = self.stream().await;
-        let text = self.gen.text().to_string();
+        let mut text = self.gen.text().to_string();
+        if matches!(end, Some(End::Completed(_))) && self.audio {
+            let secs = self.gen.audio_seconds();
+            self.state.speech_rate.observe(text.chars().count(), secs);
+        }
+        // Interrupted: the conversation keeps what the user heard.
+        let interrupted = self.playback.interrupted.load(Ordering::Acquire);
+        if interrupted {
+            let heard = self.playback.heard_ms();
+            let rate = self.state.speech_rate.chars_per_second();
+            text = spoken_prefix(&text, heard as f64 / 1000.0, rate).to_string();
+            let truncated = event(
+                "conversation.item.truncated",
+                json!({"item_id": self.item_id, "content_index": 0, "audio_end_ms": heard}),
+            );
+            let _ = self.out.send(truncated).await;
+        }
         // The conversation learns the answer (even a cancelled one: it was heard).
         let record = self.record && !text.trim().is_empty();
         self.state.sessions.with(&self.session_id, |s| {
@@ -1050,6 +1279,7 @@ impl Job {
             let msg = match self.gen.next().await {
                 Step::Text(t) => self.delta(text_delta, json!({ "delta": t })),
                 Step::Audio(pcm) if self.speaker.is_some() => {
+                    self.playback.sent_audio(pcm.len() / 2);
                     let queued = self.speaker.as_ref().map(|sp| sp.push(&self.id, &pcm));
                     if queued.is_some_and(|r| r.is_err()) {
                         self.gen.abandon();
@@ -1058,10 +1288,13 @@ impl Job {
                     self.gen.sent_audio();
                     continue;
                 }
-                Step::Audio(pcm) => self.delta(
-                    "response.output_audio.delta",
-                    json!({ "delta": base64::engine::general_purpose::STANDARD.encode(&pcm) }),
-                ),
+                Step::Audio(pcm) => {
+                    self.playback.sent_audio(pcm.len() / 2);
+                    self.delta(
+                        "response.output_audio.delta",
+                        json!({ "delta": base64::engine::general_purpose::STANDARD.encode(&pcm) }),
+                    )
+                }
                 Step::End(end) => return Some(end),
             };
             if self.out.send(msg).await.is_err() {

@@ -18,6 +18,27 @@ pub struct ServerConfig {
     /// Origins allowed to open browser WebSockets; empty = same origin only.
     pub allowed_origins: Vec<String>,
     pub limits: SessionLimits,
+    /// Voice activity detection for `server_vad` turns; `None`: clients
+    /// commit their turns themselves.
+    pub vad: Option<VadHub>,
+}
+
+/// The VAD model (shared by every session; each keeps its own state) and
+/// the profile's knobs for the audio path.
+#[derive(Clone)]
+pub struct VadHub {
+    pub model: std::sync::Arc<omnistream_stages::models::silero_vad::SileroVad>,
+    pub min_speech_ms: u32,
+    pub echo_guard_ms: u32,
+}
+
+impl std::fmt::Debug for VadHub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VadHub")
+            .field("min_speech_ms", &self.min_speech_ms)
+            .field("echo_guard_ms", &self.echo_guard_ms)
+            .finish_non_exhaustive()
+    }
 }
 
 pub struct AppState {
@@ -28,6 +49,8 @@ pub struct AppState {
     pub started_unix: u64,
     /// WebRTC peers (`POST /v1/webrtc`); `None` where it could not be set up.
     pub webrtc: Option<super::webrtc::WebRtc>,
+    /// The voice's speaking rate, for cutting interrupted answers.
+    pub speech_rate: super::turns::SpeechRate,
 }
 
 impl AppState {
@@ -46,6 +69,7 @@ impl AppState {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             webrtc,
+            speech_rate: Default::default(),
         }))
     }
 }

@@ -28,6 +28,7 @@ use omnistream_stages::engine::{Modalities, RequestInput, RequestSpec};
 use omnistream_stages::models::gguf_tokenizer::ChatMessage;
 
 use super::audio::OutputFormat;
+use super::listen;
 use super::metrics::TaskGuard;
 use super::realtime::conn::{self, Active, ClientError, End, Generation, Outbox, Step};
 use super::sessions::SessionGuard;
@@ -290,16 +291,27 @@ impl PcmStream {
                 format!("a turn is at most {MAX_TEXT_CHARS} characters"),
             ));
         }
-        if let Some(a) = self.active.as_ref().filter(|a| a.running()) {
-            return Err(ClientError::invalid(
+        self.idle()?;
+        self.answer(t.text, rate)
+    }
+
+    /// No answer is playing (one answer at a time).
+    fn idle(&self) -> Result<(), ClientError> {
+        match self.active.as_ref().filter(|a| a.running()) {
+            Some(a) => Err(ClientError::invalid(
                 "response_in_progress",
                 format!(
                     "response {} is still playing: wait for done or cancel it",
                     a.id
                 ),
-            ));
+            )),
+            None => Ok(()),
         }
-        let user = ChatMessage::new("user", t.text);
+    }
+
+    /// Starts the spoken answer to the user's turn `text`.
+    fn answer(&mut self, text: String, rate: u32) -> Result<(), ClientError> {
+        let user = ChatMessage::new("user", text);
         let (messages, sampling, voice) = self
             .state
             .sessions
@@ -418,8 +430,9 @@ impl PcmStream {
         Ok(())
     }
 
-    /// The end of the client's input utterance: closes an Ogg Opus stream (an
-    /// error if it was cut short) and reports what the buffer holds.
+    /// The end of the client's utterance: closes an Ogg Opus stream (an
+    /// error if it was cut short), reports the audio taken, and, where the
+    /// pipeline hears, transcribes it and answers it like a text turn.
     async fn audio_end(&mut self) -> Result<(), ClientError> {
         let rate = self.rate.ok_or_else(Self::not_started)?;
         let opus_in = self.opus_in.get_mut().unwrap_or_else(|e| e.into_inner());
@@ -428,17 +441,36 @@ impl PcmStream {
             Some(Err(e @ CodecError::Truncated(_))) => Some(e),
             _ => None,
         };
-        let seconds = self.input_audio.len() as f64 / 2.0 / f64::from(rate);
+        let pcm = std::mem::take(&mut self.input_audio);
+        let seconds = pcm.len() as f64 / 2.0 / f64::from(rate);
         if let Some(e) = truncated {
             let e = ClientError::invalid(
                 "truncated_audio",
-                format!("the Ogg Opus input stream was cut short ({e}); the {seconds:.2} s decoded so far are kept"),
+                format!("the Ogg Opus input stream was cut short ({e}); the {seconds:.2} s decoded before the cut are kept"),
             );
             self.send(error_msg(&e)).await;
         }
         self.send(msg(json!({"type": "audio_received", "seconds": seconds})))
             .await;
-        Ok(())
+        if pcm.is_empty() {
+            return Ok(());
+        }
+        if !listen::can_hear(&self.state) {
+            return Err(ClientError::invalid(
+                "transcription_unavailable",
+                "this server's pipeline has no speech recognition stage: the utterance was dropped",
+            ));
+        }
+        self.idle()?;
+        let audio = listen::to_listener_rate(&pcm, rate)?;
+        let text = listen::transcribe(&self.state, "stream", audio).await?;
+        self.send(msg(json!({"type": "input_transcript", "text": text})))
+            .await;
+        // Nothing heard (noise, a cough): no turn, no answer.
+        if text.is_empty() {
+            return Ok(());
+        }
+        self.answer(text, rate)
     }
 
     fn input_cap(rate: u32) -> usize {

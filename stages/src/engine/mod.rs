@@ -20,7 +20,7 @@ pub use pipeline::{
 };
 pub use request::{
     CancelReason, Event, Modalities, RequestCtx, RequestHandle, RequestId, RequestInput,
-    RequestSpec, SamplingOverrides,
+    RequestSpec, SamplingOverrides, TRANSCRIBE_RATE,
 };
 pub use stage::{StageModel, StepOutput};
 

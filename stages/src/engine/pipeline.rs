@@ -14,6 +14,8 @@ use super::EngineError;
 /// What a stage consumes, which decides where each kind of request enters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StageRole {
+    /// Takes speech, produces its transcript (for Thinkers that cannot hear).
+    Listener,
     /// Takes a conversation, produces text (and the Talker's conditioning).
     Thinker,
     /// Takes text, produces speech units.
@@ -177,13 +179,26 @@ impl Pipeline {
                 self.index_of(StageRole::Talker)
             }
             .ok_or_else(|| EngineError::BadRequest("this pipeline cannot speak".into()))?,
+            RequestInput::Transcribe { audio } => {
+                if audio.is_empty() {
+                    return Err(EngineError::BadRequest("no audio to transcribe".into()));
+                }
+                if spec.modalities.audio {
+                    return Err(EngineError::BadRequest(
+                        "a transcription produces text only".into(),
+                    ));
+                }
+                self.index_of(StageRole::Listener).ok_or_else(|| {
+                    EngineError::BadRequest("this pipeline has no speech recognition stage".into())
+                })?
+            }
         };
         let last = if spec.modalities.audio {
             self.index_of(StageRole::Code2Wav)
                 .ok_or_else(|| EngineError::BadRequest("this pipeline cannot speak".into()))?
         } else {
             match spec.input {
-                RequestInput::Chat { .. } => first,
+                RequestInput::Chat { .. } | RequestInput::Transcribe { .. } => first,
                 RequestInput::Speech { .. } => {
                     return Err(EngineError::BadRequest(
                         "speech requests produce audio".into(),
@@ -195,7 +210,7 @@ impl Pipeline {
         let (etx, erx) = flume::bounded(self.event_capacity);
         let speech = match &spec.input {
             RequestInput::Speech { text } => Some(text.clone()),
-            RequestInput::Chat { .. } => None,
+            RequestInput::Chat { .. } | RequestInput::Transcribe { .. } => None,
         };
         let ctx = Arc::new(RequestCtx::new(id, spec, first, last, etx));
         let input = &self.inputs[first];

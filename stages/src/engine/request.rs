@@ -57,7 +57,13 @@ pub enum RequestInput {
     Chat { messages: Vec<ChatMessage> },
     /// Text to speak as it is (skips the Thinker).
     Speech { text: String },
+    /// Speech to transcribe: mono f32 at [`TRANSCRIBE_RATE`]. Goes to the
+    /// Listener stage only; the transcript comes back as text deltas.
+    Transcribe { audio: Arc<[f32]> },
 }
+
+/// The sample rate of [`RequestInput::Transcribe`] audio.
+pub const TRANSCRIBE_RATE: u32 = 16_000;
 
 /// Per-request sampling overrides; `None` keeps the stage default.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

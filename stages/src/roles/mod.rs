@@ -1,7 +1,8 @@
 //! Stage implementations: each binds a model to the engine in a pipeline role
-//! (Thinker, Talker, Code2Wav), and `build_pipeline` assembles them from a
+//! (Listener, Thinker, Talker, Code2Wav), and `build_pipeline` assembles them from a
 //! deploy profile.
 
+mod listener;
 mod llm_thinker;
 mod piper_code2wav;
 mod piper_talker;
@@ -12,6 +13,7 @@ use std::sync::Arc;
 
 use candle_core::Device;
 
+pub use listener::{Listener, Transcriber};
 pub use llm_thinker::LlmThinker;
 pub use piper_code2wav::{ChunkPolicy, PiperCode2Wav};
 pub use piper_talker::{PiperTalker, SpanPolicy};
@@ -19,6 +21,7 @@ pub use piper_talker::{PiperTalker, SpanPolicy};
 use crate::engine::{EngineError, Pipeline, RequestId, StageDef, StageModel, StageRole};
 use crate::models::piper::{PiperVoice, Scales};
 use crate::models::quantized_llama::QuantizedLlama;
+use crate::models::whisper::WhisperAsr;
 use crate::models::ModelError;
 use crate::profile::{ModelType, Profile};
 
@@ -78,6 +81,12 @@ pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
             Ok(v)
         };
         let (role, model): (StageRole, Box<dyn StageModel>) = match s.model.model_type {
+            ModelType::WhisperCt2 => {
+                // The model file names its folder: config and tokenizer sit beside it.
+                let dir = path.parent().unwrap_or(std::path::Path::new("."));
+                let asr = WhisperAsr::load(dir, &device).map_err(model_err)?;
+                (StageRole::Listener, Box::new(Listener::new(Arc::new(asr))))
+            }
             ModelType::GgufLlama => {
                 let (llm, tok) = QuantizedLlama::load(&path, &device).map_err(model_err)?;
                 (

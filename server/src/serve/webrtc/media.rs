@@ -113,6 +113,11 @@ impl AudioOut {
     pub fn clear(&self) {
         let _ = self.tx.send(Cue::Clear);
     }
+
+    /// Samples (at 24 kHz) handed over and not yet played.
+    pub fn queued_samples(&self) -> usize {
+        self.queued.load(Ordering::Acquire)
+    }
 }
 
 /// What the pacer sends in one 20 ms slot.

@@ -1,0 +1,233 @@
+//! Speech in: the user's audio through the pipeline's Listener stage (speech
+//! recognition) as a request of its own, for every endpoint that hears.
+
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, Multipart, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use serde_json::json;
+
+use omnistream_codecs::pcm::pcm16_le_to_f32;
+use omnistream_codecs::wav::parse_wav;
+use omnistream_codecs::{decode_ogg_opus, StreamResampler};
+use omnistream_stages::engine::{
+    Event, Modalities, RequestInput, RequestSpec, SamplingOverrides, StageRole, TRANSCRIBE_RATE,
+};
+
+use super::realtime::conn::ClientError;
+use super::state::AppState;
+use super::ApiError;
+
+/// Whether the pipeline can transcribe speech.
+pub fn can_hear(state: &AppState) -> bool {
+    state.pipeline.has_role(StageRole::Listener)
+}
+
+/// PCM16 LE mono at `rate` -> f32 at the Listener's rate.
+pub fn to_listener_rate(pcm16: &[u8], rate: u32) -> Result<Vec<f32>, ClientError> {
+    let samples =
+        pcm16_le_to_f32(pcm16).map_err(|e| ClientError::invalid("invalid_audio", e.to_string()))?;
+    resample(&samples, rate)
+}
+
+/// The words in `audio` (f32 at 16 kHz), trimmed; empty when none were
+/// heard. Counts against the in-flight cap like any request; dropping the
+/// future cancels it in the Listener.
+pub async fn transcribe(
+    state: &AppState,
+    endpoint: &str,
+    audio: Vec<f32>,
+) -> Result<String, ClientError> {
+    if !can_hear(state) {
+        return Err(ClientError::invalid(
+            "transcription_unavailable",
+            "this server's pipeline has no speech recognition stage (see deploy/ for profiles with a listener)",
+        ));
+    }
+    let _in_flight = state.sessions.begin_request().map_err(ClientError::from)?;
+    let spec = RequestSpec {
+        input: RequestInput::Transcribe {
+            audio: audio.into(),
+        },
+        modalities: Modalities::TEXT,
+        sampling: SamplingOverrides::default(),
+        voice: None,
+    };
+    let handle = state.pipeline.submit(spec).map_err(|e| match e {
+        omnistream_stages::engine::EngineError::BadRequest(m) => {
+            ClientError::invalid("invalid_audio", m)
+        }
+        other => ClientError::server("engine_unavailable", other.to_string()),
+    })?;
+    let started = std::time::Instant::now();
+    let mut text = String::new();
+    let outcome = loop {
+        match handle.next_event_async().await {
+            Some(Event::TextDelta(t)) => text.push_str(&t),
+            Some(Event::Done { .. }) => break Ok(()),
+            Some(Event::Error(e)) => break Err(ClientError::server("transcription_failed", e)),
+            Some(Event::Audio { .. }) => {}
+            None => {
+                break Err(ClientError::server(
+                    "transcription_failed",
+                    "the pipeline ended the transcription without a result",
+                ))
+            }
+        }
+    };
+    let m = &state.metrics;
+    let label = if outcome.is_ok() {
+        "completed"
+    } else {
+        "failed"
+    };
+    m.requests.with_label_values(&[endpoint, label]).inc();
+    m.transcribe_seconds
+        .with_label_values(&[endpoint])
+        .observe(started.elapsed().as_secs_f64());
+    outcome.map(|()| text.trim().to_string())
+}
+
+// ------------------------------------------------ POST /v1/audio/transcriptions
+
+/// Largest upload (OpenAI's limit for this endpoint).
+const MAX_UPLOAD_BYTES: usize = 25 << 20;
+/// Longest audio taken in one request.
+const MAX_UPLOAD_SECONDS: f64 = 600.0;
+const EP_TRANSCRIBE: &str = "audio_transcriptions";
+
+pub fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/v1/audio/transcriptions", post(transcriptions))
+        .layer(DefaultBodyLimit::max(MAX_UPLOAD_BYTES))
+}
+
+fn api_error(e: ClientError) -> ApiError {
+    let status = match (e.kind, e.code) {
+        (_, "overloaded") => StatusCode::SERVICE_UNAVAILABLE,
+        ("server_error", _) => StatusCode::INTERNAL_SERVER_ERROR,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    ApiError {
+        status,
+        kind: e.kind,
+        code: e.code,
+        message: e.message,
+        retry_after: (status == StatusCode::SERVICE_UNAVAILABLE).then_some(1),
+    }
+}
+
+/// The OpenAI transcription API: multipart `file` (WAV or Ogg Opus, any
+/// rate), `model`, optional `response_format` (`json` or `text`) and
+/// `language` (`en`: the recognizer is English-only).
+async fn transcriptions(State(state): State<Arc<AppState>>, mut form: Multipart) -> Response {
+    match transcription(&state, &mut form).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn transcription(state: &AppState, form: &mut Multipart) -> Result<Response, ApiError> {
+    let bad = |code: &'static str, m: String| ApiError::bad_request(code, m);
+    let mut file = None;
+    let mut format = "json".to_string();
+    let mut model = None;
+    while let Some(field) = form.next_field().await.map_err(|e| {
+        bad(
+            "invalid_request",
+            format!("the multipart body is malformed: {e}"),
+        )
+    })? {
+        let name = field.name().unwrap_or_default().to_string();
+        let data = field
+            .bytes()
+            .await
+            .map_err(|e| bad("invalid_request", format!("reading field {name:?}: {e}")))?;
+        let text = || String::from_utf8_lossy(&data).trim().to_string();
+        match name.as_str() {
+            "file" => file = Some(data),
+            "model" => model = Some(text()),
+            "response_format" => format = text(),
+            "language" if matches!(text().as_str(), "en" | "english") => {}
+            "language" => {
+                return Err(bad(
+                    "unsupported_language",
+                    format!(
+                        "language {:?}: this recognizer (Whisper tiny.en) hears English only",
+                        text()
+                    ),
+                ))
+            }
+            // Decoding is greedy and unprompted; these only tune sampling.
+            "prompt" | "temperature" => {}
+            other => {
+                return Err(bad(
+                    "unknown_parameter",
+                    format!("unknown field {other:?}: use file, model, response_format, language"),
+                ))
+            }
+        }
+    }
+    if model.as_deref().is_none_or(str::is_empty) {
+        return Err(bad("missing_model", "the `model` field is required".into()));
+    }
+    if !matches!(format.as_str(), "json" | "text") {
+        return Err(bad(
+            "unsupported_response_format",
+            format!("response_format {format:?}: use json or text"),
+        ));
+    }
+    let file = file.ok_or_else(|| bad("missing_file", "the `file` field is required".into()))?;
+    let (samples, rate) = decode_upload(&file)?;
+    let seconds = samples.len() as f64 / f64::from(rate.max(1));
+    if seconds > MAX_UPLOAD_SECONDS {
+        return Err(bad(
+            "audio_too_long",
+            format!("the audio is {seconds:.0} s; the limit is {MAX_UPLOAD_SECONDS:.0} s"),
+        ));
+    }
+    let audio = resample(&samples, rate).map_err(api_error)?;
+    let text = transcribe(state, EP_TRANSCRIBE, audio)
+        .await
+        .map_err(api_error)?;
+    Ok(if format == "text" {
+        ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response()
+    } else {
+        Json(json!({"text": text})).into_response()
+    })
+}
+
+/// WAV (any PCM layout hound reads) or Ogg Opus, told apart by their magic.
+fn decode_upload(bytes: &[u8]) -> Result<(Vec<f32>, u32), ApiError> {
+    let bad = |what: &str, e: omnistream_codecs::CodecError| {
+        ApiError::bad_request(
+            "invalid_audio",
+            format!("the {what} file is not valid: {e}"),
+        )
+    };
+    match bytes.get(..4) {
+        Some(b"RIFF") => parse_wav(bytes).map_err(|e| bad("WAV", e)),
+        Some(b"OggS") => decode_ogg_opus(bytes).map_err(|e| bad("Ogg Opus", e)),
+        _ => Err(ApiError::bad_request(
+            "unsupported_audio_format",
+            "the file is neither WAV nor Ogg Opus (the formats this server reads)",
+        )),
+    }
+}
+
+/// Mono f32 at `rate` -> the Listener's rate.
+fn resample(samples: &[f32], rate: u32) -> Result<Vec<f32>, ClientError> {
+    if rate == TRANSCRIBE_RATE {
+        return Ok(samples.to_vec());
+    }
+    let bad = |e: omnistream_codecs::CodecError| {
+        ClientError::invalid("unsupported_sample_rate", e.to_string())
+    };
+    let mut r = StreamResampler::new(rate, TRANSCRIBE_RATE).map_err(bad)?;
+    let mut out = r.process(samples).map_err(bad)?;
+    out.extend(r.flush().map_err(bad)?);
+    Ok(out)
+}

@@ -7,7 +7,11 @@
 // response.output_audio.delta) is played with the Web Audio API, each chunk
 // scheduled right after the previous one so playback is gapless while the
 // network keeps ahead of it. `?transport=websocket` (or the setting) skips
-// WebRTC. window.omnistreamStats exposes per-turn timings for tests.
+// WebRTC. Hands-free (WebRTC only) turns the server's voice activity
+// detection on: the user just talks; each turn shows what the server heard
+// and the time from the end of speech to the first answer audio; talking over
+// an answer interrupts it. window.omnistreamStats exposes per-turn timings
+// for tests.
 "use strict";
 
 (() => {
@@ -32,6 +36,7 @@
     voice: $("voice"),
     key: $("api-key"),
     transport: $("transport"),
+    handsfree: $("handsfree"),
   };
   const wanted = new URLSearchParams(location.search).get("transport");
   if (wanted === "websocket" || wanted === "webrtc") ui.transport.value = wanted;
@@ -289,6 +294,10 @@
     return connectWebSocket();
   }
 
+  function handsFree() {
+    return ui.handsfree.getAttribute("aria-pressed") === "true";
+  }
+
   function sessionUpdate() {
     send({
       type: "session.update",
@@ -296,7 +305,10 @@
       session: {
         type: "realtime",
         output_modalities: ["audio"],
-        audio: { output: { voice: ui.voice.value, format: { type: "audio/pcm", rate: RATE } } },
+        audio: {
+          input: { turn_detection: handsFree() && rtc ? { type: "server_vad" } : null },
+          output: { voice: ui.voice.value, format: { type: "audio/pcm", rate: RATE } },
+        },
       },
     });
   }
@@ -374,6 +386,7 @@
     dl.setAttribute("aria-label", "timings");
     bot.append(el("span", "who", "omnistream"), body, dl);
     const view = {
+      user: user.querySelector(".text"),
       text: body,
       ttft: stat(dl, "TTFT", "ttft"),
       ttfp: stat(dl, "TTFP", "ttfp"),
@@ -464,6 +477,59 @@
     updateButtons();
   }
 
+  function newTurn(text, voice) {
+    const t = {
+      t0: performance.now(),
+      responseId: null,
+      createEventId: nextEventId("response"),
+      itemEventId: nextEventId("item"),
+      active: true,
+      voice,
+      carry: null,
+      lead: LEAD_S,
+      stats: {
+        ttft_ms: null,
+        ttfp_ms: null,
+        audio_started: false,
+        text: "",
+        heard: null,
+        audio_seconds: 0,
+        gaps: 0,
+        status: "in_progress",
+      },
+    };
+    t.el = addMessages(text);
+    turn = t;
+    stats.turns.push(t.stats);
+    updateButtons();
+    return t;
+  }
+
+  // Hands-free: the user stopped speaking; the server hears it and answers.
+  // The turn's clock starts at the end of speech.
+  function onSpeechStopped() {
+    if (turn && turn.active) finishTurn("interrupted");
+    const t = newTurn("…", true);
+    t.el.user.classList.add("pending");
+    t.el.status.textContent = "listening";
+  }
+
+  function onHeard(ev) {
+    const t = turn;
+    if (!t || !t.voice || t.stats.heard !== null) return;
+    const text = (ev.transcript || "").trim();
+    t.stats.heard = text;
+    t.el.user.classList.remove("pending");
+    if (text) {
+      t.el.user.textContent = text;
+      t.el.status.textContent = "answering";
+    } else {
+      // Nothing was heard (noise): no turn.
+      t.el.user.textContent = "(nothing heard)";
+      finishTurn("nothing heard");
+    }
+  }
+
   function onEvent(data) {
     let ev;
     try {
@@ -477,6 +543,16 @@
     switch (ev.type) {
       case "session.created":
       case "session.updated":
+        break;
+      case "input_audio_buffer.speech_started":
+        setStatus("Listening…", true);
+        break;
+      case "input_audio_buffer.speech_stopped":
+        setStatus("Connected (WebRTC, hands-free)", true);
+        onSpeechStopped();
+        break;
+      case "conversation.item.input_audio_transcription.completed":
+        onHeard(ev);
         break;
       case "output_audio_buffer.started":
         // WebRTC: the first frame of this answer is on the wire.
@@ -522,29 +598,8 @@
     // Inside the user's gesture: unlock audio now, before any await.
     audio();
     stopPlayback();
-    const t = {
-      t0: performance.now(),
-      responseId: null,
-      createEventId: nextEventId("response"),
-      itemEventId: nextEventId("item"),
-      active: true,
-      carry: null,
-      lead: LEAD_S,
-      stats: {
-        ttft_ms: null,
-        ttfp_ms: null,
-        audio_started: false,
-        text: "",
-        audio_seconds: 0,
-        gaps: 0,
-        status: "in_progress",
-      },
-    };
-    t.el = addMessages(text);
-    turn = t;
-    stats.turns.push(t.stats);
+    const t = newTurn(text, false);
     ui.message.value = "";
-    updateButtons();
     try {
       await connect();
       send({
@@ -582,6 +637,26 @@
     }
   });
   ui.stop.addEventListener("click", stop);
+  ui.handsfree.addEventListener("click", async () => {
+    const on = !handsFree();
+    ui.handsfree.setAttribute("aria-pressed", String(on));
+    showError("");
+    if (!on) {
+      if (connected()) sessionUpdate();
+      setStatus(rtc ? "Connected (WebRTC)" : ws ? "Connected (WebSocket)" : "Not connected", connected());
+      return;
+    }
+    audio();
+    try {
+      await connect();
+      if (!rtc) throw new Error("hands-free needs the WebRTC call (the microphone); this browser fell back to the WebSocket");
+      sessionUpdate();
+      setStatus("Connected (WebRTC, hands-free)", true);
+    } catch (e) {
+      ui.handsfree.setAttribute("aria-pressed", "false");
+      showError(e.message);
+    }
+  });
   ui.voice.addEventListener("change", () => {
     if (connected()) sessionUpdate();
   });

@@ -258,8 +258,21 @@ async fn answer(
 struct Tracks {
     speaker: Arc<TrackLocalStaticSample>,
     remote: mpsc::Receiver<Arc<TrackRemote>>,
-    channel: mpsc::Receiver<Arc<RTCDataChannel>>,
+    /// The events channel, with its messages since it was announced.
+    channel: mpsc::Receiver<(Arc<RTCDataChannel>, mpsc::Receiver<Message>)>,
     state: watch::Receiver<RTCPeerConnectionState>,
+}
+
+/// A data channel message as the session reads it.
+fn to_message(msg: DataChannelMessage) -> Message {
+    if msg.is_string {
+        match String::from_utf8(msg.data.to_vec()) {
+            Ok(t) => Message::Text(t.into()),
+            Err(_) => Message::Binary(msg.data),
+        }
+    } else {
+        Message::Binary(msg.data)
+    }
 }
 
 struct Local {
@@ -315,7 +328,18 @@ async fn connect(
         let tx = dc_tx.clone();
         Box::pin(async move {
             if dc.label() == EVENTS_CHANNEL {
-                let _ = tx.send(dc).await;
+                // The handler goes on now, before webrtc-rs starts reading
+                // the channel: it drops what arrives with no handler set, and
+                // a page sends its first events the moment the channel opens.
+                // A full queue holds the channel's reader back (backpressure).
+                let (msg_tx, msgs) = mpsc::channel::<Message>(64);
+                dc.on_message(Box::new(move |msg: DataChannelMessage| {
+                    let msg_tx = msg_tx.clone();
+                    Box::pin(async move {
+                        let _ = msg_tx.send(to_message(msg)).await;
+                    })
+                }));
+                let _ = tx.send((dc, msgs)).await;
             }
         })
     }));
@@ -464,7 +488,7 @@ async fn run_peer(
 /// the session's input, the Outbox's output is sent on it. Its closing hangs up.
 async fn events_bridge(
     state: Arc<AppState>,
-    mut channel: mpsc::Receiver<Arc<RTCDataChannel>>,
+    mut channel: mpsc::Receiver<(Arc<RTCDataChannel>, mpsc::Receiver<Message>)>,
     input: mpsc::Sender<Result<Message, axum::Error>>,
     mut output: futures_channel::mpsc::Receiver<Message>,
     hangup: watch::Sender<bool>,
@@ -475,27 +499,13 @@ async fn events_bridge(
         dc = channel.recv() => dc,
         _ = gone.wait_for(|h| *h) => None,
     };
-    let Some(dc) = dc else {
+    let Some((dc, mut msgs)) = dc else {
         return;
     };
     let (open_tx, mut open_rx) = watch::channel(false);
     dc.on_open(Box::new(move || {
         let _ = open_tx.send(true);
         Box::pin(async {})
-    }));
-    dc.on_message(Box::new(move |msg: DataChannelMessage| {
-        let input = input.clone();
-        Box::pin(async move {
-            let m = if msg.is_string {
-                match String::from_utf8(msg.data.to_vec()) {
-                    Ok(t) => Message::Text(t.into()),
-                    Err(_) => Message::Binary(msg.data),
-                }
-            } else {
-                Message::Binary(msg.data)
-            };
-            let _ = input.send(Ok(m)).await;
-        })
     }));
     {
         let hangup = hangup.clone();
@@ -512,10 +522,18 @@ async fn events_bridge(
         }
     }
     loop {
-        let msg = tokio::select! {
-            m = output.next() => m,
-            _ = gone.wait_for(|h| *h) => None,
+        // (No await inside the arms: `gone`'s guard must not cross one.)
+        let (msg, incoming) = tokio::select! {
+            m = output.next() => (m, None),
+            Some(m) = msgs.recv() => (None, Some(m)),
+            _ = gone.wait_for(|h| *h) => (None, None),
         };
+        if let Some(m) = incoming {
+            if input.send(Ok(m)).await.is_err() {
+                break;
+            }
+            continue;
+        }
         match msg {
             Some(Message::Text(t)) => {
                 if dc.send_text(t.to_string()).await.is_err() {

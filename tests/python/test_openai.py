@@ -367,6 +367,28 @@ def test_invalid_requests_are_openai_errors(client):
         client.audio.speech.create(model="tts-1", voice="joe", input="x" * 4097)
 
 
+def test_transcriptions_hear_wav_and_opus(client, tmp_path):
+    """The server hears its own voice back through the transcription API."""
+    for fmt, name in [("wav", "q.wav"), ("opus", "q.opus")]:
+        audio = client.audio.speech.create(model="tts-1", voice="joe", input=SENTENCE, response_format=fmt)
+        path = tmp_path / name
+        path.write_bytes(audio.content)
+        with path.open("rb") as f:
+            t = client.audio.transcriptions.create(model="whisper-1", file=f)
+        rate, _, _ = wer_mod.wer(SENTENCE, t.text)
+        assert rate <= 0.15, (fmt, t.text)
+        with path.open("rb") as f:
+            text = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="text")
+        assert isinstance(text, str) and text.strip() == t.text, (text, t.text)
+    bad = tmp_path / "bad.mp3"
+    bad.write_bytes(b"ID3\x03not really an mp3")
+    for kw in [dict(file=bad.open("rb")), dict(file=path.open("rb"), language="fr"),
+               dict(file=path.open("rb"), response_format="srt")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.audio.transcriptions.create(model="whisper-1", **kw)
+        assert e.value.body["message"], e.value.body
+
+
 def test_zz_word_error_rate_over_all_clips():
     """Runs last (pytest keeps file order): the aggregate over every clip heard."""
     assert len(HEARD) >= 4, f"only {len(HEARD)} clips were checked"

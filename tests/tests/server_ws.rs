@@ -752,7 +752,7 @@ async fn bad_input_gets_clear_errors() {
         ),
         (
             Message::text(
-                r#"{"type":"session.update","session":{"turn_detection":{"type":"server_vad"}}}"#,
+                r#"{"type":"session.update","session":{"turn_detection":{"type":"semantic_vad"}}}"#,
             ),
             "unsupported_turn_detection",
         ),

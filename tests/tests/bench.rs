@@ -94,8 +94,13 @@ fn sweep_against_a_running_server() {
         }
         for s in l["stages"].as_array().unwrap() {
             let busy = f(&s["busy_fraction"]);
-            assert!(busy > 0.0 && busy <= 1.05, "{s}");
-            assert!(s["steps"].as_u64().is_some_and(|n| n > 0), "{s}");
+            assert!((0.0..=1.05).contains(&busy), "{s}");
+            // The stages a spoken chat answer goes through worked; the
+            // Listener (speech in) has nothing to do in a chat sweep.
+            if s["stage"] != "listener" {
+                assert!(busy > 0.0, "{s}");
+                assert!(s["steps"].as_u64().is_some_and(|n| n > 0), "{s}");
+            }
         }
     }
     // The server saw exactly the warm-up and the measured requests.

@@ -642,7 +642,10 @@ connectors:
             let text = std::fs::read_to_string(root.join(f)).unwrap();
             // Model files may be absent here: only a missing-file error is acceptable.
             match Profile::parse(&text, &root.join(f)) {
-                Ok(p) => assert_eq!(p.stages.len(), 3),
+                Ok(p) => assert_eq!(
+                    p.stages.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+                    ["listener", "thinker", "talker", "code2wav"]
+                ),
                 Err(e) => assert!(e.to_string().contains("does not exist"), "{f}: {e}"),
             }
         }

@@ -839,7 +839,8 @@ impl Realtime {
                     .await;
                     // The utterance is the turn; the buffer starts afresh.
                     self.input_audio.clear();
-                    let heard = self.commit(id, audio).await?;
+                    let seconds = audio.len() as f64 / f64::from(TRANSCRIBE_RATE);
+                    let heard = self.commit_item(id, audio, seconds).await;
                     let busy = self.active.as_ref().is_some_and(Active::running);
                     if create && !heard.is_empty() && !busy {
                         self.response_create(json!({"type": "response.create"}))
@@ -916,12 +917,6 @@ impl Realtime {
         let seconds = pcm.len() as f64 / (f64::from(RATE) * 2.0);
         self.commit_item(id, audio, seconds).await;
         Ok(())
-    }
-
-    /// Commits a VAD turn (16 kHz audio); returns its transcript.
-    async fn commit(&mut self, id: String, audio: Vec<f32>) -> Result<String, ClientError> {
-        let seconds = audio.len() as f64 / f64::from(TRANSCRIBE_RATE);
-        Ok(self.commit_item(id, audio, seconds).await)
     }
 
     /// Adds the user's speech as an item, transcribes it (16 kHz `audio`;

@@ -402,6 +402,156 @@ async fn speaking_over_an_answer_interrupts_it() {
     assert_eq!(next["response"]["status"], "completed", "{next}");
 }
 
+/// `/v1/stream` with `server_vad`: the server finds the user's turns in a
+/// plain PCM stream, answers them, and a user who talks over an answer
+/// interrupts it (no answer audio 100 ms + a frame after the speech was
+/// detected; `output_cleared`; the conversation keeps what was heard).
+/// `audio_end` ends a turn still under way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stream_takes_turns_and_is_interrupted() {
+    let _alone = SERIAL.lock().await;
+    let server = spawn_server(&[]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rate = 16_000;
+    let (x, r) = espeak("Stop, please stop talking.", &dir.path().join("stop.wav"));
+    let stop = resample(&x, r, rate);
+    let (x, r) = own_voice("How do bees make honey?", &dir.path().join("bees.wav"));
+    let mut bees = resample(&x, r, rate);
+    // Its trailing silence cut: the turn must still be under way at audio_end.
+    let end = bees.iter().rposition(|v| v.abs() > 0.02).unwrap_or(0);
+    bees.truncate(end + 1);
+
+    let mut ws = connect(&server, "/v1/stream").await;
+    // Unsupported turn detection: refused, and the stream is not started.
+    send(
+        &mut ws,
+        json!({"type": "start", "sample_rate": rate, "turn_detection": {"type": "semantic_vad"}}),
+    )
+    .await;
+    let e = expect_error(&mut ws).await;
+    assert_eq!(e["code"], "unsupported_turn_detection", "{e}");
+    send(
+        &mut ws,
+        json!({"type": "start", "sample_rate": rate, "turn_detection": {
+            "type": "server_vad", "silence_duration_ms": 500}}),
+    )
+    .await;
+    let started = expect(&mut ws, "started").await;
+    assert_eq!(started["turn_detection"]["type"], "server_vad", "{started}");
+
+    // A long answer to a typed turn; a second of it arrives.
+    send(
+        &mut ws,
+        json!({"type": "text", "text": "Tell me a long story about the sea and the ships on it."}),
+    )
+    .await;
+    let rid = expect(&mut ws, "audio_start").await["response_id"].clone();
+    let mut transcript = String::new();
+    let mut audio_bytes = 0usize;
+    while audio_bytes < rate as usize * 2 {
+        match next_msg(&mut ws).await {
+            Message::Binary(b) => audio_bytes += b.len(),
+            Message::Text(t) => {
+                let v: Value = serde_json::from_str(&t).expect("JSON");
+                match v["type"].as_str() {
+                    Some("transcript") => transcript += v["text"].as_str().unwrap_or_default(),
+                    Some("done") => panic!("the answer ended before the interruption: {v}"),
+                    _ => panic!("unexpected: {v}"),
+                }
+            }
+            _ => {}
+        }
+    }
+    // The user talks over it, paced like a microphone (100 ms frames).
+    let mut spoken = silence(0.2, rate);
+    spoken.extend(&stop);
+    spoken.extend(silence(1.0, rate));
+    let mut chunks = spoken.chunks(rate as usize / 10);
+    let (mut detected, mut last_audio) = (None, None);
+    let mut events: Vec<Value> = Vec::new();
+    let done = loop {
+        if let Some(c) = chunks.next() {
+            ws.send(Message::binary(f32_to_pcm16_le(c)))
+                .await
+                .expect("send");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let m = match tokio::time::timeout(Duration::from_millis(5), next_msg(&mut ws)).await {
+            Ok(m) => m,
+            Err(_) => continue,
+        };
+        let v: Value = match m {
+            Message::Binary(_) => {
+                last_audio = Some(Instant::now());
+                continue;
+            }
+            Message::Text(t) => serde_json::from_str(&t).expect("JSON"),
+            _ => continue,
+        };
+        match v["type"].as_str() {
+            Some("speech_started") => detected = Some(Instant::now()),
+            Some("transcript") => transcript += v["text"].as_str().unwrap_or_default(),
+            Some("done") if v["response_id"] == rid => break v,
+            Some("error") => panic!("{v}"),
+            _ => {}
+        }
+        events.push(v);
+    };
+    let detected = detected.expect("the speech was not detected");
+    if let Some(t) = last_audio {
+        let late = t.saturating_duration_since(detected);
+        assert!(
+            late <= Duration::from_millis(120),
+            "answer audio {late:?} after the speech was detected"
+        );
+    }
+    assert_eq!(done["status"], "cancelled", "{done}");
+    let cleared = events.iter().find(|v| v["type"] == "output_cleared");
+    assert_eq!(cleared.map(|v| &v["response_id"]), Some(&rid), "{events:?}");
+    let cut = events
+        .iter()
+        .find(|v| v["type"] == "truncated")
+        .unwrap_or_else(|| panic!("no truncated: {events:?}"));
+    let kept = cut["text"].as_str().unwrap_or_default();
+    assert!(
+        transcript.starts_with(kept) && kept.len() < transcript.len(),
+        "kept {kept:?} of {transcript:?}"
+    );
+    // The interruption is the user's next turn: heard and answered.
+    let stopped = expect(&mut ws, "speech_stopped").await;
+    assert!(
+        stopped["seconds"].as_f64().unwrap_or(0.0) > 1.0,
+        "{stopped}"
+    );
+    let t = expect(&mut ws, "input_transcript").await;
+    let heard = t["text"].as_str().unwrap_or_default().to_lowercase();
+    assert!(heard.contains("stop"), "{t}");
+    expect(&mut ws, "audio_start").await;
+    let next = expect(&mut ws, "done").await;
+    assert_eq!(next["status"], "completed", "{next}");
+
+    // A turn still under way when the client says audio_end ends there.
+    let mut frames = 0;
+    for c in bees.chunks(rate as usize / 10) {
+        ws.send(Message::binary(f32_to_pcm16_le(c)))
+            .await
+            .expect("send");
+        frames += 1;
+    }
+    assert!(frames > 5);
+    send(&mut ws, json!({"type": "audio_end"})).await;
+    let got = expect(&mut ws, "audio_received").await;
+    assert!(got["seconds"].as_f64().unwrap_or(0.0) > 1.0, "{got}");
+    let t = expect(&mut ws, "input_transcript").await;
+    let heard = t["text"].as_str().unwrap_or_default().to_lowercase();
+    assert!(heard.contains("honey"), "{t}");
+    expect(&mut ws, "audio_start").await;
+    let last = expect(&mut ws, "done").await;
+    assert_eq!(last["status"], "completed", "{last}");
+    let health = omnistream_e2e::http_get(server.port, "/health");
+    assert!(health.contains("\"status\":\"ok\""), "{health}");
+}
+
 /// Silence, noise, clipping, a DC offset and ten minutes of quiet make no
 /// turn; garbage is refused; memory stays flat; the server stays healthy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

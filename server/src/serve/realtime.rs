@@ -8,11 +8,8 @@
 //! (upgrade limits, the writer, slow-client detection, the response driver) is
 //! in [`conn`] and is used by `/v1/stream` too.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::sync::OnceLock;
 use std::time::Duration;
-use std::time::Instant;
 
 use axum::extract::ws::{close_code, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
@@ -34,7 +31,7 @@ use super::listen;
 use super::metrics::TaskGuard;
 use super::sessions::{Session, SessionGuard};
 use super::state::AppState;
-use super::turns::{spoken_prefix, Turn, TurnDetector, TurnSettings};
+use super::turns::{Playback, Turn, TurnDetector, TurnSettings};
 use super::webrtc::media::AudioOut;
 use conn::{Active, ClientError, End, Generation, Outbox, Step};
 
@@ -805,10 +802,7 @@ impl Realtime {
         let Some(t) = self.turns.as_mut() else {
             return Ok(());
         };
-        let since = self
-            .playback
-            .as_ref()
-            .and_then(|p| p.started.get().copied());
+        let since = self.playback.as_ref().and_then(|p| p.started());
         let (create, interrupt) = (t.settings.create_response, t.settings.interrupt_response);
         for turn in t.push(pcm, since)? {
             match turn {
@@ -860,11 +854,12 @@ impl Realtime {
             return;
         };
         let queued = self.speaker.as_ref().map_or(0, AudioOut::queued_samples);
+        let queued_s = queued as f64 / f64::from(RATE);
         let running = self.active.as_ref().is_some_and(Active::running);
-        if !running && queued == 0 {
+        if p.interrupted() || (!running && queued == 0 && !p.playing()) {
             return; // nothing is playing
         }
-        p.interrupt(queued);
+        p.interrupt(queued_s);
         if let Some(sp) = &self.speaker {
             sp.clear();
         }
@@ -873,17 +868,10 @@ impl Realtime {
         } else {
             // The answer was generated whole but was still playing: cut the
             // conversation's copy of it back to what was heard.
-            let rate = self.state.speech_rate.chars_per_second();
-            let heard_ms = p.heard_ms();
-            self.state.sessions.with(&self.session.id, |s| {
-                if let Some(m) = s.history.last_mut().filter(|m| m.role == "assistant") {
-                    m.content =
-                        spoken_prefix(&m.content, heard_ms as f64 / 1000.0, rate).to_string();
-                }
-            });
+            p.truncate_history(&self.state, &self.session.id);
             self.send(event(
                 "conversation.item.truncated",
-                json!({"item_id": p.item_id, "content_index": 0, "audio_end_ms": heard_ms}),
+                json!({"item_id": p.item_id, "content_index": 0, "audio_end_ms": p.heard_ms()}),
             ))
             .await;
         }
@@ -1087,56 +1075,6 @@ impl Realtime {
     }
 }
 
-/// How an answer is playing: shared by the session (which interrupts it)
-/// and the job streaming it (which counts what went out).
-struct Playback {
-    response_id: String,
-    item_id: String,
-    /// When its first audio went out.
-    started: OnceLock<Instant>,
-    /// Samples (at 24 kHz) handed to the client or the track.
-    sent: AtomicUsize,
-    interrupted: AtomicBool,
-    /// What the user had heard when they interrupted (ms of audio).
-    heard: AtomicU64,
-}
-
-impl Playback {
-    fn new(response_id: String, item_id: String) -> Self {
-        Self {
-            response_id,
-            item_id,
-            started: OnceLock::new(),
-            sent: AtomicUsize::new(0),
-            interrupted: AtomicBool::new(false),
-            heard: AtomicU64::new(0),
-        }
-    }
-
-    fn sent_audio(&self, samples: usize) {
-        self.started.get_or_init(Instant::now);
-        self.sent.fetch_add(samples, Ordering::AcqRel);
-    }
-
-    /// Marks it interrupted. Heard: what left (sent minus what a WebRTC
-    /// track still had `queued`), and never more than real time since its
-    /// first audio (a WebSocket client plays as it receives).
-    fn interrupt(&self, queued: usize) {
-        let sent = self.sent.load(Ordering::Acquire).saturating_sub(queued) as u64;
-        let sent_ms = sent * 1000 / u64::from(RATE);
-        let since_ms = self
-            .started
-            .get()
-            .map_or(0, |t| t.elapsed().as_millis() as u64);
-        self.heard.store(sent_ms.min(since_ms), Ordering::Release);
-        self.interrupted.store(true, Ordering::Release);
-    }
-
-    fn heard_ms(&self) -> u64 {
-        self.heard.load(Ordering::Acquire)
-    }
-}
-
 /// One response: runs in its own task until the pipeline is done with it,
 /// the client cancels it, or the connection goes.
 struct Job {
@@ -1207,11 +1145,9 @@ impl Job {
             self.state.speech_rate.observe(text.chars().count(), secs);
         }
         // Interrupted: the conversation keeps what the user heard.
-        let interrupted = self.playback.interrupted.load(Ordering::Acquire);
-        if interrupted {
+        if self.playback.interrupted() {
             let heard = self.playback.heard_ms();
-            let rate = self.state.speech_rate.chars_per_second();
-            text = spoken_prefix(&text, heard as f64 / 1000.0, rate).to_string();
+            text = self.playback.heard_text(&self.state, &text).to_string();
             let truncated = event(
                 "conversation.item.truncated",
                 json!({"item_id": self.item_id, "content_index": 0, "audio_end_ms": heard}),
@@ -1274,7 +1210,7 @@ impl Job {
             let msg = match self.gen.next().await {
                 Step::Text(t) => self.delta(text_delta, json!({ "delta": t })),
                 Step::Audio(pcm) if self.speaker.is_some() => {
-                    self.playback.sent_audio(pcm.len() / 2);
+                    self.playback.sent_audio(pcm.len() / 2, RATE);
                     let queued = self.speaker.as_ref().map(|sp| sp.push(&self.id, &pcm));
                     if queued.is_some_and(|r| r.is_err()) {
                         self.gen.abandon();
@@ -1284,7 +1220,7 @@ impl Job {
                     continue;
                 }
                 Step::Audio(pcm) => {
-                    self.playback.sent_audio(pcm.len() / 2);
+                    self.playback.sent_audio(pcm.len() / 2, RATE);
                     self.delta(
                         "response.output_audio.delta",
                         json!({ "delta": base64::engine::general_purpose::STANDARD.encode(&pcm) }),

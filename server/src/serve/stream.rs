@@ -1,11 +1,14 @@
 //! `GET /v1/stream`: a plain WebSocket for PCM clients (see `docs/stream.md`).
 //!
 //! JSON text frames carry control (`start`, `text`, `cancel`, `audio_end` in;
-//! `started`, `transcript`, `audio_start`, `done`, `audio_received`, `error`
-//! out); binary frames carry audio both ways: PCM16 LE mono at the rate the
-//! client chose in `start`, or with `"format":"opus"` Ogg Opus (one stream per
-//! input utterance, one per answer). Output frames have no header: their
-//! order is the audio's order.
+//! `started`, `transcript`, `audio_start`, `done`, `audio_received`,
+//! `input_transcript`, `speech_started`/`speech_stopped`, `output_cleared`,
+//! `truncated`, `error` out); binary frames carry audio both ways: PCM16 LE
+//! mono at the rate the client chose in `start`, or with `"format":"opus"`
+//! Ogg Opus (one stream per input utterance, one per answer). Output frames
+//! have no header: their order is the audio's order. With `turn_detection`
+//! (`server_vad`) the server finds the user's turns itself and a user who
+//! talks over an answer interrupts it, as on `/v1/realtime`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,7 +27,7 @@ use tokio::sync::watch;
 use omnistream_codecs::ogg_opus::OPUS_RATE;
 use omnistream_codecs::pcm::f32_to_pcm16_le;
 use omnistream_codecs::{CodecError, OggOpusDecoder};
-use omnistream_stages::engine::{Modalities, RequestInput, RequestSpec};
+use omnistream_stages::engine::{Modalities, RequestInput, RequestSpec, TRANSCRIBE_RATE};
 use omnistream_stages::models::gguf_tokenizer::ChatMessage;
 
 use super::audio::OutputFormat;
@@ -33,10 +36,11 @@ use super::metrics::TaskGuard;
 use super::realtime::conn::{self, Active, ClientError, End, Generation, Outbox, Step};
 use super::sessions::SessionGuard;
 use super::state::AppState;
+use super::turns::{Playback, Turn, TurnDetector, TurnSettings};
 
 /// Sample rates a client may choose for both directions.
 pub const SAMPLE_RATES: [u32; 4] = [8_000, 16_000, 24_000, 48_000];
-/// Input audio kept per session until voice input lands.
+/// Most audio of one utterance (without turn detection) or of one message.
 const MAX_INPUT_AUDIO_SECONDS: usize = 60;
 /// Longest user turn, in characters.
 const MAX_TEXT_CHARS: usize = 4096;
@@ -100,6 +104,9 @@ struct Start {
     sample_rate: Option<u32>,
     voice: Option<String>,
     instructions: Option<String>,
+    /// `{"type":"server_vad", ...}` (the Realtime API's knobs) or null.
+    #[serde(default)]
+    turn_detection: Value,
 }
 
 #[derive(Deserialize)]
@@ -121,6 +128,11 @@ struct PcmStream {
     /// awaits; only this connection's task touches it.
     opus_in: std::sync::Mutex<Option<OggOpusDecoder>>,
     active: Option<Active>,
+    /// `server_vad`, when `start` asked for it: the detector holds the
+    /// utterance under way (`input_audio` stays empty).
+    turns: Option<TurnDetector>,
+    /// How the latest answer is playing (for barge-in).
+    playback: Option<Arc<Playback>>,
 }
 
 async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
@@ -137,6 +149,8 @@ async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
         input_audio: Vec::new(),
         opus_in: std::sync::Mutex::new(None),
         active: None,
+        turns: None,
+        playback: None,
     };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -165,7 +179,7 @@ async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
                     }
                 }
                 Some(Ok(Message::Binary(b))) => {
-                    if let Err(e) = s.on_audio(&b) {
+                    if let Err(e) = s.on_audio(&b).await {
                         s.send(error_msg(&e)).await;
                     }
                 }
@@ -264,6 +278,21 @@ impl PcmStream {
                 format!("voice {v:?} is not available; the only voice is \"joe\""),
             ));
         }
+        let hub = self.state.config.vad.as_ref();
+        let turns = match (
+            TurnSettings::parse(&s.turn_detection, hub, "turn_detection")?,
+            hub,
+        ) {
+            (Some(settings), Some(hub)) => {
+                if !listen::can_hear(&self.state) {
+                    return Err(Self::deaf());
+                }
+                Some(TurnDetector::new(settings, hub, rate)?)
+            }
+            _ => None,
+        };
+        let turn_detection = turns.as_ref().map(|t| t.settings.to_json());
+        self.turns = turns;
         self.state.sessions.with(&self.session.id, |sess| {
             sess.voice = s.voice.clone();
             sess.instructions = s.instructions.clone().filter(|i| !i.trim().is_empty());
@@ -275,6 +304,7 @@ impl PcmStream {
         self.send(msg(json!({
             "type": "started", "session_id": self.session.id,
             "format": s.format.name(), "sample_rate": rate, "voice": "joe",
+            "turn_detection": turn_detection,
         })))
         .await;
         Ok(())
@@ -352,7 +382,10 @@ impl PcmStream {
             id: id.clone(),
             cancel,
         });
+        let playback = Arc::new(Playback::new(id.clone(), String::new()));
+        self.playback = Some(playback.clone());
         let job = Job {
+            playback,
             state: self.state.clone(),
             out: self.out.clone(),
             session_id: self.session.id.clone(),
@@ -378,7 +411,7 @@ impl PcmStream {
         }
     }
 
-    fn on_audio(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
+    async fn on_audio(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
         let rate = self.rate.ok_or_else(Self::not_started)?;
         match self.format {
             Format::Pcm16 => {
@@ -388,38 +421,40 @@ impl PcmStream {
                         "binary frames are PCM16 LE: an even number of bytes",
                     ));
                 }
+                if self.turns.is_some() {
+                    if bytes.len() > Self::input_cap(rate) {
+                        return Err(Self::message_too_long());
+                    }
+                    return self.detect(bytes).await;
+                }
                 if self.input_audio.len() + bytes.len() > Self::input_cap(rate) {
                     return Err(Self::buffer_full("this frame was dropped"));
                 }
                 self.input_audio.extend_from_slice(bytes);
                 Ok(())
             }
-            Format::Opus => self.on_opus(bytes, rate),
+            Format::Opus => self.on_opus(bytes, rate).await,
         }
     }
 
     /// Decodes the next bytes of the Ogg Opus input stream (split anywhere)
-    /// into the input buffer. A malformed stream is reported once; its later
-    /// bytes are refused until `audio_end` starts a new stream. Audio decoded
-    /// before the fault stays in the buffer.
-    fn on_opus(&mut self, bytes: &[u8], rate: u32) -> Result<(), ClientError> {
-        let opus_in = self.opus_in.get_mut().unwrap_or_else(|e| e.into_inner());
-        let dec = opus_in.get_or_insert_with(OggOpusDecoder::new);
-        if dec.is_finished() {
-            return Err(ClientError::invalid(
-                "input_stream_ended",
-                "this Ogg Opus stream already ended (end-of-stream page): send {\"type\":\"audio_end\"} before the next stream",
-            ));
-        }
+    /// into the input buffer, or through the turn detector. A malformed
+    /// stream is reported once; its later bytes are refused until
+    /// `audio_end` starts a new stream. Audio decoded before the fault is
+    /// kept.
+    async fn on_opus(&mut self, bytes: &[u8], rate: u32) -> Result<(), ClientError> {
         let cap = Self::input_cap(rate);
+        let mut decoded = 0;
         for slice in bytes.chunks(OPUS_DECODE_SLICE) {
-            let samples = dec.push(slice).map_err(|e| {
-                ClientError::invalid(
-                    "invalid_audio",
-                    format!("the Ogg Opus input is not valid ({e}); the audio decoded before it is kept, send {{\"type\":\"audio_end\"}} to start a new stream"),
-                )
-            })?;
-            let pcm = f32_to_pcm16_le(&samples);
+            let pcm = self.decode_opus(slice)?;
+            if self.turns.is_some() {
+                decoded += pcm.len();
+                if decoded > cap {
+                    return Err(Self::message_too_long());
+                }
+                self.detect(&pcm).await?;
+                continue;
+            }
             let room = cap.saturating_sub(self.input_audio.len());
             if pcm.len() > room {
                 self.input_audio.extend_from_slice(&pcm[..room - room % 2]);
@@ -430,9 +465,102 @@ impl PcmStream {
         Ok(())
     }
 
+    /// PCM16 LE of the next bytes of the Ogg Opus input stream.
+    fn decode_opus(&mut self, bytes: &[u8]) -> Result<Vec<u8>, ClientError> {
+        let opus_in = self.opus_in.get_mut().unwrap_or_else(|e| e.into_inner());
+        let dec = opus_in.get_or_insert_with(OggOpusDecoder::new);
+        if dec.is_finished() {
+            return Err(ClientError::invalid(
+                "input_stream_ended",
+                "this Ogg Opus stream already ended (end-of-stream page): send {\"type\":\"audio_end\"} before the next stream",
+            ));
+        }
+        let samples = dec.push(bytes).map_err(|e| {
+            ClientError::invalid(
+                "invalid_audio",
+                format!("the Ogg Opus input is not valid ({e}); the audio decoded before it is kept, send {{\"type\":\"audio_end\"}} to start a new stream"),
+            )
+        })?;
+        Ok(f32_to_pcm16_le(&samples))
+    }
+
+    /// `server_vad`: runs the turn detector over new input audio; a turn that
+    /// starts interrupts the answer, a turn that ends is heard and answered.
+    async fn detect(&mut self, pcm: &[u8]) -> Result<(), ClientError> {
+        let Some(t) = self.turns.as_mut() else {
+            return Ok(());
+        };
+        let since = self.playback.as_ref().and_then(|p| p.started());
+        let interrupt = t.settings.interrupt_response;
+        for turn in t.push(pcm, since)? {
+            match turn {
+                Turn::Started { audio_start_ms } => {
+                    self.send(msg(json!({
+                        "type": "speech_started", "audio_start_ms": audio_start_ms,
+                    })))
+                    .await;
+                    if interrupt {
+                        self.barge_in().await;
+                    }
+                }
+                Turn::Stopped {
+                    audio_end_ms,
+                    audio,
+                } => {
+                    let seconds = audio.len() as f64 / f64::from(TRANSCRIBE_RATE);
+                    self.send(msg(json!({
+                        "type": "speech_stopped", "audio_end_ms": audio_end_ms,
+                        "seconds": seconds,
+                    })))
+                    .await;
+                    self.hear(audio).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The user spoke over the answer: it stops in every stage, the client
+    /// is told to drop the audio it has queued (`output_cleared`), and the
+    /// conversation keeps only what was heard (`truncated`).
+    async fn barge_in(&mut self) {
+        let Some(p) = self.playback.clone() else {
+            return;
+        };
+        let running = self.active.as_ref().is_some_and(Active::running);
+        if p.interrupted() || (!running && !p.playing()) {
+            return; // nothing is playing
+        }
+        p.interrupt(0.0);
+        if let Some(a) = self.active.as_ref().filter(|a| a.running()) {
+            // The answer's job reports the cut (`truncated`) as it ends.
+            let _ = a.cancel.send(true);
+        } else {
+            // Generated whole, still playing at the client.
+            p.truncate_history(&self.state, &self.session.id);
+            let kept = self
+                .state
+                .sessions
+                .with(&self.session.id, |s| {
+                    s.history
+                        .last()
+                        .filter(|m| m.role == "assistant")
+                        .map(|m| m.content.clone())
+                })
+                .flatten()
+                .unwrap_or_default();
+            self.send(truncated(&p, &kept)).await;
+        }
+        self.send(msg(
+            json!({"type": "output_cleared", "response_id": p.response_id}),
+        ))
+        .await;
+    }
+
     /// The end of the client's utterance: closes an Ogg Opus stream (an
     /// error if it was cut short), reports the audio taken, and, where the
-    /// pipeline hears, transcribes it and answers it like a text turn.
+    /// pipeline hears, transcribes it and answers it like a text turn. With
+    /// turn detection, an utterance under way ends here.
     async fn audio_end(&mut self) -> Result<(), ClientError> {
         let rate = self.rate.ok_or_else(Self::not_started)?;
         let opus_in = self.opus_in.get_mut().unwrap_or_else(|e| e.into_inner());
@@ -442,7 +570,14 @@ impl PcmStream {
             _ => None,
         };
         let pcm = std::mem::take(&mut self.input_audio);
-        let seconds = pcm.len() as f64 / 2.0 / f64::from(rate);
+        let ended = match self.turns.as_mut().map(TurnDetector::finish) {
+            Some(Some(Turn::Stopped { audio, .. })) => Some(audio),
+            _ => None,
+        };
+        let seconds = match &ended {
+            Some(audio) => audio.len() as f64 / f64::from(TRANSCRIBE_RATE),
+            None => pcm.len() as f64 / 2.0 / f64::from(rate),
+        };
         if let Some(e) = truncated {
             let e = ClientError::invalid(
                 "truncated_audio",
@@ -452,25 +587,62 @@ impl PcmStream {
         }
         self.send(msg(json!({"type": "audio_received", "seconds": seconds})))
             .await;
-        if pcm.is_empty() {
-            return Ok(());
-        }
+        let audio = match ended {
+            Some(audio) => audio,
+            None if pcm.is_empty() => return Ok(()),
+            None => {
+                if !listen::can_hear(&self.state) {
+                    return Err(Self::deaf());
+                }
+                // Without turn detection, one answer at a time.
+                self.idle()?;
+                listen::to_listener_rate(&pcm, rate)?
+            }
+        };
+        self.hear(audio).await
+    }
+
+    /// Transcribes the user's utterance (16 kHz) and answers it like a text
+    /// turn. Nothing heard (noise, a cough): no turn. Not answered (turn
+    /// detection's `create_response` off, or an answer still playing): the
+    /// words join the conversation for the next answer.
+    async fn hear(&mut self, audio: Vec<f32>) -> Result<(), ClientError> {
+        let rate = self.rate.ok_or_else(Self::not_started)?;
         if !listen::can_hear(&self.state) {
-            return Err(ClientError::invalid(
-                "transcription_unavailable",
-                "this server's pipeline has no speech recognition stage: the utterance was dropped",
-            ));
+            return Err(Self::deaf());
         }
-        self.idle()?;
-        let audio = listen::to_listener_rate(&pcm, rate)?;
         let text = listen::transcribe(&self.state, "stream", audio).await?;
         self.send(msg(json!({"type": "input_transcript", "text": text})))
             .await;
-        // Nothing heard (noise, a cough): no turn, no answer.
         if text.is_empty() {
             return Ok(());
         }
-        self.answer(text, rate)
+        let create = self
+            .turns
+            .as_ref()
+            .is_none_or(|t| t.settings.create_response);
+        if create && self.idle().is_ok() {
+            return self.answer(text, rate);
+        }
+        let user = ChatMessage::new("user", text);
+        self.state
+            .sessions
+            .with(&self.session.id, |s| conn::remember(s, user));
+        Ok(())
+    }
+
+    fn deaf() -> ClientError {
+        ClientError::invalid(
+            "transcription_unavailable",
+            "this server's pipeline has no speech recognition stage: the utterance was dropped",
+        )
+    }
+
+    fn message_too_long() -> ClientError {
+        ClientError::invalid(
+            "input_audio_buffer_full",
+            format!("a message carries at most {MAX_INPUT_AUDIO_SECONDS} s of audio; the rest of it was dropped"),
+        )
     }
 
     fn input_cap(rate: u32) -> usize {
@@ -480,13 +652,22 @@ impl PcmStream {
     fn buffer_full(what: &str) -> ClientError {
         ClientError::invalid(
             "input_audio_buffer_full",
-            format!("input audio is kept for voice input (a later issue), at most {MAX_INPUT_AUDIO_SECONDS} s; {what}"),
+            format!("an utterance is at most {MAX_INPUT_AUDIO_SECONDS} s (send {{\"type\":\"audio_end\"}} to end it); {what}"),
         )
     }
 }
 
+/// `truncated`: the conversation keeps `kept` of an interrupted answer.
+fn truncated(p: &Playback, kept: &str) -> Message {
+    msg(json!({
+        "type": "truncated", "response_id": p.response_id,
+        "audio_end_ms": p.heard_ms(), "text": kept,
+    }))
+}
+
 /// One spoken answer, in its own task.
 struct Job {
+    playback: Arc<Playback>,
     state: Arc<AppState>,
     out: Outbox,
     session_id: String,
@@ -500,7 +681,16 @@ impl Job {
     async fn run(mut self) {
         let _task = TaskGuard::new(&self.state.metrics);
         let end = self.stream().await;
-        let text = self.gen.text().to_string();
+        let mut text = self.gen.text().to_string();
+        if matches!(end, Some(End::Completed(_))) {
+            let secs = self.gen.audio_seconds();
+            self.state.speech_rate.observe(text.chars().count(), secs);
+        }
+        // Interrupted: the conversation keeps what the user heard.
+        if self.playback.interrupted() {
+            text = self.playback.heard_text(&self.state, &text).to_string();
+            let _ = self.out.send(truncated(&self.playback, &text)).await;
+        }
         self.state.sessions.with(&self.session_id, |s| {
             if !text.trim().is_empty() {
                 conn::remember(s, ChatMessage::new("assistant", text));
@@ -557,7 +747,13 @@ impl Job {
                 Step::Text(t) => {
                     msg(json!({"type": "transcript", "response_id": self.id, "text": t}))
                 }
-                Step::Audio(pcm) => Message::Binary(pcm.into()),
+                Step::Audio(bytes) => {
+                    match self.format {
+                        Format::Pcm16 => self.playback.sent_audio(bytes.len() / 2, self.rate),
+                        Format::Opus => self.playback.sent_until(self.gen.audio_seconds()),
+                    }
+                    Message::Binary(bytes.into())
+                }
                 Step::End(end) => return Some(end),
             };
             if self.out.send(m).await.is_err() {

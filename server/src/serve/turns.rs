@@ -2,7 +2,8 @@
 //! over the user's audio (Silero VAD), and what an interrupted answer leaves
 //! in the conversation (only what was heard).
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
@@ -14,7 +15,7 @@ use omnistream_stages::engine::TRANSCRIBE_RATE;
 use omnistream_stages::vad::{VadConfig, VadEvent, VadSegmenter};
 
 use super::realtime::conn::ClientError;
-use super::state::VadHub;
+use super::state::{AppState, VadHub};
 
 /// `turn_detection: {"type": "server_vad", ...}` as clients send it (the
 /// OpenAI Realtime knobs).
@@ -188,6 +189,22 @@ impl TurnDetector {
         Ok(turns)
     }
 
+    /// The client ended its audio (`audio_end`): an utterance under way ends
+    /// here, as if silence had followed it.
+    pub fn finish(&mut self) -> Option<Turn> {
+        let VadEvent::SpeechStopped { audio_end_ms } = self.seg.flush()? else {
+            return None;
+        };
+        let audio = self.seg.take_utterance();
+        if std::mem::take(&mut self.ignoring) {
+            return None;
+        }
+        Some(Turn::Stopped {
+            audio_end_ms,
+            audio,
+        })
+    }
+
     /// Forgets the audio so far (the client cleared its input buffer); the
     /// clock keeps running.
     pub fn clear(&mut self) {
@@ -196,6 +213,106 @@ impl TurnDetector {
         }
         self.seg.take_utterance();
         self.ignoring = false;
+    }
+}
+
+/// How an answer is playing: shared by the session (which interrupts it)
+/// and the job streaming it (which counts what went out).
+pub struct Playback {
+    pub response_id: String,
+    /// The assistant item (realtime) the answer is.
+    pub item_id: String,
+    /// When its first audio went out.
+    started: OnceLock<Instant>,
+    /// Microseconds of audio handed to the client or the track.
+    sent_us: AtomicU64,
+    interrupted: AtomicBool,
+    /// What the user had heard when they interrupted (ms of audio).
+    heard: AtomicU64,
+}
+
+impl Playback {
+    pub fn new(response_id: String, item_id: String) -> Self {
+        Self {
+            response_id,
+            item_id,
+            started: OnceLock::new(),
+            sent_us: AtomicU64::new(0),
+            interrupted: AtomicBool::new(false),
+            heard: AtomicU64::new(0),
+        }
+    }
+
+    /// When its first audio went out (the echo guard counts from here).
+    pub fn started(&self) -> Option<Instant> {
+        self.started.get().copied()
+    }
+
+    /// `samples` more at `rate` went out.
+    pub fn sent_audio(&self, samples: usize, rate: u32) {
+        self.started.get_or_init(Instant::now);
+        let us = samples as u64 * 1_000_000 / u64::from(rate.max(1));
+        self.sent_us.fetch_add(us, Ordering::AcqRel);
+    }
+
+    /// `seconds` in all went out (for encoded audio, whose bytes do not
+    /// count samples).
+    pub fn sent_until(&self, seconds: f64) {
+        self.started.get_or_init(Instant::now);
+        let us = (seconds.max(0.0) * 1e6) as u64;
+        self.sent_us.fetch_max(us, Ordering::AcqRel);
+    }
+
+    /// Marks it interrupted. Heard: what left (sent minus what a WebRTC
+    /// track still had queued, `queued_s`), and never more than real time
+    /// since its first audio (a WebSocket client plays as it receives).
+    pub fn interrupt(&self, queued_s: f64) {
+        let queued_us = (queued_s.max(0.0) * 1e6) as u64;
+        let sent_ms = self
+            .sent_us
+            .load(Ordering::Acquire)
+            .saturating_sub(queued_us)
+            / 1000;
+        let since_ms = self
+            .started
+            .get()
+            .map_or(0, |t| t.elapsed().as_millis() as u64);
+        self.heard.store(sent_ms.min(since_ms), Ordering::Release);
+        self.interrupted.store(true, Ordering::Release);
+    }
+
+    /// Whether a client that plays as it receives is still playing it
+    /// (more audio went out than real time since the first).
+    pub fn playing(&self) -> bool {
+        self.started().is_some_and(|t| {
+            let sent = Duration::from_micros(self.sent_us.load(Ordering::Acquire));
+            sent > t.elapsed()
+        })
+    }
+
+    pub fn interrupted(&self) -> bool {
+        self.interrupted.load(Ordering::Acquire)
+    }
+
+    pub fn heard_ms(&self) -> u64 {
+        self.heard.load(Ordering::Acquire)
+    }
+
+    /// What of `text` (the answer) the user heard before interrupting.
+    pub fn heard_text<'a>(&self, state: &AppState, text: &'a str) -> &'a str {
+        let rate = state.speech_rate.chars_per_second();
+        spoken_prefix(text, self.heard_ms() as f64 / 1000.0, rate)
+    }
+
+    /// The answer had been generated whole but was still playing when the
+    /// user interrupted: cuts the conversation's copy of it (the last
+    /// assistant turn of `session_id`) back to what was heard.
+    pub fn truncate_history(&self, state: &AppState, session_id: &str) {
+        state.sessions.with(session_id, |s| {
+            if let Some(m) = s.history.last_mut().filter(|m| m.role == "assistant") {
+                m.content = self.heard_text(state, &m.content).to_string();
+            }
+        });
     }
 }
 

@@ -8,6 +8,7 @@ pub mod piper;
 pub mod quantized_llama;
 pub mod silero_vad;
 pub mod whisper;
+pub mod whisper_model;
 
 use std::path::PathBuf;
 

@@ -27,6 +27,9 @@ use serde::{Deserialize, Serialize};
 use crate::models::silero_vad::{SileroVad, VadState};
 use crate::models::{ModelError, Result};
 
+/// Trailing silence after which an utterance counts as paused ([`VadSegmenter::paused_len`]).
+pub const PAUSE_MS: u32 = 160;
+
 /// Upper bounds on the knobs (they may come from clients): they bound memory.
 const MAX_PADDING_MS: u32 = 10_000;
 const MAX_MIN_SPEECH_MS: u32 = 10_000;
@@ -113,6 +116,11 @@ pub struct VadSegmenter {
     samples_per_ms: u64,
     min_speech_windows: usize,
     silence_windows: usize,
+    /// Silent windows after which the utterance is [`Self::paused_len`] (the point a
+    /// recognizer may start on it, ahead of `speech_stopped`).
+    pause_windows: usize,
+    /// Samples of the utterance at its latest pause; None while speech goes on.
+    paused_len: Option<usize>,
     prefix_samples: u64,
     /// Fewer than `window` samples not yet run through the model.
     pending: Vec<f32>,
@@ -153,6 +161,8 @@ impl VadSegmenter {
             samples_per_ms,
             min_speech_windows,
             silence_windows: ms_to_windows(config.silence_duration_ms),
+            pause_windows: ms_to_windows(PAUSE_MS),
+            paused_len: None,
             prefix_samples,
             pending: Vec::with_capacity(window),
             history: VecDeque::with_capacity(history_cap + window),
@@ -174,6 +184,17 @@ impl VadSegmenter {
 
     pub fn config(&self) -> &VadConfig {
         &self.config
+    }
+
+    /// While an utterance goes on: its length (samples) when the current silence reached
+    /// `PAUSE_MS`, if it has and the silence is still shorter than `silence_duration_ms`.
+    /// Unless speech resumes, `speech_stopped` follows and the utterance is this prefix plus
+    /// silence, so a recognizer can start on the prefix early.
+    pub fn paused_len(&self) -> Option<usize> {
+        match self.phase {
+            Phase::Speaking { .. } => self.paused_len,
+            Phase::Idle { .. } => None,
+        }
     }
 
     /// Feeds samples (16 kHz mono, any count) and returns the events they complete.
@@ -296,6 +317,11 @@ impl VadSegmenter {
                 self.utterance.extend_from_slice(w);
                 let silent = if speech { 0 } else { silent + 1 };
                 self.phase = Phase::Speaking { silent };
+                if silent == 0 {
+                    self.paused_len = None;
+                } else if silent == self.pause_windows && silent < self.silence_windows {
+                    self.paused_len = Some(self.utterance.len());
+                }
                 // Stop on enough silence, or before the next window would overflow.
                 if silent >= self.silence_windows
                     || self.utterance.len() + self.window > self.utterance_cap
@@ -322,6 +348,7 @@ impl VadSegmenter {
         self.utterance
             .extend(self.history.range((from - oldest) as usize..));
         self.utterance_start = from;
+        self.paused_len = None;
         self.phase = Phase::Speaking { silent: 0 };
         VadEvent::SpeechStarted {
             audio_start_ms: self.ms(from),
@@ -399,6 +426,42 @@ mod tests {
             assert_eq!(seg.utterance().len() as u64, (b - a) * 16, "{file}");
             assert!(!seg.is_speaking());
         }
+    }
+
+    #[test]
+    fn a_pause_comes_before_the_stop_and_is_a_prefix_of_the_turn() {
+        let Some(vad) = model(SAFETENSORS_FILE) else {
+            return;
+        };
+        let audio = padded_speech();
+        let mut seg = VadSegmenter::new(vad, VadConfig::default()).expect("segmenter");
+        let mut pauses = Vec::new();
+        let mut stopped = None;
+        for w in audio.chunks(512) {
+            for e in seg.push(w).expect("push") {
+                if let VadEvent::SpeechStopped { .. } = e {
+                    stopped = Some(seg.utterance().to_vec());
+                }
+            }
+            if let Some(len) = seg.paused_len() {
+                if pauses.last() != Some(&len) {
+                    pauses.push(len);
+                }
+            }
+            if stopped.is_some() {
+                break;
+            }
+        }
+        let utterance = stopped.expect("a turn");
+        let last = *pauses.last().expect("a pause before the stop");
+        // The turn is the paused prefix plus silence: 500 ms of it minus the 160 ms paused.
+        let tail = utterance.len() - last;
+        assert_eq!(
+            tail,
+            (16 * 500usize).div_ceil(512) * 512 - 5 * 512,
+            "{pauses:?}"
+        );
+        assert!(seg.paused_len().is_none());
     }
 
     #[test]

@@ -91,6 +91,40 @@ pub async fn transcribe(
     outcome.map(|()| text.trim().to_string())
 }
 
+/// A transcription running in its own task: started when the user paused,
+/// so the words are ready (or nearly) when the turn is confirmed over.
+/// Dropping it cancels it.
+pub struct Hearing {
+    len: usize,
+    task: tokio::task::JoinHandle<Result<String, ClientError>>,
+}
+
+impl Hearing {
+    pub fn start(state: Arc<AppState>, endpoint: &'static str, audio: Vec<f32>) -> Self {
+        let len = audio.len();
+        let task = tokio::spawn(async move { transcribe(&state, endpoint, audio).await });
+        Self { len, task }
+    }
+
+    /// Whether it hears exactly `audio` (the turn ended where it paused).
+    pub fn covers(&self, audio: &[f32]) -> bool {
+        self.len == audio.len()
+    }
+
+    pub async fn result(mut self) -> Result<String, ClientError> {
+        match (&mut self.task).await {
+            Ok(r) => r,
+            Err(e) => Err(ClientError::server("transcription_failed", e.to_string())),
+        }
+    }
+}
+
+impl Drop for Hearing {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 // ------------------------------------------------ POST /v1/audio/transcriptions
 
 /// Largest upload (OpenAI's limit for this endpoint).

@@ -89,6 +89,8 @@ struct Realtime {
     speech_item: Option<String>,
     /// How the latest answer is playing (for barge-in).
     playback: Option<Arc<Playback>>,
+    /// The turn under way, transcribed from where the user paused.
+    early: Option<listen::Hearing>,
     /// WebRTC: the paced track the answers' audio goes to.
     speaker: Option<AudioOut>,
 }
@@ -141,6 +143,7 @@ pub async fn run_session<St>(
         turns: None,
         speech_item: None,
         playback: None,
+        early: None,
         speaker,
     };
     rt.send_session("session.created").await;
@@ -616,6 +619,7 @@ impl Realtime {
                 if let Some(t) = self.turns.as_mut() {
                     t.clear();
                 }
+                self.early = None;
                 self.send(event("input_audio_buffer.cleared", json!({})))
                     .await;
                 Ok(())
@@ -818,10 +822,18 @@ impl Realtime {
                         self.barge_in().await;
                     }
                 }
+                Turn::Paused { audio } => {
+                    if listen::can_hear(&self.state) {
+                        let h = listen::Hearing::start(self.state.clone(), "realtime", audio);
+                        self.early = Some(h);
+                    }
+                }
+                Turn::Resumed => self.early = None,
                 Turn::Stopped {
                     audio_end_ms,
                     audio,
                 } => {
+                    let early = self.early.take().filter(|h| h.covers(&audio));
                     let id = self
                         .speech_item
                         .take()
@@ -834,7 +846,7 @@ impl Realtime {
                     // The utterance is the turn; the buffer starts afresh.
                     self.input_audio.clear();
                     let seconds = audio.len() as f64 / f64::from(TRANSCRIBE_RATE);
-                    let heard = self.commit_item(id, audio, seconds).await;
+                    let heard = self.commit_item(id, audio, seconds, early).await;
                     let busy = self.active.as_ref().is_some_and(Active::running);
                     if create && !heard.is_empty() && !busy {
                         self.response_create(json!({"type": "response.create"}))
@@ -903,14 +915,21 @@ impl Realtime {
             .take()
             .unwrap_or_else(|| conn::new_id("item"));
         let seconds = pcm.len() as f64 / (f64::from(RATE) * 2.0);
-        self.commit_item(id, audio, seconds).await;
+        self.commit_item(id, audio, seconds, None).await;
         Ok(())
     }
 
     /// Adds the user's speech as an item, transcribes it (16 kHz `audio`;
-    /// empty where the pipeline cannot hear) and puts the words in the
-    /// conversation; returns them (empty when nothing was heard).
-    async fn commit_item(&mut self, id: String, audio: Vec<f32>, seconds: f64) -> String {
+    /// empty where the pipeline cannot hear; `early`: its transcription,
+    /// already started) and puts the words in the conversation; returns them
+    /// (empty when nothing was heard).
+    async fn commit_item(
+        &mut self,
+        id: String,
+        audio: Vec<f32>,
+        seconds: f64,
+        early: Option<listen::Hearing>,
+    ) -> String {
         let previous = self.last_item.replace(id.clone());
         self.send(event(
             "input_audio_buffer.committed",
@@ -925,7 +944,9 @@ impl Realtime {
             "audio_seconds": seconds,
         });
         self.announce_item(item, previous).await;
-        let result = if listen::can_hear(&self.state) {
+        let result = if let Some(h) = early {
+            h.result().await
+        } else if listen::can_hear(&self.state) {
             listen::transcribe(&self.state, "realtime", audio).await
         } else {
             Err(ClientError::invalid(

@@ -133,6 +133,8 @@ struct PcmStream {
     turns: Option<TurnDetector>,
     /// How the latest answer is playing (for barge-in).
     playback: Option<Arc<Playback>>,
+    /// The turn under way, transcribed from where the user paused.
+    early: Option<listen::Hearing>,
 }
 
 async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
@@ -151,6 +153,7 @@ async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
         active: None,
         turns: None,
         playback: None,
+        early: None,
     };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -503,6 +506,11 @@ impl PcmStream {
                         self.barge_in().await;
                     }
                 }
+                Turn::Paused { audio } => {
+                    let h = listen::Hearing::start(self.state.clone(), "stream", audio);
+                    self.early = Some(h);
+                }
+                Turn::Resumed => self.early = None,
                 Turn::Stopped {
                     audio_end_ms,
                     audio,
@@ -513,7 +521,8 @@ impl PcmStream {
                         "seconds": seconds,
                     })))
                     .await;
-                    self.hear(audio).await?;
+                    let early = self.early.take().filter(|h| h.covers(&audio));
+                    self.hear(audio, early).await?;
                 }
             }
         }
@@ -587,8 +596,12 @@ impl PcmStream {
         }
         self.send(msg(json!({"type": "audio_received", "seconds": seconds})))
             .await;
+        let early = self.early.take();
         let audio = match ended {
-            Some(audio) => audio,
+            Some(audio) => {
+                let early = early.filter(|h| h.covers(&audio));
+                return self.hear(audio, early).await;
+            }
             None if pcm.is_empty() => return Ok(()),
             None => {
                 if !listen::can_hear(&self.state) {
@@ -599,19 +612,26 @@ impl PcmStream {
                 listen::to_listener_rate(&pcm, rate)?
             }
         };
-        self.hear(audio).await
+        self.hear(audio, None).await
     }
 
     /// Transcribes the user's utterance (16 kHz) and answers it like a text
     /// turn. Nothing heard (noise, a cough): no turn. Not answered (turn
     /// detection's `create_response` off, or an answer still playing): the
     /// words join the conversation for the next answer.
-    async fn hear(&mut self, audio: Vec<f32>) -> Result<(), ClientError> {
+    async fn hear(
+        &mut self,
+        audio: Vec<f32>,
+        early: Option<listen::Hearing>,
+    ) -> Result<(), ClientError> {
         let rate = self.rate.ok_or_else(Self::not_started)?;
         if !listen::can_hear(&self.state) {
             return Err(Self::deaf());
         }
-        let text = listen::transcribe(&self.state, "stream", audio).await?;
+        let text = match early {
+            Some(h) => h.result().await?,
+            None => listen::transcribe(&self.state, "stream", audio).await?,
+        };
         self.send(msg(json!({"type": "input_transcript", "text": text})))
             .await;
         if text.is_empty() {

@@ -116,9 +116,20 @@ pub enum Turn {
     /// The user started speaking (`audio_start_ms` from the start of the
     /// session's audio, prefix padding included).
     Started { audio_start_ms: u64 },
-    /// The user stopped: their utterance, mono f32 at 16 kHz.
+    /// The user paused long enough that the turn may be ending: the
+    /// utterance so far (16 kHz). Unless speech resumes (`Resumed`), the
+    /// `Stopped` that follows carries exactly this audio, so it can be
+    /// transcribed ahead of the end of the turn.
+    Paused { audio: Vec<f32> },
+    /// Speech went on after a pause: the paused audio is not the turn.
+    Resumed,
+    /// The user stopped: their utterance, mono f32 at 16 kHz, with the
+    /// prefix padding and at most `PAUSE_MS` of trailing silence.
     Stopped { audio_end_ms: u64, audio: Vec<f32> },
 }
+
+/// Silero's window at 16 kHz.
+const VAD_WINDOW: usize = 512;
 
 /// One session's turn detector: PCM16 in at the session's rate, turns out.
 pub struct TurnDetector {
@@ -128,6 +139,8 @@ pub struct TurnDetector {
     echo_guard: Duration,
     /// An utterance that began inside the echo guard: dropped when it ends.
     ignoring: bool,
+    /// Length of the utterance at its pause, while the pause lasts.
+    paused: Option<usize>,
 }
 
 impl TurnDetector {
@@ -145,6 +158,7 @@ impl TurnDetector {
             resampler,
             echo_guard: Duration::from_millis(u64::from(hub.echo_guard_ms)),
             ignoring: false,
+            paused: None,
         })
     }
 
@@ -162,31 +176,61 @@ impl TurnDetector {
             Some(r) => r.process(&samples).map_err(|e| bad(e.to_string()))?,
             None => samples,
         };
-        let events = self.seg.push(&samples).map_err(|e| bad(e.to_string()))?;
         let mut turns = Vec::new();
-        for e in events {
-            match e {
-                VadEvent::SpeechStarted { audio_start_ms } => {
-                    let echo = playing_since.is_some_and(|t| t.elapsed() < self.echo_guard);
-                    if echo {
-                        self.ignoring = true;
-                    } else {
-                        turns.push(Turn::Started { audio_start_ms });
+        // A window at a time: at most one event per push, so each turn gets
+        // its own audio however much arrives at once.
+        for chunk in samples.chunks(VAD_WINDOW) {
+            for e in self.seg.push(chunk).map_err(|e| bad(e.to_string()))? {
+                match e {
+                    VadEvent::SpeechStarted { audio_start_ms } => {
+                        self.paused = None;
+                        let echo = playing_since.is_some_and(|t| t.elapsed() < self.echo_guard);
+                        if echo {
+                            self.ignoring = true;
+                        } else {
+                            turns.push(Turn::Started { audio_start_ms });
+                        }
+                    }
+                    VadEvent::SpeechStopped { audio_end_ms } => {
+                        if let Some(t) = self.stopped(audio_end_ms) {
+                            turns.push(t);
+                        }
                     }
                 }
-                VadEvent::SpeechStopped { audio_end_ms } => {
-                    let audio = self.seg.take_utterance();
-                    if std::mem::take(&mut self.ignoring) {
-                        continue;
-                    }
-                    turns.push(Turn::Stopped {
-                        audio_end_ms,
-                        audio,
-                    });
+            }
+            if self.ignoring {
+                continue;
+            }
+            match (self.seg.paused_len(), self.paused) {
+                (Some(len), p) if p != Some(len) => {
+                    self.paused = Some(len);
+                    let audio = self.seg.utterance()[..len].to_vec();
+                    turns.push(Turn::Paused { audio });
                 }
+                (None, Some(_)) if self.seg.is_speaking() => {
+                    self.paused = None;
+                    turns.push(Turn::Resumed);
+                }
+                _ => {}
             }
         }
         Ok(turns)
+    }
+
+    /// The turn that just ended: trailing silence past its pause trimmed
+    /// (what a transcription started at the pause heard).
+    fn stopped(&mut self, audio_end_ms: u64) -> Option<Turn> {
+        let mut audio = self.seg.take_utterance();
+        if let Some(len) = self.paused.take() {
+            audio.truncate(len);
+        }
+        if std::mem::take(&mut self.ignoring) {
+            return None;
+        }
+        Some(Turn::Stopped {
+            audio_end_ms,
+            audio,
+        })
     }
 
     /// The client ended its audio (`audio_end`): an utterance under way ends
@@ -195,14 +239,7 @@ impl TurnDetector {
         let VadEvent::SpeechStopped { audio_end_ms } = self.seg.flush()? else {
             return None;
         };
-        let audio = self.seg.take_utterance();
-        if std::mem::take(&mut self.ignoring) {
-            return None;
-        }
-        Some(Turn::Stopped {
-            audio_end_ms,
-            audio,
-        })
+        self.stopped(audio_end_ms)
     }
 
     /// Forgets the audio so far (the client cleared its input buffer); the
@@ -213,6 +250,7 @@ impl TurnDetector {
         }
         self.seg.take_utterance();
         self.ignoring = false;
+        self.paused = None;
     }
 }
 

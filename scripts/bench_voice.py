@@ -7,7 +7,7 @@ For each WAV (any rate, mono 16-bit; a spoken question), opens a realtime
 session with `server_vad` (silence_duration_ms as given), streams 0.3 s of
 silence, the speech and 1.5 s of silence in 20 ms chunks paced in real time,
 like a microphone, and times, from the moment the last speech sample was sent
-(the end of speech):
+(the end of speech: each file's trailing silence is cut first):
   stopped     input_audio_buffer.speech_stopped (VAD: includes the silence wait)
   heard       conversation.item.input_audio_transcription.completed (+ recognizer)
   first_audio the first response.output_audio.delta (+ Thinker, Talker, Code2Wav)
@@ -34,6 +34,10 @@ def load(path):
     with wave.open(path) as w:
         rate = w.getframerate()
         x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
+    # The end of speech is the last sample above -40 dBFS: a file's own
+    # trailing silence would otherwise count as time the server had.
+    loud = np.flatnonzero(np.abs(x) > 0.01)
+    x = x[: loud[-1] + 1] if len(loud) else x
     n = int(len(x) * RATE / rate)
     return np.interp(np.arange(n) * rate / RATE, np.arange(len(x)), x).astype(np.float32)
 

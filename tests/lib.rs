@@ -2,6 +2,9 @@
 //! binary, the real models, real clients.
 
 use std::path::{Path, PathBuf};
+
+use omnistream_codecs::wav::parse_wav;
+use omnistream_codecs::StreamResampler;
 use std::process::{Command, Output};
 use std::sync::{Mutex, MutexGuard, Once};
 
@@ -221,4 +224,79 @@ pub fn http_get(port: u16, path: &str) -> String {
     buf.split_once("\r\n\r\n")
         .map(|(_, b)| b.to_string())
         .unwrap_or_default()
+}
+
+// ------------------------------------------------------ speech for the tests
+
+/// espeak-ng's voice (a different speaker and synthesis than the server's).
+pub const ESPEAK: [&str; 10] = [
+    "The weather is lovely today.",
+    "Please open the window before you leave.",
+    "My brother plays the guitar every evening.",
+    "We bought fresh apples at the market.",
+    "The museum is closed on Mondays.",
+    "Could you send me the report tomorrow?",
+    "The children are playing in the garden.",
+    "Turn left at the next traffic light.",
+    "She reads a book before going to sleep.",
+    "The coffee in this shop is very good.",
+];
+
+/// omnistream's own voice (`omnistream say`).
+pub const OWN: [&str; 3] = [
+    "What is the capital of France?",
+    "Tell me something about the ocean.",
+    "How do bees make honey?",
+];
+
+/// `text` said by espeak-ng into `path`.
+pub fn espeak(text: &str, path: &Path) -> (Vec<f32>, u32) {
+    let out = Command::new("espeak-ng")
+        .arg("-w")
+        .arg(path)
+        .arg(text)
+        .output()
+        .expect("running espeak-ng (scripts/setup.sh installs it)");
+    assert!(out.status.success(), "espeak-ng: {out:?}");
+    read_wav(path)
+}
+
+/// `text` said by `omnistream say` (the server's own voice) into `path`.
+pub fn own_voice(text: &str, path: &Path) -> (Vec<f32>, u32) {
+    let out = omnistream(["say", text, "-o", path.to_str().expect("utf-8 path")]);
+    assert!(out.status.success(), "omnistream say: {out:?}");
+    read_wav(path)
+}
+
+pub fn read_wav(path: &Path) -> (Vec<f32>, u32) {
+    parse_wav(&std::fs::read(path).expect("read wav")).expect("parse wav")
+}
+
+pub fn resample(x: &[f32], from: u32, to: u32) -> Vec<f32> {
+    if from == to {
+        return x.to_vec();
+    }
+    let mut r = StreamResampler::new(from, to).expect("resampler");
+    let mut y = r.process(x).expect("resample");
+    y.extend(r.flush().expect("flush"));
+    y
+}
+
+pub fn silence(seconds: f64, rate: u32) -> Vec<f32> {
+    vec![0.0; (seconds * f64::from(rate)) as usize]
+}
+
+/// Every test utterance ([`ESPEAK`], then [`OWN`]), as (reference text, mono
+/// f32, its rate); the WAVs are left in `dir`.
+pub fn utterances(dir: &Path) -> Vec<(String, Vec<f32>, u32)> {
+    let mut all = Vec::new();
+    for (i, t) in ESPEAK.iter().enumerate() {
+        let (x, r) = espeak(t, &dir.join(format!("espeak{i}.wav")));
+        all.push((t.to_string(), x, r));
+    }
+    for (i, t) in OWN.iter().enumerate() {
+        let (x, r) = own_voice(t, &dir.join(format!("own{i}.wav")));
+        all.push((t.to_string(), x, r));
+    }
+    all
 }

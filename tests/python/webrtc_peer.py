@@ -14,7 +14,10 @@ up); writes the answer's audio to DIR/answer.wav. With --hangup-after-audio-ms
 it closes the peer connection that long after the first audio of the answer.
 With --mic-wav FILE the microphone says FILE instead of humming: the session
 turns `server_vad` on and the spoken question is found, heard (its transcript
-in `mic_transcript`) and answered without a text prompt.
+in `mic_transcript`) and answered without a text prompt. With several files
+the microphone says them in turn, 1.5 s of silence apart; each is one turn
+(`mic_transcripts`, in order, found with `create_response` off), and the last
+is answered on `response.create`.
 """
 import argparse
 import asyncio
@@ -93,12 +96,17 @@ async def run(args, out_dir):
     pc = RTCPeerConnection()
     result = {"codec": args.codec, "events": [], "errors": []}
     speech = None
+    turns = len(args.mic_wav or [])
     if args.mic_wav:
-        with wave.open(args.mic_wav) as w:
-            rate = w.getframerate()
-            x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
-        n = int(len(x) * 48000 / rate)
-        speech = np.interp(np.arange(n) * rate / 48000, np.arange(len(x)), x).astype(np.float32)
+        parts = []
+        for path in args.mic_wav:
+            with wave.open(path) as w:
+                rate = w.getframerate()
+                x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
+            n = int(len(x) * 48000 / rate)
+            parts.append(np.interp(np.arange(n) * rate / 48000, np.arange(len(x)), x).astype(np.float32))
+            parts.append(np.zeros(48000 * 3 // 2, np.float32))
+        speech = np.concatenate(parts)
     transceiver = pc.addTransceiver(Tone(speech), direction="sendrecv")
     caps = RTCRtpSender.getCapabilities("audio").codecs
     transceiver.setCodecPreferences([c for c in caps if c.mimeType.lower() == "audio/" + args.codec.lower()])
@@ -162,16 +170,22 @@ async def run(args, out_dir):
         # Hands-free: the server finds the turn, hears it and answers it.
         dc.send(json.dumps({"type": "session.update", "session": {
             "max_output_tokens": args.max_tokens,
-            "audio": {"input": {"turn_detection": {"type": "server_vad"}}}}}))
+            "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "create_response": turns == 1}}}}}))
         await next_event("session.updated", 20)
-        stopped = await next_event("input_audio_buffer.speech_stopped", 60)
-        stopped_at = time.monotonic()
-        committed = await next_event("input_audio_buffer.committed", 20)
-        result["committed_item"] = committed.get("item_id")
-        t = await next_event(heard, 120)
+        result["mic_transcripts"] = []
+        for _ in range(turns):
+            stopped = await next_event("input_audio_buffer.speech_stopped", 60)
+            stopped_at = time.monotonic()
+            committed = await next_event("input_audio_buffer.committed", 20)
+            result["committed_item"] = committed.get("item_id")
+            t = await next_event(heard, 120)
+            result["mic_transcripts"].append(t.get("transcript"))
         result["mic_transcript"] = t.get("transcript")
         result["speech_end_ms"] = stopped.get("audio_end_ms")
         asked = stopped_at
+        if turns > 1:
+            dc.send(json.dumps({"type": "response.create"}))
     else:
         # One second of microphone, then commit it: proves the track's audio arrived.
         await asyncio.sleep(1.2)
@@ -291,7 +305,8 @@ def main():
     p.add_argument("--api-key")
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--hangup-after-audio-ms", type=int)
-    p.add_argument("--mic-wav", help="say this WAV into the microphone; turns by server_vad")
+    p.add_argument("--mic-wav", nargs="+",
+                   help="say these WAVs into the microphone in turn; turns by server_vad")
     p.add_argument("--cycles", type=int, help="only connect and hang up, this many times")
     p.add_argument("--concurrent", type=int, help="this many calls at once (a load test)")
     args = p.parse_args()

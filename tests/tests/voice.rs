@@ -7,8 +7,7 @@
 //! implementation of the same model on the same audio: faster-whisper over
 //! the same CTranslate2 files (`tests/python/wer.py`).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
@@ -19,9 +18,11 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 use omnistream_codecs::pcm::f32_to_pcm16_le;
-use omnistream_codecs::wav::{parse_wav, write_wav};
-use omnistream_codecs::StreamResampler;
-use omnistream_e2e::{omnistream, spawn_server, whisper_wer, word_error_rate, Server};
+use omnistream_codecs::wav::write_wav;
+use omnistream_e2e::{
+    espeak, own_voice, resample, silence, spawn_server, utterances, whisper_wer, word_error_rate,
+    Server, ESPEAK,
+};
 
 type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
@@ -29,76 +30,6 @@ type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const TIMEOUT: Duration = Duration::from_secs(120);
-
-/// espeak-ng's voice (a different speaker and synthesis than the server's).
-const ESPEAK: [&str; 10] = [
-    "The weather is lovely today.",
-    "Please open the window before you leave.",
-    "My brother plays the guitar every evening.",
-    "We bought fresh apples at the market.",
-    "The museum is closed on Mondays.",
-    "Could you send me the report tomorrow?",
-    "The children are playing in the garden.",
-    "Turn left at the next traffic light.",
-    "She reads a book before going to sleep.",
-    "The coffee in this shop is very good.",
-];
-
-/// omnistream's own voice (`omnistream say`).
-const OWN: [&str; 3] = [
-    "What is the capital of France?",
-    "Tell me something about the ocean.",
-    "How do bees make honey?",
-];
-
-fn espeak(text: &str, path: &Path) -> (Vec<f32>, u32) {
-    let out = Command::new("espeak-ng")
-        .arg("-w")
-        .arg(path)
-        .arg(text)
-        .output()
-        .expect("running espeak-ng (scripts/setup.sh installs it)");
-    assert!(out.status.success(), "espeak-ng: {out:?}");
-    read_wav(path)
-}
-
-fn own_voice(text: &str, path: &Path) -> (Vec<f32>, u32) {
-    let out = omnistream(["say", text, "-o", path.to_str().expect("utf-8 path")]);
-    assert!(out.status.success(), "omnistream say: {out:?}");
-    read_wav(path)
-}
-
-fn read_wav(path: &Path) -> (Vec<f32>, u32) {
-    parse_wav(&std::fs::read(path).expect("read wav")).expect("parse wav")
-}
-
-fn resample(x: &[f32], from: u32, to: u32) -> Vec<f32> {
-    if from == to {
-        return x.to_vec();
-    }
-    let mut r = StreamResampler::new(from, to).expect("resampler");
-    let mut y = r.process(x).expect("resample");
-    y.extend(r.flush().expect("flush"));
-    y
-}
-
-fn silence(seconds: f64, rate: u32) -> Vec<f32> {
-    vec![0.0; (seconds * f64::from(rate)) as usize]
-}
-
-/// Every test utterance, as (reference text, mono f32, its rate).
-fn utterances(dir: &Path) -> Vec<(String, Vec<f32>, u32)> {
-    let mut all = Vec::new();
-    for (i, t) in ESPEAK.iter().enumerate() {
-        let (x, r) = espeak(t, &dir.join(format!("espeak{i}.wav")));
-        all.push((t.to_string(), x, r));
-    }
-    for (i, t) in OWN.iter().enumerate() {
-        let (x, r) = own_voice(t, &dir.join(format!("own{i}.wav")));
-        all.push((t.to_string(), x, r));
-    }
-    all
-}
 
 async fn connect(server: &Server, path: &str) -> Ws {
     tokio_tungstenite::connect_async(server.ws_url(path))

@@ -5,7 +5,11 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use omnistream_e2e::{exclusive, omnistream, root, spawn_server, whisper_wer, Server};
+use omnistream_codecs::wav::write_wav;
+use omnistream_e2e::{
+    exclusive, omnistream, resample, root, spawn_server, utterances, whisper_wer, word_error_rate,
+    Server,
+};
 use serde_json::Value;
 
 fn peer(server: &Server, args: &[&str]) -> Value {
@@ -178,6 +182,61 @@ fn a_spoken_question_is_heard_and_answered() {
     let transcript = v["transcript"].as_str().unwrap_or("").to_string();
     let (wer, detail) = whisper_wer(&[(dir.path().join("answer.wav"), transcript)]);
     assert!(wer <= 0.15, "WER {wer:.3} > 15%: {detail}");
+    settled(&server, Duration::from_secs(15));
+}
+
+/// Speech over the microphone track, Opus (48 kHz) and PCMU (8 kHz
+/// telephony): ten espeak-ng sentences and three in omnistream's own voice,
+/// one turn each by `server_vad`. The server hears them about as well as the
+/// reference implementation of its recognizer (faster-whisper over the same
+/// files) hears the same audio at the codec's rate, and answers in audio.
+#[test]
+fn speech_over_the_track_is_heard_like_the_reference() {
+    let _alone = exclusive();
+    let server = spawn_server(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let all = utterances(dir.path());
+    let mut report = Vec::new();
+    for (codec, rate) in [("opus", 48_000), ("PCMU", 8_000)] {
+        let mut wavs = Vec::new();
+        let mut refs = Vec::new();
+        for (i, (text, x, r)) in all.iter().enumerate() {
+            let wav = dir.path().join(format!("{codec}{i}.wav"));
+            write_wav(&wav, &resample(x, *r, rate), rate).expect("write wav");
+            wavs.push(wav.to_str().expect("utf-8 path").to_string());
+            refs.push((wav, text.clone()));
+        }
+        let mut args = vec!["--codec", codec, "--max-tokens", "24", "--mic-wav"];
+        args.extend(wavs.iter().map(String::as_str));
+        let v = peer(&server, &args);
+        let heard: Vec<String> = v["mic_transcripts"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{v}"))
+            .iter()
+            .map(|t| t.as_str().unwrap_or_default().to_string())
+            .collect();
+        assert_eq!(heard.len(), all.len(), "{v}");
+        let (mut errors, mut words) = (0, 0);
+        for ((text, _, _), h) in all.iter().zip(&heard) {
+            let (e, n) = word_error_rate(text, h);
+            errors += e;
+            words += n;
+        }
+        let ours = errors as f64 / words as f64;
+        let (reference, detail) = whisper_wer(&refs);
+        eprintln!("{codec}: omnistream WER {ours:.3}, faster-whisper {reference:.3}: {heard:#?}");
+        assert!(
+            ours <= reference + 0.02,
+            "{codec}: omnistream WER {ours:.3} vs faster-whisper {reference:.3}: {heard:#?}\n{detail}"
+        );
+        // The last turn is answered on the track (`incomplete`: the token cap).
+        let status = v["response_status"].as_str().unwrap_or_default();
+        assert!(matches!(status, "completed" | "incomplete"), "{v}");
+        assert!(v["answer_seconds"].as_f64().is_some_and(|s| s > 1.0), "{v}");
+        assert!(v["rms"].as_f64().is_some_and(|r| r > 300.0), "silent: {v}");
+        report.push((codec, ours, reference));
+    }
+    eprintln!("WER over WebRTC (ours, faster-whisper): {report:?}");
     settled(&server, Duration::from_secs(15));
 }
 

@@ -54,6 +54,13 @@ class Tone(MediaStreamTrack):
         self.pts = 0
         self.start = None
         self.speech = speech
+        self.speech_from = self.rate // 2
+        self.quiet = False
+
+    def say(self, speech):
+        """Says `speech` (48 kHz float) from the next frame on."""
+        self.speech = speech
+        self.speech_from = self.pts
 
     async def recv(self):
         if self.start is None:
@@ -62,12 +69,13 @@ class Tone(MediaStreamTrack):
         delay = due - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        if self.speech is None:
+        if self.quiet and self.speech is None:
+            pcm = np.zeros(self.n, np.int16)
+        elif self.speech is None:
             t = (np.arange(self.n) + self.pts) / self.rate
             pcm = (0.2 * 32767 * np.sin(2 * math.pi * 440 * t)).astype(np.int16)
         else:
-            lead = self.rate // 2
-            i = self.pts - lead
+            i = self.pts - self.speech_from
             x = np.zeros(self.n, np.float32)
             if i + self.n > 0 and i < len(self.speech):
                 part = self.speech[max(i, 0):i + self.n]
@@ -79,6 +87,15 @@ class Tone(MediaStreamTrack):
         frame.time_base = fractions.Fraction(1, self.rate)
         self.pts += self.n
         return frame
+
+
+def read_speech(path):
+    """A WAV as mono float at 48 kHz."""
+    with wave.open(path) as w:
+        rate = w.getframerate()
+        x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
+    n = int(len(x) * 48000 / rate)
+    return np.interp(np.arange(n) * rate / 48000, np.arange(len(x)), x).astype(np.float32)
 
 
 def post_offer(url, sdp, api_key):
@@ -100,14 +117,12 @@ async def run(args, out_dir):
     if args.mic_wav:
         parts = []
         for path in args.mic_wav:
-            with wave.open(path) as w:
-                rate = w.getframerate()
-                x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
-            n = int(len(x) * 48000 / rate)
-            parts.append(np.interp(np.arange(n) * rate / 48000, np.arange(len(x)), x).astype(np.float32))
+            parts.append(read_speech(path))
             parts.append(np.zeros(48000 * 3 // 2, np.float32))
         speech = np.concatenate(parts)
-    transceiver = pc.addTransceiver(Tone(speech), direction="sendrecv")
+    mic = Tone(speech)
+    mic.quiet = args.barge_in_wav is not None
+    transceiver = pc.addTransceiver(mic, direction="sendrecv")
     caps = RTCRtpSender.getCapabilities("audio").codecs
     transceiver.setCodecPreferences([c for c in caps if c.mimeType.lower() == "audio/" + args.codec.lower()])
     dc = pc.createDataChannel("oai-events")
@@ -164,6 +179,8 @@ async def run(args, out_dir):
 
     created = await next_event("session.created")
     result["session_id"] = created["session"]["id"]
+    if args.barge_in_wav:
+        return await barge_in(args, pc, dc, mic, next_event, frames, audio_task, result)
     heard = ("conversation.item.input_audio_transcription.completed",
              "conversation.item.input_audio_transcription.failed")
     if speech is not None:
@@ -263,6 +280,70 @@ async def run(args, out_dir):
     return result
 
 
+async def barge_in(args, pc, dc, mic, next_event, frames, audio_task, result):
+    """Asks --prompt with server_vad on, and a second into the answer the
+    microphone says --barge-in-wav. Reports when the server saw the speech,
+    when the last loud frame of the answer arrived after that (`late_ms`), the
+    answer's whole transcript and what the conversation kept of it."""
+    dc.send(json.dumps({"type": "session.update", "session": {
+        "audio": {"input": {"turn_detection": {"type": "server_vad"}}}}}))
+    await next_event("session.updated", 20)
+    dc.send(json.dumps({
+        "type": "conversation.item.create",
+        "item": {"type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": args.prompt}]},
+    }))
+    dc.send(json.dumps({"type": "response.create",
+                        "response": {"max_output_tokens": args.max_tokens}}))
+    created = await next_event("response.created", 60)
+    rid = created["response"]["id"]
+    transcript = ""
+    while True:
+        e = await next_event(("output_audio_buffer.started",
+                              "response.output_audio_transcript.delta"), 120)
+        if e["type"] == "output_audio_buffer.started":
+            break
+        transcript += e["delta"]
+    started_at = time.monotonic()
+    await asyncio.sleep(1.0)
+    mic.say(read_speech(args.barge_in_wav))
+    detected_at = None
+    while True:
+        e = await next_event(("input_audio_buffer.speech_started", "response.done",
+                              "response.output_audio_transcript.delta",
+                              "output_audio_buffer.cleared", "conversation.item.truncated"), 60)
+        t = e["type"]
+        if t == "input_audio_buffer.speech_started" and detected_at is None:
+            detected_at = time.monotonic()
+        elif t == "response.output_audio_transcript.delta" and e.get("response_id") == rid:
+            transcript += e["delta"]
+        elif t == "output_audio_buffer.cleared":
+            result["cleared"] = True
+        elif t == "conversation.item.truncated":
+            result["truncated_audio_end_ms"] = e.get("audio_end_ms")
+        elif t == "response.done" and e["response"]["id"] == rid:
+            result["response_status"] = e["response"]["status"]
+            out = e["response"].get("output") or [{}]
+            result["kept"] = (out[0].get("content") or [{}])[0].get("transcript")
+            break
+    heard = await next_event("conversation.item.input_audio_transcription.completed", 60)
+    heard_at = time.monotonic()
+    result["mic_transcript"] = heard.get("transcript")
+    result["transcript"] = transcript
+    # Frames of the first answer: from its start until the interruption was
+    # heard (the next answer cannot start before that).
+    loud = [f[0] for f in frames
+            if started_at - 0.1 <= f[0] <= heard_at
+            and np.sqrt(np.mean(f[3].astype(np.float64) ** 2)) > 300]
+    result["loud_frames"] = len(loud)
+    if detected_at is not None:
+        result["late_ms"] = round((max(loud) - detected_at) * 1000, 1) if loud else None
+    await pc.close()
+    for task in audio_task:
+        task.cancel()
+    return result
+
+
 async def concurrent(args):
     """--concurrent N calls at once, each asking --prompt; one JSON line."""
     import os
@@ -307,6 +388,8 @@ def main():
     p.add_argument("--hangup-after-audio-ms", type=int)
     p.add_argument("--mic-wav", nargs="+",
                    help="say these WAVs into the microphone in turn; turns by server_vad")
+    p.add_argument("--barge-in-wav",
+                   help="a second into the answer to --prompt, say this WAV over it (server_vad on)")
     p.add_argument("--cycles", type=int, help="only connect and hang up, this many times")
     p.add_argument("--concurrent", type=int, help="this many calls at once (a load test)")
     args = p.parse_args()

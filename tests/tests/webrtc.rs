@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use omnistream_codecs::wav::write_wav;
 use omnistream_e2e::{
-    exclusive, omnistream, resample, root, spawn_server, utterances, whisper_wer, word_error_rate,
-    Server,
+    espeak, exclusive, omnistream, resample, root, spawn_server, utterances, whisper_wer,
+    word_error_rate, Server,
 };
 use serde_json::Value;
 
@@ -237,6 +237,52 @@ fn speech_over_the_track_is_heard_like_the_reference() {
         report.push((codec, ours, reference));
     }
     eprintln!("WER over WebRTC (ours, faster-whisper): {report:?}");
+    settled(&server, Duration::from_secs(15));
+}
+
+/// Talking over an answer on a call: the track goes quiet within 100 ms (+
+/// one 20 ms frame) of the server detecting the speech (its queue is
+/// emptied), and the conversation keeps only what was played.
+#[test]
+fn talking_over_an_answer_on_a_call_stops_it() {
+    let _alone = exclusive();
+    let server = spawn_server(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let stop = dir.path().join("stop.wav");
+    espeak("Stop, please stop talking.", &stop);
+    let v = peer(
+        &server,
+        &[
+            "--prompt",
+            "Tell me a long story about the sea and the ships on it.",
+            "--max-tokens",
+            "300",
+            "--barge-in-wav",
+            stop.to_str().unwrap(),
+        ],
+    );
+    eprintln!("barge-in: {v}");
+    assert_eq!(v["response_status"], "cancelled", "{v}");
+    assert_eq!(v["cleared"], true, "{v}");
+    assert!(v["loud_frames"].as_u64().is_some_and(|n| n > 20), "{v}");
+    let late = v["late_ms"].as_f64().unwrap_or(f64::INFINITY);
+    assert!(
+        late <= 120.0,
+        "answer audio {late} ms after the speech was detected: {v}"
+    );
+    let (full, kept) = (
+        v["transcript"].as_str().unwrap_or_default(),
+        v["kept"].as_str().unwrap_or_default(),
+    );
+    assert!(
+        full.starts_with(kept) && kept.len() < full.len(),
+        "kept {kept:?} of {full:?}"
+    );
+    let heard = v["mic_transcript"]
+        .as_str()
+        .unwrap_or_default()
+        .to_lowercase();
+    assert!(heard.contains("stop"), "{v}");
     settled(&server, Duration::from_secs(15));
 }
 

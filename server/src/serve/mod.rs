@@ -30,7 +30,9 @@ pub use sessions::SessionLimits;
 pub use state::{AppState, ServerConfig};
 
 use crate::run::{chat_spec, load_profile, run_request};
-use omnistream_stages::engine::{Modalities, SamplingOverrides};
+use omnistream_stages::engine::{
+    Modalities, RequestInput, RequestSpec, SamplingOverrides, StageRole, TRANSCRIBE_RATE,
+};
 use omnistream_stages::models::silero_vad::SileroVad;
 use omnistream_stages::profile::Profile;
 
@@ -55,6 +57,18 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
             let mut warm = chat_spec("Hi", Modalities::TEXT_AUDIO, SamplingOverrides::default());
             warm.sampling.max_tokens = Some(4);
             run_request(&p, warm, |_| {}).context("warm-up request")?;
+            // A chat does not touch the Listener: half a second of silence does.
+            if p.has_role(StageRole::Listener) {
+                let hear = RequestSpec {
+                    input: RequestInput::Transcribe {
+                        audio: vec![0.0; TRANSCRIBE_RATE as usize / 2].into(),
+                    },
+                    modalities: Modalities::TEXT,
+                    sampling: SamplingOverrides::default(),
+                    voice: None,
+                };
+                run_request(&p, hear, |_| {}).context("warm-up transcription")?;
+            }
             Ok(p)
         })
         .await

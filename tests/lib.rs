@@ -84,6 +84,28 @@ pub fn whisper_wer(pairs: &[(PathBuf, String)]) -> (f64, serde_json::Value) {
     (v["wer"].as_f64().expect("wer field"), v)
 }
 
+/// Asserts the server heard `(reference text, transcript)` pairs within 2
+/// points of word error rate of the reference implementation of its
+/// recognizer (faster-whisper over the same CTranslate2 files) on the audio
+/// in `refs` (`(wav, reference text)`); returns both rates. `what` names the
+/// path in messages.
+pub fn assert_wer_like_reference(
+    what: &str,
+    heard: &[(String, String)],
+    refs: &[(PathBuf, String)],
+) -> (f64, f64) {
+    let errors: usize = heard.iter().map(|(r, h)| word_error_rate(r, h).0).sum();
+    let words: usize = heard.iter().map(|(r, _)| word_error_rate(r, "").1).sum();
+    let ours = errors as f64 / words.max(1) as f64;
+    let (reference, detail) = whisper_wer(refs);
+    eprintln!("{what}: omnistream WER {ours:.3}, faster-whisper WER {reference:.3}\n{heard:#?}");
+    assert!(
+        ours <= reference + 0.02,
+        "{what}: omnistream WER {ours:.3} vs faster-whisper {reference:.3}: {heard:#?}\n{detail}"
+    );
+    (ours, reference)
+}
+
 /// Word errors (substitutions, insertions, deletions) of `hyp` against
 /// `reference`, and the reference's word count; both normalised as
 /// `tests/python/wer.py` does for text without numbers (lower case, no

@@ -20,7 +20,7 @@ use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 use omnistream_codecs::pcm::f32_to_pcm16_le;
 use omnistream_codecs::wav::write_wav;
 use omnistream_e2e::{
-    espeak, own_voice, resample, silence, spawn_server, utterances, whisper_wer, word_error_rate,
+    assert_wer_like_reference, espeak, own_voice, resample, silence, spawn_server, utterances,
     Server, ESPEAK,
 };
 
@@ -30,6 +30,19 @@ type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// No answer audio arrived more than 100 ms (+ one 20 ms frame) after the
+/// interrupting speech was detected.
+fn quiet_after(detected: Option<Instant>, last_audio: Option<Instant>) {
+    let detected = detected.expect("the speech was not detected");
+    if let Some(t) = last_audio {
+        let late = t.saturating_duration_since(detected);
+        assert!(
+            late <= Duration::from_millis(120),
+            "answer audio {late:?} after the speech was detected"
+        );
+    }
+}
 
 async fn connect(server: &Server, path: &str) -> Ws {
     tokio_tungstenite::connect_async(server.ws_url(path))
@@ -207,15 +220,7 @@ async fn speech_is_heard_like_the_reference_at_every_rate() {
     assert_eq!(done["response"]["status"], "completed", "{done}");
     assert!(audio > 0, "no audio in the answer");
 
-    let errors: usize = heard.iter().map(|(r, h)| word_error_rate(r, h).0).sum();
-    let words: usize = heard.iter().map(|(r, _)| word_error_rate(r, "").1).sum();
-    let ours = errors as f64 / words as f64;
-    let (reference, detail) = whisper_wer(&refs);
-    eprintln!("omnistream WER {ours:.3}, faster-whisper WER {reference:.3}\n{heard:#?}");
-    assert!(
-        ours <= reference + 0.02,
-        "omnistream WER {ours:.3} vs faster-whisper {reference:.3}: {heard:#?}\n{detail}"
-    );
+    assert_wer_like_reference("/v1/stream and /v1/realtime", &heard, &refs);
 }
 
 /// Speaking over an answer stops it at once: no answer audio more than
@@ -296,14 +301,7 @@ async fn speaking_over_an_answer_interrupts_it() {
             _ => {}
         }
     };
-    let detected = detected.expect("the speech was not detected");
-    if let Some(t) = last_audio {
-        let late = t.saturating_duration_since(detected);
-        assert!(
-            late <= Duration::from_millis(120),
-            "answer audio {late:?} after the speech was detected"
-        );
-    }
+    quiet_after(detected, last_audio);
     assert_eq!(done["response"]["status"], "cancelled", "{done}");
     for e in ["output_audio_buffer.cleared", "conversation.item.truncated"] {
         assert!(events.iter().any(|k| k == e), "no {e}: {events:?}");
@@ -428,14 +426,7 @@ async fn stream_takes_turns_and_is_interrupted() {
         }
         events.push(v);
     };
-    let detected = detected.expect("the speech was not detected");
-    if let Some(t) = last_audio {
-        let late = t.saturating_duration_since(detected);
-        assert!(
-            late <= Duration::from_millis(120),
-            "answer audio {late:?} after the speech was detected"
-        );
-    }
+    quiet_after(detected, last_audio);
     assert_eq!(done["status"], "cancelled", "{done}");
     let cleared = events.iter().find(|v| v["type"] == "output_cleared");
     assert_eq!(cleared.map(|v| &v["response_id"]), Some(&rid), "{events:?}");

@@ -156,6 +156,56 @@
     updateButtons();
   }
 
+  // --- the microphone over the WebSocket (hands-free without WebRTC) -------
+
+  // {stream, ctx, node} while hands-free runs over the WebSocket.
+  let wsMic = null;
+
+  function bytesToBase64(bytes) {
+    let bin = "";
+    for (let i = 0; i < bytes.length; i += 0x8000) {
+      bin += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x8000));
+    }
+    return btoa(bin);
+  }
+
+  // Captures the microphone at 24 kHz (the AudioContext resamples) and
+  // appends it to the session's input buffer, ~85 ms at a time; the server's
+  // turn detection finds the turns.
+  async function startWsMic() {
+    if (wsMic) return;
+    const stream = await navigator.mediaDevices.getUserMedia({
+      audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+    });
+    const AC = window.AudioContext || window.webkitAudioContext;
+    const ctx = new AC({ sampleRate: RATE });
+    const node = ctx.createScriptProcessor(2048, 1, 1);
+    node.onaudioprocess = (e) => {
+      if (!ws || ws.readyState !== WebSocket.OPEN || !handsFree()) return;
+      const x = e.inputBuffer.getChannelData(0);
+      const pcm = new Int16Array(x.length);
+      for (let i = 0; i < x.length; i++) pcm[i] = Math.max(-1, Math.min(1, x[i])) * 32767;
+      ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio: bytesToBase64(new Uint8Array(pcm.buffer)) }));
+    };
+    ctx.createMediaStreamSource(stream).connect(node);
+    // A processor only runs while connected to the output (it writes silence).
+    node.connect(ctx.destination);
+    wsMic = { stream, ctx, node };
+  }
+
+  function stopWsMic() {
+    if (!wsMic) return;
+    const old = wsMic;
+    wsMic = null;
+    old.node.disconnect();
+    old.stream.getTracks().forEach((tr) => tr.stop());
+    old.ctx.close().catch(() => {});
+  }
+
+  function transportName() {
+    return rtc ? "WebRTC" : "WebSocket";
+  }
+
   function stopPlayback() {
     for (const src of sources) {
       try {
@@ -306,7 +356,7 @@
         type: "realtime",
         output_modalities: ["audio"],
         audio: {
-          input: { turn_detection: handsFree() && rtc ? { type: "server_vad" } : null },
+          input: { turn_detection: handsFree() && (rtc || wsMic) ? { type: "server_vad" } : null },
           output: { voice: ui.voice.value, format: { type: "audio/pcm", rate: RATE } },
         },
       },
@@ -548,7 +598,7 @@
         setStatus("Listening…", true);
         break;
       case "input_audio_buffer.speech_stopped":
-        setStatus("Connected (WebRTC, hands-free)", true);
+        setStatus(`Connected (${transportName()}, hands-free)`, true);
         onSpeechStopped();
         break;
       case "conversation.item.input_audio_transcription.completed":
@@ -558,8 +608,12 @@
         // WebRTC: the first frame of this answer is on the wire.
         if (mine || (t && ev.response_id === t.responseId)) onTrackAudio(t, true);
         break;
-      case "output_audio_buffer.stopped":
       case "output_audio_buffer.cleared":
+        // Barge-in over the WebSocket: drop what is scheduled to play.
+        if (!rtc) stopPlayback();
+        if (t && (!ev.response_id || ev.response_id === t.responseId)) onTrackAudio(t, false);
+        break;
+      case "output_audio_buffer.stopped":
         if (t && (!ev.response_id || ev.response_id === t.responseId)) onTrackAudio(t, false);
         break;
       case "response.created":
@@ -642,6 +696,7 @@
     ui.handsfree.setAttribute("aria-pressed", String(on));
     showError("");
     if (!on) {
+      stopWsMic();
       if (connected()) sessionUpdate();
       setStatus(rtc ? "Connected (WebRTC)" : ws ? "Connected (WebSocket)" : "Not connected", connected());
       return;
@@ -649,10 +704,12 @@
     audio();
     try {
       await connect();
-      if (!rtc) throw new Error("hands-free needs the WebRTC call (the microphone); this browser fell back to the WebSocket");
+      // Without the WebRTC call the microphone rides the WebSocket.
+      if (!rtc) await startWsMic();
       sessionUpdate();
-      setStatus("Connected (WebRTC, hands-free)", true);
+      setStatus(`Connected (${transportName()}, hands-free)`, true);
     } catch (e) {
+      stopWsMic();
       ui.handsfree.setAttribute("aria-pressed", "false");
       showError(e.message);
     }

@@ -94,12 +94,24 @@ fn page_streams_over_the_websocket_in_chromium() {
     page_streams_text_and_audio(CHROMIUM, "websocket");
 }
 
-/// Hands-free in Chromium: the (fake) microphone asks a question in
-/// omnistream's own voice; the page shows what the server heard and plays
-/// the answer, with the time from the end of speech to its first audio.
+/// Hands-free in Chromium over the WebRTC call: the (fake) microphone asks
+/// a question in omnistream's own voice; the page shows what the server
+/// heard and plays the answer, with the time from the end of speech to its
+/// first audio.
 #[test]
 fn page_hands_free_in_chromium() {
-    require_tools(CHROMIUM);
+    page_hands_free(CHROMIUM, "webrtc");
+}
+
+/// The same over the WebSocket: the page sends the microphone itself
+/// (`input_audio_buffer.append`) and plays the answer's audio deltas.
+#[test]
+fn page_hands_free_over_the_websocket_in_chromium() {
+    page_hands_free(CHROMIUM, "websocket");
+}
+
+fn page_hands_free(browser: (&str, &str, &str), transport: &str) {
+    require_tools(browser);
     let server = spawn_server(&[]);
     let dir = tempfile::tempdir().expect("tempdir");
     let wav = dir.path().join("question.wav");
@@ -117,9 +129,9 @@ fn page_hands_free_in_chromium() {
     let mut mic = vec![0.0; 3 * rate as usize];
     mic.extend(speech);
     omnistream_codecs::wav::write_wav(&wav, &mic, rate).expect("write wav");
-    let url = format!("{}/?transport=webrtc", server.url);
+    let url = format!("{}/?transport={transport}", server.url);
     let v = run_page_test_with(
-        CHROMIUM.0,
+        browser.0,
         &url,
         Duration::from_secs(300),
         &[("MIC_WAV", wav.to_str().expect("utf-8 path"))],
@@ -144,6 +156,13 @@ fn page_hands_free_in_chromium() {
         shown.contains("france"),
         "the transcript is not shown: {shown}"
     );
+    let status = v["status_text"].as_str().unwrap_or_default();
+    let want = if transport == "webrtc" {
+        "WebRTC"
+    } else {
+        "WebSocket"
+    };
+    assert!(status.contains(want), "{transport}: status {status:?}");
     let errors = v["console_errors"].as_array().cloned().unwrap_or_default();
     assert!(errors.is_empty(), "console errors: {errors:?}");
 }

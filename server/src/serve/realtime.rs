@@ -773,6 +773,12 @@ impl Realtime {
     async fn audio_append(&mut self, v: Value) -> Result<(), ClientError> {
         let AudioAppend { audio } = fields(v, "input_audio_buffer.append")?;
         let pcm = conn::decode_pcm16_base64(&audio)?;
+        if self.turns.is_some() {
+            // Turn detection takes the turns out of the stream: like a
+            // microphone's, the buffer keeps the newest audio, never full.
+            self.keep_newest(&pcm);
+            return self.detect(&pcm).await;
+        }
         if self.input_audio.len() + pcm.len() > MAX_INPUT_AUDIO_BYTES {
             return Err(ClientError::invalid(
                 "input_audio_buffer_full",
@@ -789,13 +795,19 @@ impl Realtime {
     /// Microphone audio from a media track: always accepted, keeping the
     /// newest `MAX_INPUT_AUDIO_BYTES` (a live microphone never stops).
     async fn mic_audio(&mut self, pcm: &[u8]) {
+        self.keep_newest(pcm);
+        if let Err(e) = self.detect(pcm).await {
+            self.fail(e, None).await;
+        }
+    }
+
+    /// Appends to the input buffer, dropping its oldest audio past
+    /// `MAX_INPUT_AUDIO_BYTES`.
+    fn keep_newest(&mut self, pcm: &[u8]) {
         self.input_audio.extend_from_slice(pcm);
         if self.input_audio.len() > MAX_INPUT_AUDIO_BYTES {
             let excess = self.input_audio.len() - MAX_INPUT_AUDIO_BYTES;
             self.input_audio.drain(..excess + excess % 2);
-        }
-        if let Err(e) = self.detect(pcm).await {
-            self.fail(e, None).await;
         }
     }
 

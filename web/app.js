@@ -720,6 +720,8 @@
   ui.transport.addEventListener("change", () => {
     if (turn && turn.active) return;
     rtcFailed = null;
+    stopWsMic();
+    ui.handsfree.setAttribute("aria-pressed", "false");
     hangUp();
     if (ws) {
       const old = ws;

@@ -44,6 +44,17 @@ fn quiet_after(detected: Option<Instant>, last_audio: Option<Instant>) {
     }
 }
 
+/// `/v1/stream`: the utterance is heard (its transcript holds `word`) and
+/// answered in full.
+async fn heard_and_answered(ws: &mut Ws, word: &str) {
+    let t = expect(ws, "input_transcript").await;
+    let heard = t["text"].as_str().unwrap_or_default().to_lowercase();
+    assert!(heard.contains(word), "{t}");
+    expect(ws, "audio_start").await;
+    let done = expect(ws, "done").await;
+    assert_eq!(done["status"], "completed", "{done}");
+}
+
 async fn connect(server: &Server, path: &str) -> Ws {
     tokio_tungstenite::connect_async(server.ws_url(path))
         .await
@@ -445,12 +456,7 @@ async fn stream_takes_turns_and_is_interrupted() {
         stopped["seconds"].as_f64().unwrap_or(0.0) > 1.0,
         "{stopped}"
     );
-    let t = expect(&mut ws, "input_transcript").await;
-    let heard = t["text"].as_str().unwrap_or_default().to_lowercase();
-    assert!(heard.contains("stop"), "{t}");
-    expect(&mut ws, "audio_start").await;
-    let next = expect(&mut ws, "done").await;
-    assert_eq!(next["status"], "completed", "{next}");
+    heard_and_answered(&mut ws, "stop").await;
 
     // A turn still under way when the client says audio_end ends there.
     let mut frames = 0;
@@ -464,12 +470,7 @@ async fn stream_takes_turns_and_is_interrupted() {
     send(&mut ws, json!({"type": "audio_end"})).await;
     let got = expect(&mut ws, "audio_received").await;
     assert!(got["seconds"].as_f64().unwrap_or(0.0) > 1.0, "{got}");
-    let t = expect(&mut ws, "input_transcript").await;
-    let heard = t["text"].as_str().unwrap_or_default().to_lowercase();
-    assert!(heard.contains("honey"), "{t}");
-    expect(&mut ws, "audio_start").await;
-    let last = expect(&mut ws, "done").await;
-    assert_eq!(last["status"], "completed", "{last}");
+    heard_and_answered(&mut ws, "honey").await;
     let health = omnistream_e2e::http_get(server.port, "/health");
     assert!(health.contains("\"status\":\"ok\""), "{health}");
 }

@@ -209,7 +209,16 @@ fn speech_over_the_track_is_heard_like_the_reference() {
             wavs.push(wav.to_str().expect("utf-8 path").to_string());
             refs.push((wav, text.clone()));
         }
-        let mut args = vec!["--codec", codec, "--max-tokens", "24", "--mic-wav"];
+        let out = dir.path().to_str().expect("utf-8 path");
+        let mut args = vec![
+            "--codec",
+            codec,
+            "--max-tokens",
+            "24",
+            "--out",
+            out,
+            "--mic-wav",
+        ];
         args.extend(wavs.iter().map(String::as_str));
         let v = peer(&server, &args);
         let heard: Vec<String> = v["mic_transcripts"]

@@ -89,8 +89,6 @@ struct Realtime {
     speech_item: Option<String>,
     /// How the latest answer is playing (for barge-in).
     playback: Option<Arc<Playback>>,
-    /// The turn under way, transcribed from where the user paused.
-    early: Option<listen::Hearing>,
     /// WebRTC: the paced track the answers' audio goes to.
     speaker: Option<AudioOut>,
 }
@@ -143,7 +141,6 @@ pub async fn run_session<St>(
         turns: None,
         speech_item: None,
         playback: None,
-        early: None,
         speaker,
     };
     rt.send_session("session.created").await;
@@ -619,7 +616,6 @@ impl Realtime {
                 if let Some(t) = self.turns.as_mut() {
                     t.clear();
                 }
-                self.early = None;
                 self.send(event("input_audio_buffer.cleared", json!({})))
                     .await;
                 Ok(())
@@ -658,7 +654,11 @@ impl Realtime {
             let hub = self.state.config.vad.as_ref();
             let param = "session.audio.input.turn_detection";
             self.turns = match (TurnSettings::parse(td, hub, param)?, hub) {
-                (Some(settings), Some(hub)) => Some(TurnDetector::new(settings, hub, RATE)?),
+                (Some(settings), Some(hub)) => {
+                    let listener =
+                        listen::can_hear(&self.state).then(|| (self.state.clone(), "realtime"));
+                    Some(TurnDetector::new(settings, hub, RATE, listener)?)
+                }
                 _ => None,
             };
         }
@@ -834,18 +834,11 @@ impl Realtime {
                         self.barge_in().await;
                     }
                 }
-                Turn::Paused { audio } => {
-                    if listen::can_hear(&self.state) {
-                        let h = listen::Hearing::start(self.state.clone(), "realtime", audio);
-                        self.early = Some(h);
-                    }
-                }
-                Turn::Resumed => self.early = None,
                 Turn::Stopped {
                     audio_end_ms,
                     audio,
+                    early,
                 } => {
-                    let early = self.early.take().filter(|h| h.covers(&audio));
                     let id = self
                         .speech_item
                         .take()

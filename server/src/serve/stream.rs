@@ -133,8 +133,6 @@ struct PcmStream {
     turns: Option<TurnDetector>,
     /// How the latest answer is playing (for barge-in).
     playback: Option<Arc<Playback>>,
-    /// The turn under way, transcribed from where the user paused.
-    early: Option<listen::Hearing>,
 }
 
 async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
@@ -153,7 +151,6 @@ async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
         active: None,
         turns: None,
         playback: None,
-        early: None,
     };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -290,7 +287,8 @@ impl PcmStream {
                 if !listen::can_hear(&self.state) {
                     return Err(Self::deaf());
                 }
-                Some(TurnDetector::new(settings, hub, rate)?)
+                let listener = Some((self.state.clone(), "stream"));
+                Some(TurnDetector::new(settings, hub, rate, listener)?)
             }
             _ => None,
         };
@@ -506,14 +504,10 @@ impl PcmStream {
                         self.barge_in().await;
                     }
                 }
-                Turn::Paused { audio } => {
-                    let h = listen::Hearing::start(self.state.clone(), "stream", audio);
-                    self.early = Some(h);
-                }
-                Turn::Resumed => self.early = None,
                 Turn::Stopped {
                     audio_end_ms,
                     audio,
+                    early,
                 } => {
                     let seconds = audio.len() as f64 / f64::from(TRANSCRIBE_RATE);
                     self.send(msg(json!({
@@ -521,7 +515,6 @@ impl PcmStream {
                         "seconds": seconds,
                     })))
                     .await;
-                    let early = self.early.take().filter(|h| h.covers(&audio));
                     self.hear(audio, early).await?;
                 }
             }
@@ -546,18 +539,7 @@ impl PcmStream {
             let _ = a.cancel.send(true);
         } else {
             // Generated whole, still playing at the client.
-            p.truncate_history(&self.state, &self.session.id);
-            let kept = self
-                .state
-                .sessions
-                .with(&self.session.id, |s| {
-                    s.history
-                        .last()
-                        .filter(|m| m.role == "assistant")
-                        .map(|m| m.content.clone())
-                })
-                .flatten()
-                .unwrap_or_default();
+            let kept = p.truncate_history(&self.state, &self.session.id);
             self.send(truncated(&p, &kept)).await;
         }
         self.send(msg(
@@ -580,11 +562,11 @@ impl PcmStream {
         };
         let pcm = std::mem::take(&mut self.input_audio);
         let ended = match self.turns.as_mut().map(TurnDetector::finish) {
-            Some(Some(Turn::Stopped { audio, .. })) => Some(audio),
+            Some(Some(Turn::Stopped { audio, early, .. })) => Some((audio, early)),
             _ => None,
         };
         let seconds = match &ended {
-            Some(audio) => audio.len() as f64 / f64::from(TRANSCRIBE_RATE),
+            Some((audio, _)) => audio.len() as f64 / f64::from(TRANSCRIBE_RATE),
             None => pcm.len() as f64 / 2.0 / f64::from(rate),
         };
         if let Some(e) = truncated {
@@ -596,12 +578,8 @@ impl PcmStream {
         }
         self.send(msg(json!({"type": "audio_received", "seconds": seconds})))
             .await;
-        let early = self.early.take();
         let audio = match ended {
-            Some(audio) => {
-                let early = early.filter(|h| h.covers(&audio));
-                return self.hear(audio, early).await;
-            }
+            Some((audio, early)) => return self.hear(audio, early).await,
             None if pcm.is_empty() => return Ok(()),
             None => {
                 if !listen::can_hear(&self.state) {

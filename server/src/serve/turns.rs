@@ -3,7 +3,7 @@
 //! in the conversation (only what was heard).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
@@ -14,6 +14,7 @@ use omnistream_codecs::StreamResampler;
 use omnistream_stages::engine::TRANSCRIBE_RATE;
 use omnistream_stages::vad::{VadConfig, VadEvent, VadSegmenter};
 
+use super::listen::Hearing;
 use super::realtime::conn::ClientError;
 use super::state::{AppState, VadHub};
 
@@ -111,21 +112,18 @@ impl TurnSettings {
 }
 
 /// What the detector saw in the audio just fed.
-#[derive(Debug)]
 pub enum Turn {
     /// The user started speaking (`audio_start_ms` from the start of the
     /// session's audio, prefix padding included).
     Started { audio_start_ms: u64 },
-    /// The user paused long enough that the turn may be ending: the
-    /// utterance so far (16 kHz). Unless speech resumes (`Resumed`), the
-    /// `Stopped` that follows carries exactly this audio, so it can be
-    /// transcribed ahead of the end of the turn.
-    Paused { audio: Vec<f32> },
-    /// Speech went on after a pause: the paused audio is not the turn.
-    Resumed,
     /// The user stopped: their utterance, mono f32 at 16 kHz, with the
-    /// prefix padding and at most `PAUSE_MS` of trailing silence.
-    Stopped { audio_end_ms: u64, audio: Vec<f32> },
+    /// prefix padding and at most `PAUSE_MS` of trailing silence; `early`:
+    /// its transcription, already under way since the user paused.
+    Stopped {
+        audio_end_ms: u64,
+        audio: Vec<f32>,
+        early: Option<Hearing>,
+    },
 }
 
 /// Silero's window at 16 kHz.
@@ -141,10 +139,25 @@ pub struct TurnDetector {
     ignoring: bool,
     /// Length of the utterance at its pause, while the pause lasts.
     paused: Option<usize>,
+    /// Where the Listener is (and the endpoint to count its work under),
+    /// for transcribing a turn from its pause: the user pauses (`PAUSE_MS`
+    /// of quiet), the Listener starts on the utterance so far; unless they
+    /// speak again, the turn that `silence_duration_ms` confirms is exactly
+    /// that audio, and its words are ready or nearly.
+    listener: Option<(Arc<AppState>, &'static str)>,
+    /// That transcription, while the pause lasts.
+    early: Option<Hearing>,
 }
 
 impl TurnDetector {
-    pub fn new(settings: TurnSettings, hub: &VadHub, rate: u32) -> Result<Self, ClientError> {
+    /// `listener`: the server and endpoint name, where the pipeline hears
+    /// (turns are then transcribed from their pause).
+    pub fn new(
+        settings: TurnSettings,
+        hub: &VadHub,
+        rate: u32,
+        listener: Option<(Arc<AppState>, &'static str)>,
+    ) -> Result<Self, ClientError> {
         let fail = |e: String| ClientError::server("vad_unavailable", e);
         let seg = VadSegmenter::new(hub.model.clone(), settings.vad.clone())
             .map_err(|e| fail(e.to_string()))?;
@@ -159,6 +172,8 @@ impl TurnDetector {
             echo_guard: Duration::from_millis(u64::from(hub.echo_guard_ms)),
             ignoring: false,
             paused: None,
+            listener,
+            early: None,
         })
     }
 
@@ -204,12 +219,15 @@ impl TurnDetector {
             match (self.seg.paused_len(), self.paused) {
                 (Some(len), p) if p != Some(len) => {
                     self.paused = Some(len);
-                    let audio = self.seg.utterance()[..len].to_vec();
-                    turns.push(Turn::Paused { audio });
+                    self.early = self.listener.as_ref().map(|(state, endpoint)| {
+                        let audio = self.seg.utterance()[..len].to_vec();
+                        Hearing::start(state.clone(), endpoint, audio)
+                    });
                 }
                 (None, Some(_)) if self.seg.is_speaking() => {
+                    // Speech went on: the paused audio is not the turn.
                     self.paused = None;
-                    turns.push(Turn::Resumed);
+                    self.early = None;
                 }
                 _ => {}
             }
@@ -224,12 +242,14 @@ impl TurnDetector {
         if let Some(len) = self.paused.take() {
             audio.truncate(len);
         }
+        let early = self.early.take().filter(|h| h.covers(&audio));
         if std::mem::take(&mut self.ignoring) {
             return None;
         }
         Some(Turn::Stopped {
             audio_end_ms,
             audio,
+            early,
         })
     }
 
@@ -251,6 +271,7 @@ impl TurnDetector {
         self.seg.take_utterance();
         self.ignoring = false;
         self.paused = None;
+        self.early = None;
     }
 }
 
@@ -344,13 +365,18 @@ impl Playback {
 
     /// The answer had been generated whole but was still playing when the
     /// user interrupted: cuts the conversation's copy of it (the last
-    /// assistant turn of `session_id`) back to what was heard.
-    pub fn truncate_history(&self, state: &AppState, session_id: &str) {
-        state.sessions.with(session_id, |s| {
-            if let Some(m) = s.history.last_mut().filter(|m| m.role == "assistant") {
+    /// assistant turn of `session_id`) back to what was heard, and returns
+    /// what is kept.
+    pub fn truncate_history(&self, state: &AppState, session_id: &str) -> String {
+        state
+            .sessions
+            .with(session_id, |s| {
+                let m = s.history.last_mut().filter(|m| m.role == "assistant")?;
                 m.content = self.heard_text(state, &m.content).to_string();
-            }
-        });
+                Some(m.content.clone())
+            })
+            .flatten()
+            .unwrap_or_default()
     }
 }
 

@@ -6,6 +6,7 @@ pub mod linear;
 pub mod phonemize;
 pub mod piper;
 pub mod quantized_llama;
+pub mod qwen3_omni;
 pub mod silero_vad;
 pub mod whisper;
 pub mod whisper_model;

@@ -39,18 +39,20 @@ IDS = dict(
 )
 CODEBOOK = 64
 NUM_GROUPS = 4
-# The reference suppresses [vocab - 1024, vocab) when sampling code 0, so the talker
-# vocabulary must be at least 1024 + codebook.
-TALKER_VOCAB = 1024 + CODEBOOK + 64
+# The reference suppresses [vocab - 1024, vocab) when sampling code 0, so with
+# vocab = 1024 + codebook (as the real 3072 = 1024 + 2048) code 0 is a codebook
+# entry or EOS; the codec's special ids sit in the suppressed range, offset as in
+# the real model (pad 2148 = 2048 + 100, speakers 2301.. = 2048 + 253..).
+TALKER_VOCAB = 1024 + CODEBOOK
 CODEC = dict(
-    codec_pad_id=1100,
-    codec_bos_id=1101,
-    codec_eos_token_id=1102,
-    codec_nothink_id=1103,
-    codec_think_bos_id=1104,
-    codec_think_eos_id=1105,
+    codec_pad_id=CODEBOOK + 100,
+    codec_bos_id=CODEBOOK + 101,
+    codec_eos_token_id=CODEBOOK + 102,
+    codec_nothink_id=CODEBOOK + 107,
+    codec_think_bos_id=CODEBOOK + 108,
+    codec_think_eos_id=CODEBOOK + 109,
 )
-SPEAKERS = {"chelsie": 1110, "ethan": 1111, "aiden": 1112}
+SPEAKERS = {"chelsie": CODEBOOK + 253, "ethan": CODEBOOK + 254, "aiden": CODEBOOK + 255}
 
 
 def tiny_config() -> Qwen3OmniMoeConfig:

@@ -10,7 +10,7 @@ use omnistream_codecs::wav::write_wav;
 use omnistream_stages::engine::{
     Event, Modalities, Pipeline, RequestInput, RequestSpec, SamplingOverrides,
 };
-use omnistream_stages::models::gguf_tokenizer::ChatMessage;
+use omnistream_stages::models::tokenizer::ChatMessage;
 use omnistream_stages::profile::Profile;
 use omnistream_stages::roles::build_pipeline;
 

@@ -11,7 +11,7 @@ use omnistream_stages::engine::{
     RequestInput, RequestSpec, SamplingOverrides, StageDef, StageModel, StageRole, StepOutput,
     TextChunk,
 };
-use omnistream_stages::models::gguf_tokenizer::ChatMessage;
+use omnistream_stages::models::tokenizer::ChatMessage;
 use omnistream_stages::models::{ModelError, Result};
 
 /// Thinker: answers with the words of the last message, one per step.

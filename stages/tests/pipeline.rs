@@ -10,8 +10,8 @@ use omnistream_stages::engine::{
     Event, Modalities, Pipeline, RequestHandle, RequestInput, RequestSpec, SamplingOverrides,
     StageDef, StageRole,
 };
-use omnistream_stages::models::gguf_tokenizer::ChatMessage;
 use omnistream_stages::models::piper::PiperVoice;
+use omnistream_stages::models::tokenizer::ChatMessage;
 use omnistream_stages::profile::Profile;
 use omnistream_stages::roles::{
     build_pipeline, ChunkPolicy, PiperCode2Wav, PiperTalker, SpanPolicy,

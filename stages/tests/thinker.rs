@@ -10,10 +10,10 @@ use std::time::Instant;
 
 use anyhow::{anyhow, ensure, Context, Result};
 use candle_core::{Device, Tensor};
-use omnistream_stages::models::gguf_tokenizer::{ChatMessage, GgufTokenizer, IncrementalDecoder};
 use omnistream_stages::models::quantized_llama::{
     KvCache, QuantizedLlama, SeqStep, WeightPrecision,
 };
+use omnistream_stages::models::tokenizer::{ChatMessage, ChatTokenizer, IncrementalDecoder};
 use serde_json::Value;
 
 fn root() -> PathBuf {
@@ -25,8 +25,8 @@ fn model_path() -> PathBuf {
 }
 
 /// The model, loaded once for all tests; None (after a message) when the file is absent.
-fn model() -> Option<&'static (QuantizedLlama, GgufTokenizer)> {
-    static M: OnceLock<Option<(QuantizedLlama, GgufTokenizer)>> = OnceLock::new();
+fn model() -> Option<&'static (QuantizedLlama, ChatTokenizer)> {
+    static M: OnceLock<Option<(QuantizedLlama, ChatTokenizer)>> = OnceLock::new();
     M.get_or_init(|| {
         let p = model_path();
         if !p.exists() {
@@ -314,7 +314,7 @@ fn ragged_batch_equals_sequences_alone() -> Result<()> {
     Ok(())
 }
 
-fn check_ragged(model: &QuantizedLlama, tok: &GgufTokenizer, label: &str) -> Result<()> {
+fn check_ragged(model: &QuantizedLlama, tok: &ChatTokenizer, label: &str) -> Result<()> {
     let chat = |q: &str| -> Result<Vec<u32>> {
         Ok(tok.encode(&tok.apply_chat_template(&user(q), true)?)?)
     };
@@ -575,7 +575,7 @@ fn speed_single_and_batch8_decode() -> Result<()> {
     Ok(())
 }
 
-fn measure_speed(model: &QuantizedLlama, tok: &GgufTokenizer, label: &str) -> Result<()> {
+fn measure_speed(model: &QuantizedLlama, tok: &ChatTokenizer, label: &str) -> Result<()> {
     let steps = 16;
     let prompt =
         tok.encode(&tok.apply_chat_template(&user("Tell me a story about a robot."), true)?)?;

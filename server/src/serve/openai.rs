@@ -29,7 +29,7 @@ use omnistream_stages::engine::{
     CancelReason, EngineError, Event, Modalities, RequestHandle, RequestInput, RequestSpec,
     SamplingOverrides, MAX_SPEECH_CHARS,
 };
-use omnistream_stages::models::gguf_tokenizer::ChatMessage;
+use omnistream_stages::models::tokenizer::ChatMessage;
 use omnistream_stages::roles::PIPER_VOICE_NAME;
 
 use super::audio::{AudioEncoder, OutputFormat};

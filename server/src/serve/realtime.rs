@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 use tokio::sync::watch;
 
 use omnistream_stages::engine::{Modalities, RequestInput, RequestSpec, TRANSCRIBE_RATE};
-use omnistream_stages::models::gguf_tokenizer::ChatMessage;
+use omnistream_stages::models::tokenizer::ChatMessage;
 
 use super::audio::OutputFormat;
 use super::listen;
@@ -1358,7 +1358,7 @@ pub(super) mod conn {
     use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
     use omnistream_stages::engine::{CancelReason, Event, RequestHandle, RequestSpec};
-    use omnistream_stages::models::gguf_tokenizer::ChatMessage;
+    use omnistream_stages::models::tokenizer::ChatMessage;
 
     use super::super::audio::{AudioEncoder, OutputFormat};
     use super::super::auth;

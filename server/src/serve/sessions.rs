@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
 use omnistream_stages::engine::SamplingOverrides;
-use omnistream_stages::models::gguf_tokenizer::ChatMessage;
+use omnistream_stages::models::tokenizer::ChatMessage;
 
 use super::metrics::Metrics;
 use super::ApiError;

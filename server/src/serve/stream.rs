@@ -28,7 +28,7 @@ use omnistream_codecs::ogg_opus::OPUS_RATE;
 use omnistream_codecs::pcm::f32_to_pcm16_le;
 use omnistream_codecs::{CodecError, OggOpusDecoder};
 use omnistream_stages::engine::{Modalities, RequestInput, RequestSpec, TRANSCRIBE_RATE};
-use omnistream_stages::models::gguf_tokenizer::ChatMessage;
+use omnistream_stages::models::tokenizer::ChatMessage;
 
 use super::audio::OutputFormat;
 use super::listen;

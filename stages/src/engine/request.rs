@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::models::gguf_tokenizer::ChatMessage;
+use crate::models::tokenizer::ChatMessage;
 
 pub type RequestId = u64;
 

@@ -1,13 +1,13 @@
 //! The models stages run. One file (or folder) per model, config struct first.
 
 pub mod ct2;
-pub mod gguf_tokenizer;
 pub mod linear;
 pub mod phonemize;
 pub mod piper;
 pub mod quantized_llama;
 pub mod qwen3_omni;
 pub mod silero_vad;
+pub mod tokenizer;
 pub mod whisper;
 pub mod whisper_model;
 

@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{CpuStorage, DType, Device, Layout, Module, Storage, Tensor};
 
-use super::gguf_tokenizer::GgufTokenizer;
 use super::linear::Linear;
+use super::tokenizer::ChatTokenizer;
 use super::{ModelError, Result};
 
 /// Hyper-parameters, from the GGUF metadata (`llama.*`) and tensor shapes.
@@ -280,7 +280,7 @@ fn cpu_f32<'a>(storage: &'a Storage, layout: &Layout) -> Result<&'a [f32]> {
 impl QuantizedLlama {
     /// Reads a llama-architecture GGUF file (one pass over the file) and its tokenizer, with
     /// the weights in f32 ([`WeightPrecision::F32`]).
-    pub fn load(path: &Path, device: &Device) -> Result<(Self, GgufTokenizer)> {
+    pub fn load(path: &Path, device: &Device) -> Result<(Self, ChatTokenizer)> {
         Self::load_with_precision(path, device, WeightPrecision::default())
     }
 
@@ -289,7 +289,7 @@ impl QuantizedLlama {
         path: &Path,
         device: &Device,
         precision: WeightPrecision,
-    ) -> Result<(Self, GgufTokenizer)> {
+    ) -> Result<(Self, ChatTokenizer)> {
         let io_err = |source| ModelError::Io {
             path: path.to_path_buf(),
             source,
@@ -298,7 +298,7 @@ impl QuantizedLlama {
         let mut reader = BufReader::with_capacity(1 << 20, file);
         let ct = gguf_file::Content::read(&mut reader)
             .map_err(|e| format_err(path, format!("not a readable GGUF file: {e}")))?;
-        let tokenizer = GgufTokenizer::from_gguf(&ct, path)?;
+        let tokenizer = ChatTokenizer::from_gguf(&ct, path)?;
 
         let arch = ct
             .metadata
@@ -881,6 +881,6 @@ mod tests {
     fn model_is_send_sync_and_cache_is_send() {
         assert_send_sync::<QuantizedLlama>();
         assert_send::<KvCache>();
-        assert_send_sync::<GgufTokenizer>();
+        assert_send_sync::<ChatTokenizer>();
     }
 }

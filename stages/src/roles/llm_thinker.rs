@@ -16,8 +16,8 @@ use candle_transformers::generation::{LogitsProcessor, Sampling};
 use crate::engine::{
     Event, Payload, RequestCtx, RequestId, RequestInput, StageModel, StepOutput, TextChunk,
 };
-use crate::models::gguf_tokenizer::{GgufTokenizer, IncrementalDecoder};
 use crate::models::quantized_llama::{KvCache, QuantizedLlama, SeqStep};
+use crate::models::tokenizer::{ChatTokenizer, IncrementalDecoder};
 use crate::models::{ModelError, Result};
 use crate::profile::SamplingParams;
 
@@ -49,7 +49,7 @@ struct Seq {
 
 pub struct LlmThinker {
     model: Arc<QuantizedLlama>,
-    tokenizer: Arc<GgufTokenizer>,
+    tokenizer: Arc<ChatTokenizer>,
     defaults: SamplingParams,
     max_num_seqs: usize,
     max_prefill_tokens: usize,
@@ -67,7 +67,7 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 impl LlmThinker {
     pub fn new(
         model: Arc<QuantizedLlama>,
-        tokenizer: Arc<GgufTokenizer>,
+        tokenizer: Arc<ChatTokenizer>,
         defaults: SamplingParams,
         max_num_seqs: usize,
         max_prefill_tokens: usize,

@@ -12,6 +12,7 @@ pub mod layers;
 pub mod sampling;
 pub mod talker;
 pub mod thinker;
+pub mod weights;
 
 #[cfg(test)]
 pub(crate) mod fixtures {
@@ -35,7 +36,8 @@ pub(crate) mod fixtures {
 
     /// The tiny model's config.json.
     pub fn config() -> serde_json::Value {
-        let text = std::fs::read_to_string(dir().join("model/config.json")).expect("fixture config");
+        let text =
+            std::fs::read_to_string(dir().join("model/config.json")).expect("fixture config");
         serde_json::from_str(&text).expect("fixture config json")
     }
 

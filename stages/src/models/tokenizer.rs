@@ -1,4 +1,5 @@
-//! The tokenizer and chat template stored in a GGUF file's metadata.
+//! Chat tokenizers: byte-level BPE + chat template, from a GGUF file's metadata
+//! or from a Hugging Face checkpoint's `tokenizer.json` / `tokenizer_config.json`.
 //!
 //! `tokenizer.ggml.model == "gpt2"` files carry a byte-level BPE (`tokenizer.ggml.tokens`,
 //! `tokenizer.ggml.merges`) and name their pre-tokenizer regex in `tokenizer.ggml.pre`; we rebuild
@@ -43,7 +44,7 @@ const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
 /// The tokenizer of a GGUF model. Immutable after loading; `Send + Sync`.
-pub struct GgufTokenizer {
+pub struct ChatTokenizer {
     tokenizer: Tokenizer,
     chat_template: Option<String>,
     bos_token: Option<String>,
@@ -53,9 +54,9 @@ pub struct GgufTokenizer {
     vocab_size: usize,
 }
 
-impl std::fmt::Debug for GgufTokenizer {
+impl std::fmt::Debug for ChatTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GgufTokenizer")
+        f.debug_struct("ChatTokenizer")
             .field("vocab_size", &self.vocab_size)
             .field("eos_ids", &self.eos_ids)
             .field("has_chat_template", &self.chat_template.is_some())
@@ -154,7 +155,105 @@ fn pre_tokenizer_for(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
     })
 }
 
-impl GgufTokenizer {
+/// A special token in `tokenizer_config.json`: a string or an AddedToken object.
+fn hf_token_text(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| format_err(path, e.to_string()))
+}
+
+impl ChatTokenizer {
+    /// Loads a Hugging Face checkpoint's tokenizer: `tokenizer.json` (the
+    /// `tokenizers` format), special tokens from `tokenizer_config.json`, the chat
+    /// template from `chat_template.jinja`, `chat_template.json` or
+    /// `tokenizer_config.json` (newest convention first, as transformers does),
+    /// and end-of-turn ids from `generation_config.json`.
+    pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        let tok_path = dir.join("tokenizer.json");
+        let tokenizer = Tokenizer::from_file(&tok_path)
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", tok_path.display())))?;
+        let vocab_size = tokenizer.get_vocab_size(true);
+        let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or_default();
+        let jinja = dir.join("chat_template.jinja");
+        let chat_template = if jinja.exists() {
+            Some(
+                std::fs::read_to_string(&jinja).map_err(|source| ModelError::Io {
+                    path: jinja.clone(),
+                    source,
+                })?,
+            )
+        } else {
+            read_json(&dir.join("chat_template.json"))?
+                .as_ref()
+                .or(Some(&config))
+                .and_then(|c| c.get("chat_template"))
+                .and_then(|t| t.as_str())
+                .map(str::to_string)
+        };
+        let bos_token = hf_token_text(config.get("bos_token"));
+        let eos_token = hf_token_text(config.get("eos_token"));
+        let mut eos_ids: Vec<u32> = Vec::new();
+        let mut add_eos = |id: u32| {
+            if (id as usize) < vocab_size && !eos_ids.contains(&id) {
+                eos_ids.push(id);
+            }
+        };
+        if let Some(id) = eos_token.as_deref().and_then(|t| tokenizer.token_to_id(t)) {
+            add_eos(id);
+        }
+        let generation = read_json(&dir.join("generation_config.json"))?.unwrap_or_default();
+        match generation.get("eos_token_id") {
+            Some(serde_json::Value::Number(n)) => {
+                if let Some(id) = n.as_u64().and_then(|i| u32::try_from(i).ok()) {
+                    add_eos(id)
+                }
+            }
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .filter_map(|v| v.as_u64().and_then(|i| u32::try_from(i).ok()))
+                .for_each(&mut add_eos),
+            _ => {}
+        }
+        for name in ["<|im_end|>", "<|endoftext|>"] {
+            if let Some(id) = tokenizer.token_to_id(name) {
+                add_eos(id);
+            }
+        }
+        if eos_ids.is_empty() {
+            return Err(format_err(&tok_path, "no end-of-sequence token"));
+        }
+        // Qwen's tokenizers add no BOS; honour the flag where a config sets it.
+        let add_bos = if config.get("add_bos_token").and_then(|b| b.as_bool()) == Some(true) {
+            bos_token.as_deref().and_then(|t| tokenizer.token_to_id(t))
+        } else {
+            None
+        };
+        Ok(Self {
+            tokenizer,
+            chat_template,
+            bos_token,
+            eos_token,
+            add_bos,
+            eos_ids,
+            vocab_size,
+        })
+    }
+
     /// Builds the tokenizer from the GGUF metadata (`path` is only used in error messages).
     pub fn from_gguf(content: &gguf_file::Content, path: &Path) -> Result<Self> {
         let model = md(content, "tokenizer.ggml.model")
@@ -377,7 +476,7 @@ impl IncrementalDecoder {
     }
 
     /// Adds one generated id; returns the newly completed text, if any.
-    pub fn push(&mut self, tok: &GgufTokenizer, id: u32) -> Result<Option<String>> {
+    pub fn push(&mut self, tok: &ChatTokenizer, id: u32) -> Result<Option<String>> {
         let prev_text = if self.tokens.is_empty() {
             String::new()
         } else {
@@ -403,7 +502,7 @@ impl IncrementalDecoder {
     }
 
     /// Returns whatever is still held back (possibly with U+FFFD for truncated characters).
-    pub fn flush(&mut self, tok: &GgufTokenizer) -> Result<Option<String>> {
+    pub fn flush(&mut self, tok: &ChatTokenizer) -> Result<Option<String>> {
         let prev_text = if self.tokens.is_empty() {
             String::new()
         } else {
@@ -418,5 +517,52 @@ impl IncrementalDecoder {
         } else {
             Ok(None)
         }
+    }
+}
+
+#[cfg(test)]
+mod hf_tests {
+    use super::*;
+
+    /// A Qwen2-style tokenizer.json + tokenizer_config.json written by
+    /// scripts/qwen3_omni/tokenizer.py, with transformers' own encodings.
+    #[test]
+    fn hf_checkpoint_tokenizer_matches_transformers() {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/qwen3_omni/tokenizer");
+        let tok = ChatTokenizer::from_hf_dir(&dir).unwrap();
+        let cases: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap())
+                .unwrap();
+        assert!(cases.len() >= 4);
+        for case in cases {
+            let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+            let text = match case.get("messages") {
+                Some(m) => {
+                    let messages: Vec<ChatMessage> = serde_json::from_value(m.clone()).unwrap();
+                    let rendered = tok.apply_chat_template(&messages, true).unwrap();
+                    assert_eq!(rendered, case["text"].as_str().unwrap());
+                    rendered
+                }
+                None => case["text"].as_str().unwrap().to_string(),
+            };
+            assert_eq!(tok.encode(&text).unwrap(), want, "{text}");
+            assert_eq!(
+                tok.decode(&want).unwrap(),
+                case["decoded"].as_str().unwrap()
+            );
+        }
+        let im_end = tok.token_to_id("<|im_end|>").unwrap();
+        let eot = tok.token_to_id("<|endoftext|>").unwrap();
+        assert_eq!(tok.eos_token_ids(), &[im_end, eot]);
+        // Special tokens in text are single ids.
+        assert_eq!(tok.encode("<|audio_pad|>").unwrap().len(), 1);
+    }
+
+    #[test]
+    fn hf_checkpoint_without_tokenizer_is_a_clear_error() {
+        let empty = tempfile::tempdir().unwrap();
+        let err = ChatTokenizer::from_hf_dir(empty.path()).unwrap_err();
+        assert!(err.to_string().contains("tokenizer.json"), "{err}");
     }
 }

@@ -1,0 +1,89 @@
+"""End-to-end reference: the whole tiny model's `generate` (Thinker -> Talker with
+code predictor -> Code2Wav), sampling off everywhere, one request at a time
+(the reference takes one speaker per call), text-only and spoken prompts.
+
+Per case `c{i}_*`: input_ids, the Thinker's sequences, the Talker's codes
+(batch, groups, frames) as handed to Code2Wav, and the waveform. The spoken
+case also stores the 16 kHz PCM and the reference's log-mel features."""
+
+import numpy as np
+import torch
+from transformers import WhisperFeatureExtractor
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+import tiny
+
+I = tiny.IDS
+NL = 10  # the tiny vocabulary's "\n"
+
+
+def turn(role, body):
+    return [I["im_start_token_id"], role, NL, *body, I["im_end_token_id"], NL]
+
+
+def prompt(system, user):
+    ids = []
+    if system is not None:
+        ids += turn(I["system_token_id"], system)
+    ids += turn(I["user_token_id"], user)
+    return ids + [I["im_start_token_id"], I["assistant_token_id"], NL]
+
+
+def speech(seconds, seed):
+    g = np.random.default_rng(seed)
+    t = np.arange(int(16000 * seconds)) / 16000
+    f = 180 + 120 * np.sin(2 * np.pi * 1.3 * t)
+    x = 0.3 * np.sin(2 * np.pi * np.cumsum(f) / 16000) + 0.05 * g.standard_normal(t.size)
+    return x.astype(np.float32)
+
+
+def make(model, out):
+    g = torch.Generator().manual_seed(7)
+    words = lambda n: torch.randint(20, 200, (n,), generator=g).tolist()  # noqa: E731
+    fe = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000)
+    pcm = speech(1.3, 3)
+    feats = fe(pcm, sampling_rate=16000, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt")
+    n_audio = int(_get_feat_extract_output_lengths(feats["attention_mask"].sum(-1), 50)[0])
+    audio_body = [I["audio_start_token_id"], *[I["audio_token_id"]] * n_audio, I["audio_end_token_id"], *words(3)]
+    cases = [
+        ("ethan", prompt(words(6), words(9)), None),
+        ("chelsie", prompt(None, words(4)), None),
+        ("aiden", prompt(words(3), audio_body), feats),
+    ]
+    tensors, meta = {}, {"cases": []}
+    for i, (speaker, ids, feats) in enumerate(cases):
+        input_ids = torch.tensor([ids])
+        captured = {}
+        decode = model.code2wav.chunked_decode
+
+        def capture(codes, **kw):
+            captured["codes"] = codes.clone()
+            return decode(codes, **kw)
+
+        model.code2wav.chunked_decode = capture
+        extra = {}
+        if feats is not None:
+            extra = dict(input_features=feats["input_features"], feature_attention_mask=feats["attention_mask"])
+        seqs, wav = model.generate(
+            input_ids=input_ids,
+            speaker=speaker,
+            thinker_max_new_tokens=20,
+            thinker_do_sample=False,
+            thinker_eos_token_id=I["im_end_token_id"],
+            talker_do_sample=False,
+            talker_max_new_tokens=24,
+            **extra,
+        )
+        model.code2wav.chunked_decode = decode
+        p = f"c{i}_"
+        tensors[p + "input_ids"] = input_ids
+        tensors[p + "sequences"] = seqs
+        tensors[p + "codes"] = captured["codes"]
+        tensors[p + "wav"] = wav.reshape(-1).float()
+        if feats is not None:
+            tensors[p + "pcm"] = torch.from_numpy(pcm)
+            tensors[p + "input_features"] = feats["input_features"][0]
+        meta["cases"].append({"speaker": speaker, "audio_tokens": n_audio if feats is not None else 0,
+                              "frames": int(captured["codes"].shape[-1]), "new_tokens": int(seqs.shape[1] - len(ids))})
+        print(speaker, "new tokens", seqs.shape[1] - len(ids), "frames", captured["codes"].shape[-1], "wav", wav.shape)
+    tiny.save_io("generate", tensors, meta)

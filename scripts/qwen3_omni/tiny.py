@@ -197,6 +197,13 @@ def tiny_model(seed: int = 0) -> Qwen3OmniMoeForConditionalGeneration:
                 p.copy_(torch.randn(p.shape, generator=g) / max(fan_in, 1) ** 0.5)
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        # At these widths Code2Wav's decoder gains ~5x per conv: the waveform would
+        # peak near 90 (95% clamped) and amplify f32 rounding 1000x. Halving its conv
+        # weights gives speech-like levels (peak ~0.4, nothing clamped). Scaled after
+        # the walk, so no other component's weights change.
+        for name, p in model.code2wav.named_parameters():
+            if name.startswith("decoder.") and name.endswith("conv.weight"):
+                p.mul_(0.5)
     return model
 
 

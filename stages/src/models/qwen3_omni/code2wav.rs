@@ -1,1 +1,1143 @@
-//! (being written)
+//! Qwen3-Omni Code2Wav: codec codes (16 quantizers at 12.5 Hz) to 24 kHz audio,
+//! mirroring `Qwen3OmniMoeCode2Wav` of transformers 5.24, with an exact causal
+//! streaming decoder.
+//!
+//! Pipeline: mean of the per-quantizer code embeddings, a sliding-window causal
+//! transformer (`pre_transformer`), `upsampling_ratios` stages of (transposed
+//! conv k=s, ConvNeXt block), a causal conv, `upsample_rates` decoder blocks
+//! (SnakeBeta, transposed conv k=2s, three dilated residual units), SnakeBeta,
+//! a causal conv to one channel, clamp to [-1, 1].
+//!
+//! # Alignment with the reference
+//!
+//! Every conv is causal with stride 1 (left zero padding, so the reference's
+//! "extra padding" is always 0) and the k=s transposed convs of the upsampling
+//! stages map each input sample to its own s outputs, so all of that is exact and
+//! streamable as is. The k=2s transposed convs of the decoder blocks are the only
+//! non-causal part: output block j (s samples) is `x[j] W[..s] + x[j-1] W[s..]`
+//! and the reference trims s samples at both ends, keeping blocks 1..L-1 of an
+//! input of length L. Dropping the last block removes the only output that would
+//! need a future input (the reference is therefore causal: its output for F frames
+//! is a prefix of its output for F+1 frames). Dropping the first block shifts the
+//! signal; summed over the stages that is `((8*5+5)*4+4)*3+3 = 555` samples, which
+//! is why the reference returns `F*1920 - 555` samples.
+//!
+//! After F frames the reference's first `F*1920 - 555` samples are known and the
+//! rest are not, so an exact causal decoder must lag it by 555 samples (23.1 ms at
+//! 24 kHz). Ours does exactly that: it reproduces the reference's left trim at the
+//! start of a stream and emits 555 zero samples first, so for F frames
+//!
+//! ```text
+//! ours[0..555]            = 0
+//! ours[555 + r]           = reference[r]     for r in 0..F*1920-555
+//! ```
+//!
+//! and it returns exactly `F*1920` samples, in one call or in chunks of any size
+//! (each chunk of n frames gives n*1920 samples). No flush is needed: after the
+//! last frame every sample the reference produces has been emitted; what the
+//! transposed convs hold back is the tail the reference discards too.
+//! (Trimming only the right side instead, as Qwen3-TTS's decoder does, gives
+//! F*1920 samples without the delay but differs from this reference near the
+//! start, because the onset block would enter the following causal convs.)
+//!
+//! The reference's own `chunked_decode` re-decodes each chunk with up to 25 frames
+//! of left context from position 0 and drops the 555 samples at the end of every
+//! chunk: `F*1920 - 555*ceil(F/chunk)` samples in all, a 23 ms hole at each chunk
+//! boundary (shown by the tests below against its recorded output).
+//!
+//! # Streaming
+//!
+//! [`Code2WavState`] holds, per request batch, the transformer's sliding-window
+//! K/V (the last `sliding_window - 1` frames per layer, rotary already applied at
+//! their absolute positions), the left context of every causal conv (kernel-1 times
+//! dilation samples), the pending half block of every k=2s transposed conv and the
+//! frame count. [`Code2Wav::step`] costs time proportional to the chunk; the full
+//! [`Code2Wav::decode`] is one step on a fresh state.
+
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::{Activation, LayerNorm, Linear, VarBuilder};
+use serde::Deserialize;
+
+/// `rope_parameters` of transformers 5 (only the default RoPE is used by Code2Wav).
+#[derive(Debug, Clone, Deserialize)]
+pub struct RopeParameters {
+    #[serde(default = "default_rope_type")]
+    pub rope_type: String,
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+}
+
+fn default_rope_type() -> String {
+    "default".to_string()
+}
+
+fn default_rope_theta() -> f64 {
+    10000.0
+}
+
+/// `Qwen3OmniMoeCode2WavConfig` (the `code2wav_config` of the checkpoint's config.json).
+/// Missing fields take the transformers class defaults.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct Code2WavConfig {
+    pub codebook_size: usize,
+    pub hidden_size: usize,
+    pub max_position_embeddings: usize,
+    /// transformers 5 name; the released checkpoint has `rope_theta` instead.
+    pub rope_parameters: Option<RopeParameters>,
+    pub rope_theta: Option<f64>,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: Option<usize>,
+    pub attention_bias: bool,
+    pub sliding_window: usize,
+    pub intermediate_size: usize,
+    pub hidden_act: Activation,
+    pub layer_scale_initial_scale: f64,
+    pub rms_norm_eps: f64,
+    pub num_hidden_layers: usize,
+    pub num_quantizers: usize,
+    pub upsample_rates: Vec<usize>,
+    pub upsampling_ratios: Vec<usize>,
+    pub decoder_dim: usize,
+}
+
+impl Default for Code2WavConfig {
+    fn default() -> Self {
+        Self {
+            codebook_size: 2048,
+            hidden_size: 1024,
+            max_position_embeddings: 8000,
+            rope_parameters: None,
+            rope_theta: None,
+            num_attention_heads: 16,
+            num_key_value_heads: 16,
+            head_dim: None,
+            attention_bias: false,
+            sliding_window: 72,
+            intermediate_size: 3072,
+            hidden_act: Activation::Silu,
+            layer_scale_initial_scale: 0.01,
+            rms_norm_eps: 1e-5,
+            num_hidden_layers: 8,
+            num_quantizers: 16,
+            upsample_rates: vec![8, 5, 4, 3],
+            upsampling_ratios: vec![2, 2],
+            decoder_dim: 1536,
+        }
+    }
+}
+
+impl Code2WavConfig {
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    pub fn rope_theta(&self) -> f64 {
+        match (&self.rope_parameters, self.rope_theta) {
+            (Some(p), _) => p.rope_theta,
+            (None, Some(theta)) => theta,
+            (None, None) => default_rope_theta(),
+        }
+    }
+
+    /// Output samples per code frame (1920: 24 kHz at 12.5 Hz).
+    pub fn samples_per_frame(&self) -> usize {
+        self.upsampling_ratios
+            .iter()
+            .chain(&self.upsample_rates)
+            .product()
+    }
+
+    /// Samples the reference's transposed convs trim from the start (555), which
+    /// is also how far our causal output lags it.
+    pub fn delay_samples(&self) -> usize {
+        // Each k=2s stage shifts by s at its own rate; earlier shifts scale up.
+        self.upsample_rates.iter().fold(0, |d, &r| d * r + r)
+    }
+}
+
+/// Left context of a causal layer: `None` until the first step, which then
+/// stands for the reference's zero padding.
+type Pending = Option<Tensor>;
+
+/// `Qwen3OmniMoeCausalConvNet` with stride 1 (the only stride Code2Wav uses):
+/// left zero padding of `(kernel-1)*dilation`, kept across steps as state.
+#[derive(Debug, Clone)]
+struct CausalConvNet {
+    weight: Tensor,
+    /// Depthwise kernels as (kernel, 1, channels, 1) for the groups == channels case.
+    depthwise: Option<Tensor>,
+    bias: Tensor,
+    kernel: usize,
+    dilation: usize,
+    context: usize,
+}
+
+impl CausalConvNet {
+    fn new(
+        cin: usize,
+        cout: usize,
+        kernel: usize,
+        dilation: usize,
+        depthwise: bool,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let vb = vb.pp("conv");
+        let (weight, dw) = if depthwise {
+            let w = vb.get((cout, 1, kernel), "weight")?;
+            let dw = w.permute((2, 1, 0))?.unsqueeze(3)?.contiguous()?;
+            (w, Some(dw))
+        } else {
+            (vb.get((cout, cin, kernel), "weight")?, None)
+        };
+        let bias = vb.get(cout, "bias")?.reshape((1, cout, 1))?;
+        Ok(Self {
+            weight,
+            depthwise: dw,
+            bias,
+            kernel,
+            dilation,
+            context: (kernel - 1) * dilation,
+        })
+    }
+
+    /// x: (batch, channels, len) -> (batch, out, len).
+    fn step(&self, x: &Tensor, state: &mut Pending) -> Result<Tensor> {
+        let len = x.dim(2)?;
+        let xx = if self.context == 0 {
+            x.clone()
+        } else {
+            let prev = match state.take() {
+                Some(prev) => prev,
+                None => {
+                    let (b, c, _) = x.dims3()?;
+                    Tensor::zeros((b, c, self.context), x.dtype(), x.device())?
+                }
+            };
+            let xx = Tensor::cat(&[&prev, x], 2)?;
+            // Copy, so the state does not keep the whole chunk alive.
+            *state = Some(xx.narrow(2, len, self.context)?.contiguous()?);
+            xx
+        };
+        let y = match &self.depthwise {
+            Some(w) => {
+                let mut acc = xx.narrow(2, 0, len)?.broadcast_mul(&w.get(0)?)?;
+                for k in 1..self.kernel {
+                    let tap = xx.narrow(2, k * self.dilation, len)?;
+                    acc = (acc + tap.broadcast_mul(&w.get(k)?)?)?;
+                }
+                acc
+            }
+            None => xx.conv1d(&self.weight, 0, 1, self.dilation, 1)?,
+        };
+        y.broadcast_add(&self.bias)
+    }
+}
+
+/// `Qwen3OmniMoeCausalTransConvNet`: ConvTranspose1d with kernel s (no overlap,
+/// stateless) or 2s (each input touches two output blocks of s samples), trimmed
+/// by kernel - s on both sides like the reference (see the module docs).
+#[derive(Debug, Clone)]
+struct CausalTransConvNet {
+    /// (cin, cout * kernel): the transposed conv as one matmul per input sample.
+    weight: Tensor,
+    bias: Tensor,
+    cout: usize,
+    stride: usize,
+    overlap: bool,
+}
+
+impl CausalTransConvNet {
+    fn new(cin: usize, cout: usize, kernel: usize, stride: usize, vb: VarBuilder) -> Result<Self> {
+        let overlap = if kernel == stride {
+            false
+        } else if kernel == 2 * stride {
+            true
+        } else {
+            candle_core::bail!("code2wav: transposed conv kernel {kernel} with stride {stride}")
+        };
+        let vb = vb.pp("conv");
+        let weight = vb
+            .get((cin, cout, kernel), "weight")?
+            .reshape((cin, cout * kernel))?;
+        let bias = vb.get(cout, "bias")?.reshape((1, cout, 1))?;
+        Ok(Self {
+            weight,
+            bias,
+            cout,
+            stride,
+            overlap,
+        })
+    }
+
+    /// x: (batch, cin, len) -> (batch, cout, len*s), except on a stream's first
+    /// step with overlap, which gives (len-1)*s like the reference's left trim.
+    /// `tail` is the second half-kernel contribution of the previous input sample.
+    fn step(&self, x: &Tensor, tail: &mut Pending) -> Result<Tensor> {
+        let (b, _, len) = x.dims3()?;
+        let s = self.stride;
+        let z = x.transpose(1, 2)?.broadcast_matmul(&self.weight)?;
+        let blocks = if !self.overlap {
+            z.reshape((b, len, self.cout, s))?
+        } else {
+            // Block j = x[j] W[..s] + x[j-1] W[s..].
+            let z = z.reshape((b, len, self.cout, 2, s))?;
+            let head = z.narrow(3, 0, 1)?.squeeze(3)?;
+            let next = z.narrow(3, 1, 1)?.squeeze(3)?;
+            let blocks = match tail.take() {
+                // Reference: block 0 (from the zero before the input) is trimmed.
+                None => (head.narrow(1, 1, len - 1)? + next.narrow(1, 0, len - 1)?)?,
+                Some(prev) => {
+                    let shifted = Tensor::cat(&[&prev, &next.narrow(1, 0, len - 1)?], 1)?;
+                    (head + shifted)?
+                }
+            };
+            *tail = Some(next.narrow(1, len - 1, 1)?.contiguous()?);
+            blocks
+        };
+        let n = blocks.dim(1)?;
+        blocks
+            .permute((0, 2, 1, 3))?
+            .reshape((b, self.cout, n * s))?
+            .broadcast_add(&self.bias)
+    }
+}
+
+/// `Qwen3OmniMoeSnakeBeta`: x + 1/(exp(beta) + 1e-9) * sin(x * exp(alpha))^2.
+#[derive(Debug, Clone)]
+struct SnakeBeta {
+    alpha: Tensor,
+    inv_beta: Tensor,
+}
+
+impl SnakeBeta {
+    fn new(channels: usize, vb: VarBuilder) -> Result<Self> {
+        let alpha = vb
+            .get(channels, "alpha")?
+            .exp()?
+            .reshape((1, channels, 1))?;
+        let inv_beta = (vb.get(channels, "beta")?.exp()? + 1e-9)?
+            .recip()?
+            .reshape((1, channels, 1))?;
+        Ok(Self { alpha, inv_beta })
+    }
+}
+
+impl Module for SnakeBeta {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let sin = x.broadcast_mul(&self.alpha)?.sin()?.sqr()?;
+        x + sin.broadcast_mul(&self.inv_beta)?
+    }
+}
+
+/// `Qwen3OmniMoeConvNeXtBlock` with its causal depthwise conv.
+#[derive(Debug, Clone)]
+struct ConvNeXtBlock {
+    dwconv: CausalConvNet,
+    norm: LayerNorm,
+    pwconv1: Linear,
+    pwconv2: Linear,
+    gamma: Tensor,
+}
+
+impl ConvNeXtBlock {
+    fn new(dim: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            dwconv: CausalConvNet::new(dim, dim, 7, 1, true, vb.pp("dwconv"))?,
+            norm: candle_nn::layer_norm(dim, 1e-6, vb.pp("norm"))?,
+            pwconv1: candle_nn::linear(dim, 4 * dim, vb.pp("pwconv1"))?,
+            pwconv2: candle_nn::linear(4 * dim, dim, vb.pp("pwconv2"))?,
+            gamma: vb.get(dim, "gamma")?,
+        })
+    }
+
+    fn step(&self, x: &Tensor, state: &mut Pending) -> Result<Tensor> {
+        let h = self.dwconv.step(x, state)?.transpose(1, 2)?;
+        let h = self.norm.forward(&h)?;
+        let h = self.pwconv1.forward(&h)?.gelu_erf()?;
+        let h = self.pwconv2.forward(&h)?.broadcast_mul(&self.gamma)?;
+        x + h.transpose(1, 2)?
+    }
+}
+
+/// `Qwen3OmniMoeCode2WavRMSNorm` / `Qwen3OmniMoeRMSNorm`: normalises in float32
+/// (f64 stays f64, for the exactness tests), casts back, then scales, like the reference.
+#[derive(Debug, Clone)]
+struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+/// The reference upcasts norms and rotary angles to float32; f64 stays f64.
+fn compute_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+impl RmsNorm {
+    fn new(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            weight: vb.get(size, "weight")?,
+            eps,
+        })
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x32 = x.to_dtype(compute_dtype(x.dtype()))?;
+        let rms = (x32.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?.sqrt()?;
+        x32.broadcast_div(&rms)?
+            .to_dtype(x.dtype())?
+            .broadcast_mul(&self.weight)
+    }
+}
+
+/// `Qwen3OmniMoeCode2WavAttention`: causal sliding-window attention with RoPE.
+#[derive(Debug, Clone)]
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    window: usize,
+}
+
+/// One layer's cached keys (rotated) and values: (batch, kv_heads, <= window-1, head_dim).
+type KvCache = Option<(Tensor, Tensor)>;
+
+impl Attention {
+    fn new(cfg: &Code2WavConfig, vb: VarBuilder) -> Result<Self> {
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim());
+        let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let bias = cfg.attention_bias;
+        Ok(Self {
+            q_proj: candle_nn::linear_b(h, nh * hd, bias, vb.pp("q_proj"))?,
+            k_proj: candle_nn::linear_b(h, nkv * hd, bias, vb.pp("k_proj"))?,
+            v_proj: candle_nn::linear_b(h, nkv * hd, bias, vb.pp("v_proj"))?,
+            o_proj: candle_nn::linear_b(nh * hd, h, bias, vb.pp("o_proj"))?,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            window: cfg.sliding_window,
+        })
+    }
+
+    /// x: (batch, n, hidden) at absolute positions pos..pos+n; cos/sin: (n, head_dim/2).
+    fn step(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        pos: usize,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let (b, n, _) = x.dims3()?;
+        let heads = |t: Tensor, nh: usize| {
+            t.reshape((b, n, nh, self.head_dim))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let q = heads(self.q_proj.forward(x)?, self.num_heads)?;
+        let k = heads(self.k_proj.forward(x)?, self.num_kv_heads)?;
+        let v = heads(self.v_proj.forward(x)?, self.num_kv_heads)?;
+        let q = candle_nn::rotary_emb::rope(&q, cos, sin)?;
+        let k = candle_nn::rotary_emb::rope(&k, cos, sin)?;
+        let (k, v) = match cache.take() {
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+            None => (k, v),
+        };
+        let total = k.dim(2)?;
+        let keep = total.min(self.window.saturating_sub(1));
+        *cache = Some((
+            k.narrow(2, total - keep, keep)?.contiguous()?,
+            v.narrow(2, total - keep, keep)?.contiguous()?,
+        ));
+
+        // Query at absolute position p sees keys at (p - window, p] (transformers'
+        // sliding_window_overlay on top of the causal mask).
+        let first = pos + n - total;
+        let mask: Vec<f32> = (0..n)
+            .flat_map(|i| {
+                let p = pos + i;
+                (0..total).map(move |j| {
+                    let kp = first + j;
+                    if kp <= p && kp + self.window > p {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (n, total), x.device())?.to_dtype(x.dtype())?;
+
+        let rep = self.num_heads / self.num_kv_heads;
+        let (k, v) = (repeat_kv(k, rep)?, repeat_kv(v, rep)?);
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask)?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out =
+            probs
+                .matmul(&v)?
+                .transpose(1, 2)?
+                .reshape((b, n, self.num_heads * self.head_dim))?;
+        self.o_proj.forward(&out)
+    }
+}
+
+fn repeat_kv(x: Tensor, rep: usize) -> Result<Tensor> {
+    if rep == 1 {
+        return Ok(x);
+    }
+    let (b, h, t, d) = x.dims4()?;
+    Tensor::cat(&vec![&x; rep], 2)?.reshape((b, h * rep, t, d))
+}
+
+/// `Qwen3OmniMoeCode2WavMlp`: down(act(gate(x)) * up(x)).
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    act: Activation,
+}
+
+impl Mlp {
+    fn new(cfg: &Code2WavConfig, vb: VarBuilder) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Self {
+            gate_proj: candle_nn::linear_no_bias(h, i, vb.pp("gate_proj"))?,
+            up_proj: candle_nn::linear_no_bias(h, i, vb.pp("up_proj"))?,
+            down_proj: candle_nn::linear_no_bias(i, h, vb.pp("down_proj"))?,
+            act: cfg.hidden_act,
+        })
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = self.act.forward(&self.gate_proj.forward(x)?)?;
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+    }
+}
+
+/// `Qwen3OmniMoeCode2WavTransformerLayer` (pre-norm, LayerScale on both residuals).
+#[derive(Debug, Clone)]
+struct TransformerLayer {
+    self_attn: Attention,
+    mlp: Mlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+    self_attn_layer_scale: Tensor,
+    mlp_layer_scale: Tensor,
+}
+
+impl TransformerLayer {
+    fn new(cfg: &Code2WavConfig, vb: VarBuilder) -> Result<Self> {
+        let h = cfg.hidden_size;
+        Ok(Self {
+            self_attn: Attention::new(cfg, vb.pp("self_attn"))?,
+            mlp: Mlp::new(cfg, vb.pp("mlp"))?,
+            input_layernorm: RmsNorm::new(h, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
+            post_attention_layernorm: RmsNorm::new(
+                h,
+                cfg.rms_norm_eps,
+                vb.pp("post_attention_layernorm"),
+            )?,
+            self_attn_layer_scale: vb.pp("self_attn_layer_scale").get(h, "scale")?,
+            mlp_layer_scale: vb.pp("mlp_layer_scale").get(h, "scale")?,
+        })
+    }
+
+    fn step(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        pos: usize,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let h = self.self_attn.step(&h, cos, sin, pos, cache)?;
+        let x = (x + h.broadcast_mul(&self.self_attn_layer_scale)?)?;
+        let h = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&x)?)?;
+        x + h.broadcast_mul(&self.mlp_layer_scale)?
+    }
+}
+
+/// `Qwen3OmniMoeCode2WavTransformerModel` (weights under `pre_transformer`).
+#[derive(Debug, Clone)]
+struct TransformerModel {
+    layers: Vec<TransformerLayer>,
+    norm: RmsNorm,
+    inv_freq: Tensor,
+}
+
+impl TransformerModel {
+    fn new(cfg: &Code2WavConfig, vb: VarBuilder) -> Result<Self> {
+        if let Some(p) = &cfg.rope_parameters {
+            if p.rope_type != "default" {
+                candle_core::bail!("code2wav: unsupported rope_type {}", p.rope_type)
+            }
+        }
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| TransformerLayer::new(cfg, vb.pp("layers").pp(i)))
+            .collect::<Result<Vec<_>>>()?;
+        let hd = cfg.head_dim();
+        let theta = cfg.rope_theta();
+        let inv_freq: Vec<f64> = (0..hd / 2)
+            .map(|i| 1.0 / theta.powf(2.0 * i as f64 / hd as f64))
+            .collect();
+        Ok(Self {
+            layers,
+            norm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("norm"))?,
+            inv_freq: Tensor::from_vec(inv_freq, (1, hd / 2), vb.device())?,
+        })
+    }
+
+    /// x: (batch, n, hidden), frames pos..pos+n.
+    fn step(&self, x: &Tensor, pos: usize, caches: &mut [KvCache]) -> Result<Tensor> {
+        let n = x.dim(1)?;
+        // Like the reference: float32 position times float32 frequency, then
+        // cos/sin (absolute positions, as a full decode of the whole stream has).
+        let dtype = compute_dtype(x.dtype());
+        let positions: Vec<f64> = (pos..pos + n).map(|p| p as f64).collect();
+        let positions = Tensor::from_vec(positions, (n, 1), x.device())?.to_dtype(dtype)?;
+        let inv_freq = self.inv_freq.to_device(x.device())?.to_dtype(dtype)?;
+        let freqs = positions.broadcast_mul(&inv_freq)?;
+        let cos = freqs.cos()?.to_dtype(x.dtype())?;
+        let sin = freqs.sin()?.to_dtype(x.dtype())?;
+        let mut h = x.clone();
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            h = layer.step(&h, &cos, &sin, pos, cache)?;
+        }
+        self.norm.forward(&h)
+    }
+}
+
+/// `Qwen3OmniMoeCode2WavDecoderResidualUnit`: x + conv2(act2(conv1(act1(x)))).
+#[derive(Debug, Clone)]
+struct DecoderResidualUnit {
+    act1: SnakeBeta,
+    conv1: CausalConvNet,
+    act2: SnakeBeta,
+    conv2: CausalConvNet,
+}
+
+impl DecoderResidualUnit {
+    fn new(dim: usize, dilation: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            act1: SnakeBeta::new(dim, vb.pp("act1"))?,
+            conv1: CausalConvNet::new(dim, dim, 7, dilation, false, vb.pp("conv1"))?,
+            act2: SnakeBeta::new(dim, vb.pp("act2"))?,
+            conv2: CausalConvNet::new(dim, dim, 1, 1, false, vb.pp("conv2"))?,
+        })
+    }
+
+    fn step(&self, x: &Tensor, state: &mut Pending) -> Result<Tensor> {
+        let h = self.conv1.step(&self.act1.forward(x)?, state)?;
+        // Kernel 1: no left context.
+        let h = self.conv2.step(&self.act2.forward(&h)?, &mut None)?;
+        h + x
+    }
+}
+
+/// `Qwen3OmniMoeCode2WavDecoderBlock`: `block.0` SnakeBeta, `block.1` transposed
+/// conv (k=2s), `block.2..4` residual units with dilations 1, 3, 9.
+#[derive(Debug, Clone)]
+struct DecoderBlock {
+    act: SnakeBeta,
+    upsample: CausalTransConvNet,
+    units: Vec<DecoderResidualUnit>,
+}
+
+/// A decoder block's streaming state.
+#[derive(Debug, Clone, Default)]
+struct DecoderBlockState {
+    upsample: Pending,
+    units: [Pending; 3],
+}
+
+impl DecoderBlock {
+    fn new(cfg: &Code2WavConfig, idx: usize, vb: VarBuilder) -> Result<Self> {
+        let in_dim = cfg.decoder_dim >> idx;
+        let out_dim = cfg.decoder_dim >> (idx + 1);
+        let rate = cfg.upsample_rates[idx];
+        let vb = vb.pp("block");
+        let units = [1, 3, 9]
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| DecoderResidualUnit::new(out_dim, d, vb.pp(i + 2)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            act: SnakeBeta::new(in_dim, vb.pp(0))?,
+            upsample: CausalTransConvNet::new(in_dim, out_dim, 2 * rate, rate, vb.pp(1))?,
+            units,
+        })
+    }
+
+    fn step(&self, x: &Tensor, state: &mut DecoderBlockState) -> Result<Tensor> {
+        let mut h = self
+            .upsample
+            .step(&self.act.forward(x)?, &mut state.upsample)?;
+        for (unit, s) in self.units.iter().zip(state.units.iter_mut()) {
+            h = unit.step(&h, s)?;
+        }
+        Ok(h)
+    }
+}
+
+/// Streaming state of one batch of requests (create with [`Code2Wav::new_state`]).
+/// Requests that advance independently need their own states; one state can hold
+/// a batch whose requests always receive the same number of frames.
+#[derive(Debug, Clone)]
+pub struct Code2WavState {
+    frames: usize,
+    kv: Vec<KvCache>,
+    /// ConvNeXt depthwise conv per upsampling stage.
+    upsample: Vec<Pending>,
+    decoder_in: Pending,
+    blocks: Vec<DecoderBlockState>,
+    decoder_out: Pending,
+}
+
+impl Code2WavState {
+    /// Frames decoded so far.
+    pub fn frames(&self) -> usize {
+        self.frames
+    }
+}
+
+/// `Qwen3OmniMoeCode2Wav`.
+#[derive(Debug, Clone)]
+pub struct Code2Wav {
+    code_embedding: Tensor,
+    pre_transformer: TransformerModel,
+    upsample: Vec<(CausalTransConvNet, ConvNeXtBlock)>,
+    decoder_in: CausalConvNet,
+    blocks: Vec<DecoderBlock>,
+    decoder_act: SnakeBeta,
+    decoder_out: CausalConvNet,
+    num_quantizers: usize,
+    codebook_size: usize,
+    delay: usize,
+    samples_per_frame: usize,
+}
+
+impl Code2Wav {
+    /// `vb` is scoped to the checkpoint's `code2wav` prefix.
+    pub fn new(cfg: &Code2WavConfig, vb: VarBuilder) -> Result<Self> {
+        // With fewer than 2 samples per frame before the k=2s stages, a one-frame
+        // first step would leave nothing after the reference's left trim.
+        if cfg.upsampling_ratios.iter().product::<usize>() < 2 {
+            candle_core::bail!("code2wav: upsampling_ratios must upsample at least 2x")
+        }
+        if cfg.decoder_dim >> cfg.upsample_rates.len() == 0 {
+            candle_core::bail!("code2wav: decoder_dim too small for the decoder blocks")
+        }
+        let h = cfg.hidden_size;
+        let code_embedding = vb
+            .pp("code_embedding")
+            .get((cfg.codebook_size * cfg.num_quantizers, h), "weight")?;
+        let upsample = cfg
+            .upsampling_ratios
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| {
+                let vb = vb.pp("upsample").pp(i);
+                Ok((
+                    CausalTransConvNet::new(h, h, f, f, vb.pp(0))?,
+                    ConvNeXtBlock::new(h, vb.pp(1))?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let vbd = vb.pp("decoder");
+        let decoder_in = CausalConvNet::new(h, cfg.decoder_dim, 7, 1, false, vbd.pp(0))?;
+        let blocks = (0..cfg.upsample_rates.len())
+            .map(|i| DecoderBlock::new(cfg, i, vbd.pp(i + 1)))
+            .collect::<Result<Vec<_>>>()?;
+        let out_dim = cfg.decoder_dim >> cfg.upsample_rates.len();
+        let n = cfg.upsample_rates.len();
+        Ok(Self {
+            code_embedding,
+            pre_transformer: TransformerModel::new(cfg, vb.pp("pre_transformer"))?,
+            upsample,
+            decoder_in,
+            blocks,
+            decoder_act: SnakeBeta::new(out_dim, vbd.pp(n + 1))?,
+            decoder_out: CausalConvNet::new(out_dim, 1, 7, 1, false, vbd.pp(n + 2))?,
+            num_quantizers: cfg.num_quantizers,
+            codebook_size: cfg.codebook_size,
+            delay: cfg.delay_samples(),
+            samples_per_frame: cfg.samples_per_frame(),
+        })
+    }
+
+    /// Output samples per frame (1920).
+    pub fn samples_per_frame(&self) -> usize {
+        self.samples_per_frame
+    }
+
+    /// Leading zero samples of every stream: our lag behind the reference (555).
+    pub fn delay_samples(&self) -> usize {
+        self.delay
+    }
+
+    pub fn new_state(&self) -> Code2WavState {
+        Code2WavState {
+            frames: 0,
+            kv: vec![None; self.pre_transformer.layers.len()],
+            upsample: vec![None; self.upsample.len()],
+            decoder_in: None,
+            blocks: vec![DecoderBlockState::default(); self.blocks.len()],
+            decoder_out: None,
+        }
+    }
+
+    /// Whole-utterance decode: codes (batch, num_quantizers, frames), u32 or i64,
+    /// to (batch, 1, frames * 1920) samples in [-1, 1]; sample `555 + r` is the
+    /// reference's sample r, the first 555 are zero (see the module docs).
+    pub fn decode(&self, codes: &Tensor) -> Result<Tensor> {
+        self.step(&mut self.new_state(), codes)
+    }
+
+    /// Decodes the next chunk of a stream: codes (batch, num_quantizers, n) to
+    /// (batch, 1, n * 1920). The concatenated chunks equal [`Self::decode`] of the
+    /// concatenated codes.
+    pub fn step(&self, state: &mut Code2WavState, codes: &Tensor) -> Result<Tensor> {
+        self.step_unclamped(state, codes)?.clamp(-1f32, 1f32)
+    }
+
+    /// [`Self::step`] before the final clamp (tests compare the signal itself).
+    fn step_unclamped(&self, state: &mut Code2WavState, codes: &Tensor) -> Result<Tensor> {
+        let (b, nq, n) = codes.dims3()?;
+        if nq != self.num_quantizers {
+            candle_core::bail!(
+                "code2wav: expected {} quantizers, got {nq}",
+                self.num_quantizers
+            )
+        }
+        let dtype = self.code_embedding.dtype();
+        let device = self.code_embedding.device();
+        if n == 0 {
+            return Tensor::zeros((b, 1, 0), dtype, device);
+        }
+        let codes = codes.to_device(device)?.to_dtype(DType::U32)?;
+        // Negative i64 codes wrap to large u32 values and fail here too.
+        let max = codes.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+        if max as usize >= self.codebook_size {
+            candle_core::bail!("code2wav: code {max} outside the codebook")
+        }
+        let offsets: Vec<u32> = (0..nq as u32)
+            .map(|q| q * self.codebook_size as u32)
+            .collect();
+        let offsets = Tensor::from_vec(offsets, (1, nq, 1), device)?;
+        let ids = codes.broadcast_add(&offsets)?.flatten_all()?;
+        let h = self
+            .code_embedding
+            .index_select(&ids, 0)?
+            .reshape((b, nq, n, ()))?
+            .mean(1)?;
+
+        let h = self.pre_transformer.step(&h, state.frames, &mut state.kv)?;
+        let mut h = h.transpose(1, 2)?.contiguous()?;
+        for ((up, convnext), s) in self.upsample.iter().zip(state.upsample.iter_mut()) {
+            h = up.step(&h, &mut None)?;
+            h = convnext.step(&h, s)?;
+        }
+        let mut wav = self.decoder_in.step(&h, &mut state.decoder_in)?;
+        for (block, s) in self.blocks.iter().zip(state.blocks.iter_mut()) {
+            wav = block.step(&wav, s)?;
+        }
+        let wav = self.decoder_act.forward(&wav)?;
+        let mut wav = self.decoder_out.step(&wav, &mut state.decoder_out)?;
+        if state.frames == 0 {
+            let lead = Tensor::zeros((b, 1, self.delay), wav.dtype(), wav.device())?;
+            wav = Tensor::cat(&[&lead, &wav], 2)?;
+        }
+        state.frames += n;
+        Ok(wav)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The exactness checks run in f64 against the float64 reference (see
+    //! scripts/qwen3_omni/code2wav.py: the tiny random decoder amplifies float32
+    //! rounding to ~1e-3 at the waveform, in the reference as in ours);
+    //! `float32_accuracy` measures the float32 path against the same truth.
+    use super::*;
+    use crate::models::qwen3_omni::fixtures;
+    use candle_core::Device;
+
+    const SPF: usize = 1920;
+    const DELAY: usize = 555;
+
+    fn model(dtype: DType) -> (Code2Wav, Code2WavConfig) {
+        let cfg: Code2WavConfig =
+            serde_json::from_value(fixtures::config()["code2wav_config"].clone()).unwrap();
+        let path = fixtures::dir().join("model/model.safetensors");
+        // SAFETY: the fixture file is not modified while the test runs.
+        let vb =
+            unsafe { VarBuilder::from_mmaped_safetensors(&[path], dtype, &Device::Cpu) }.unwrap();
+        (Code2Wav::new(&cfg, vb.pp("code2wav")).unwrap(), cfg)
+    }
+
+    /// Deterministic pseudo-random codes (batch, quantizers, frames).
+    fn random_codes(batch: usize, nq: usize, frames: usize, codebook: usize, seed: u64) -> Tensor {
+        let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        let v: Vec<u32> = (0..batch * nq * frames)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 33) % codebook as u64) as u32
+            })
+            .collect();
+        Tensor::from_vec(v, (batch, nq, frames), &Device::Cpu).unwrap()
+    }
+
+    /// Streams `codes` in chunks (the first of `first` frames, then `chunk`),
+    /// checking each chunk's length; returns the unclamped concatenation.
+    fn stream(m: &Code2Wav, codes: &Tensor, first: usize, chunk: usize) -> Tensor {
+        let frames = codes.dim(2).unwrap();
+        let mut state = m.new_state();
+        let (mut start, mut parts) = (0, vec![]);
+        while start < frames {
+            let n = (if start == 0 { first } else { chunk }).min(frames - start);
+            let codes = codes.narrow(2, start, n).unwrap();
+            let wav = m.step_unclamped(&mut state, &codes).unwrap();
+            assert_eq!(wav.dim(2).unwrap(), n * SPF, "chunk at frame {start}");
+            parts.push(wav);
+            start += n;
+        }
+        assert_eq!(state.frames(), frames);
+        Tensor::cat(&parts, 2).unwrap()
+    }
+
+    fn full(m: &Code2Wav, codes: &Tensor) -> Tensor {
+        m.step_unclamped(&mut m.new_state(), codes).unwrap()
+    }
+
+    fn clamp(t: &Tensor) -> Tensor {
+        t.clamp(-1f32, 1f32).unwrap()
+    }
+
+    fn max_abs(t: &Tensor) -> f64 {
+        let t = t.to_dtype(DType::F64).unwrap().abs().unwrap();
+        t.flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    /// Largest absolute difference, computed in f64 (the f32-stored reference
+    /// then shows its storage rounding instead of a misleading exact 0).
+    fn diff(a: &Tensor, b: &Tensor) -> f64 {
+        assert_eq!(a.dims(), b.dims());
+        let a = a.to_dtype(DType::F64).unwrap();
+        max_abs(&(a - b.to_dtype(DType::F64).unwrap()).unwrap())
+    }
+
+    /// Our samples that line up with the reference's: [555, frames*1920).
+    fn aligned(ours: &Tensor, frames: usize) -> Tensor {
+        ours.narrow(2, DELAY, frames * SPF - DELAY).unwrap()
+    }
+
+    #[test]
+    fn config_names() {
+        let (m, cfg) = model(DType::F32);
+        assert_eq!((cfg.samples_per_frame(), cfg.delay_samples()), (SPF, DELAY));
+        assert_eq!((m.samples_per_frame(), m.delay_samples()), (SPF, DELAY));
+        // The released checkpoint's older spelling and the class defaults.
+        let old: Code2WavConfig = serde_json::from_str(r#"{"rope_theta": 1234.0}"#).unwrap();
+        assert_eq!(old.rope_theta(), 1234.0);
+        assert_eq!((old.head_dim(), old.sliding_window), (64, 72));
+        assert_eq!((old.samples_per_frame(), old.delay_samples()), (SPF, DELAY));
+    }
+
+    /// Full decode against `model.code2wav(codes)`: ours[555 + r] == reference[r],
+    /// ours[..555] == 0, exactly frames*1920 samples.
+    #[test]
+    fn decode_matches_reference() {
+        let (m, _) = model(DType::F64);
+        let io = fixtures::io("code2wav");
+        for frames in [1usize, 5, 20] {
+            let codes = &io[&format!("codes_{frames}")];
+            let want = &io[&format!("wav_{frames}")]; // before the clamp
+            let got = full(&m, codes);
+            assert_eq!(got.dims(), &[2, 1, frames * SPF]);
+            assert_eq!(max_abs(&got.narrow(2, 0, DELAY).unwrap()), 0.0);
+            let err = diff(&aligned(&got, frames), want);
+            // `decode` clamps like the reference's forward.
+            let decoded = m.decode(codes).unwrap();
+            let err_out = diff(&aligned(&decoded, frames), &clamp(want));
+            let inside = want.abs().unwrap().lt(1f32).unwrap();
+            let inside = inside.to_dtype(DType::F32).unwrap().sum_all().unwrap();
+            println!(
+                "frames {frames}: before clamp max err {err:.2e} (|signal| <= {:.1}), \
+                 output max err {err_out:.2e} ({} samples inside the clamp)",
+                max_abs(want),
+                inside.to_scalar::<f32>().unwrap()
+            );
+            assert!(err < 1e-4 && err_out < 1e-4, "{err} {err_out}");
+            // Speech-like levels (|signal| ~0.4), different across the batch.
+            assert!(max_abs(want) > 0.05);
+            let b0 = want.get(0).unwrap();
+            let rows = diff(&b0, &want.get(1).unwrap());
+            assert!(rows > 1e-2, "batch rows differ by {rows}");
+        }
+    }
+
+    /// The float32 path against the float64 truth, next to the float32 reference's error.
+    #[test]
+    fn float32_accuracy() {
+        let (m, _) = model(DType::F32);
+        let io = fixtures::io("code2wav");
+        let (truth, torch32) = (&io["wav_5"], &io["wav32_5"]);
+        let ours = aligned(&full(&m, &io["codes_5"]), 5);
+        let ours_err = diff(&ours, truth);
+        let torch_err = diff(torch32, truth);
+        let ours_out = diff(&clamp(&ours), &clamp(truth));
+        let torch_out = diff(&clamp(torch32), &clamp(truth));
+        let vs_torch = diff(&ours, torch32);
+        println!(
+            "float32 vs float64 truth, 5 frames: ours {ours_err:.2e} (output {ours_out:.2e}), \
+             reference {torch_err:.2e} (output {torch_out:.2e}); ours vs reference float32 {vs_torch:.2e}"
+        );
+        // Both float32 runs are within rounding of the truth and of each other.
+        assert!(ours_err < 1e-4 && vs_torch < 1e-4, "{ours_err} {vs_torch}");
+        assert!(
+            ours_err < 4.0 * torch_err.max(1e-6),
+            "{ours_err} vs {torch_err}"
+        );
+    }
+
+    /// Streaming in chunks equals the full decode, with n*1920 samples per chunk.
+    #[test]
+    fn stream_equals_decode() {
+        for dtype in [DType::F64, DType::F32] {
+            let (m, cfg) = model(dtype);
+            let frames = 64; // 8 sliding windows
+            let codes = random_codes(2, cfg.num_quantizers, frames, cfg.codebook_size, 1);
+            let whole = full(&m, &codes);
+            assert_eq!(whole.dims(), &[2, 1, frames * SPF]);
+            assert!(max_abs(&whole) > 0.05);
+            for first in [1, 2, 4] {
+                for chunk in [1, 7, 25] {
+                    let got = stream(&m, &codes, first, chunk);
+                    let err = diff(&got, &whole);
+                    let err_out = diff(&clamp(&got), &clamp(&whole));
+                    println!(
+                        "{dtype:?} first {first} chunk {chunk}: max err {err:.2e} (output {err_out:.2e})"
+                    );
+                    assert!(err < 1e-4 && err_out < 1e-4, "{err} {err_out}");
+                }
+            }
+        }
+    }
+
+    /// Separate states are independent, and a batch equals its requests alone.
+    #[test]
+    fn independent_requests() {
+        let (m, cfg) = model(DType::F64);
+        let frames = 30;
+        let a = random_codes(1, cfg.num_quantizers, frames, cfg.codebook_size, 2);
+        let b = random_codes(1, cfg.num_quantizers, frames, cfg.codebook_size, 3);
+        let (want_a, want_b) = (full(&m, &a), full(&m, &b));
+        assert!(diff(&want_a, &want_b) > 0.05);
+
+        // Two streams stepped alternately with different chunkings.
+        let (mut sa, mut sb) = (m.new_state(), m.new_state());
+        let (mut pa, mut pb) = (vec![], vec![]);
+        let (mut ia, mut ib) = (0, 0);
+        while ia < frames || ib < frames {
+            if ia < frames {
+                let n = 3.min(frames - ia);
+                pa.push(
+                    m.step_unclamped(&mut sa, &a.narrow(2, ia, n).unwrap())
+                        .unwrap(),
+                );
+                ia += n;
+            }
+            if ib < frames {
+                let n = 7.min(frames - ib);
+                pb.push(
+                    m.step_unclamped(&mut sb, &b.narrow(2, ib, n).unwrap())
+                        .unwrap(),
+                );
+                ib += n;
+            }
+        }
+        let ea = diff(&Tensor::cat(&pa, 2).unwrap(), &want_a);
+        let eb = diff(&Tensor::cat(&pb, 2).unwrap(), &want_b);
+
+        // One batched stream of both requests.
+        let both = Tensor::cat(&[&a, &b], 0).unwrap();
+        let batched = stream(&m, &both, 2, 5);
+        let want = Tensor::cat(&[&want_a, &want_b], 0).unwrap();
+        let eab = diff(&batched, &want);
+        println!("interleaved a {ea:.2e} b {eb:.2e}, batched {eab:.2e}");
+        assert!(ea < 1e-4 && eb < 1e-4 && eab < 1e-4);
+    }
+
+    /// The reference's `chunked_decode(codes, 5, 25)` on 20 frames drops the 555
+    /// samples (23 ms) before every chunk end: 4 x 555 below 20*1920, i.e. 3 x 555
+    /// = 1665 fewer than its own full decode, a hole at each of the 3 boundaries.
+    /// Our stream in the same chunks loses nothing.
+    #[test]
+    fn reference_chunked_decode_drops_samples() {
+        let (m, _) = model(DType::F64);
+        let io = fixtures::io("code2wav");
+        let (frames, chunk) = (20usize, 5usize);
+        let codes = io["codes_20"].narrow(0, 0, 1).unwrap();
+        let reference = clamp(&io["wav_20"].narrow(0, 0, 1).unwrap());
+        let chunked = &io["chunked_wav"];
+        let chunks = frames.div_ceil(chunk);
+        assert_eq!(reference.dim(2).unwrap(), frames * SPF - DELAY);
+        assert_eq!(chunked.dim(2).unwrap(), frames * SPF - chunks * DELAY);
+
+        // The 25-frame left context covers all 20 frames, so chunk k of the
+        // reference's chunked output is exactly its full decode's samples
+        // [k*5*1920, (k+1)*5*1920 - 555): the 555 before each chunk end are gone.
+        let (n, kept) = (chunk * SPF, chunk * SPF - DELAY);
+        for k in 0..chunks {
+            let piece = chunked.narrow(2, k * kept, kept).unwrap();
+            let same = reference.narrow(2, k * n, kept).unwrap();
+            assert!(diff(&piece, &same) < 1e-5);
+        }
+        // So from the first boundary on it no longer lines up with the full decode.
+        let after = chunked.narrow(2, kept, n).unwrap();
+        let jump = diff(&after, &reference.narrow(2, kept, n).unwrap());
+        assert!(jump > 0.05, "{jump}");
+
+        // Ours in the same chunks: 5*1920 samples each, equal to the reference's
+        // full decode (555 later) throughout.
+        let ours = clamp(&stream(&m, &codes, chunk, chunk));
+        assert_eq!(ours.dim(2).unwrap(), frames * SPF);
+        let err = diff(&aligned(&ours, frames), &reference);
+        println!(
+            "reference chunked_decode(5, 25) on 20 frames: {} samples vs {} from its full \
+             decode ({} lost, {DELAY} at each boundary); ours streamed in 5s: {} samples, \
+             max err vs the reference's full decode {err:.2e}",
+            chunked.dim(2).unwrap(),
+            reference.dim(2).unwrap(),
+            reference.dim(2).unwrap() - chunked.dim(2).unwrap(),
+            ours.dim(2).unwrap()
+        );
+        assert!(err < 1e-4);
+    }
+}

@@ -1,1 +1,303 @@
-//! (being written)
+//! Qwen3-Omni's code predictor (`Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration`,
+//! weights under `talker.code_predictor`): a small dense Qwen3 decoder that, for each
+//! Talker frame, turns `[talker last hidden, talker.codec_embedding(code0)]` into the
+//! residual codes 1..N-1, each from its own head `lm_head.{i}` and fed back through its
+//! own table `model.codec_embedding.{i}`.
+//!
+//! As the reference (`code_predictor.generate` inside the Talker's
+//! `prepare_inputs_for_generation`), every frame starts from an empty cache: a 2-position
+//! prefill, then one cached step per further code.
+//!
+//! Public API:
+//! - [`CodePredictorConfig`] (the `code_predictor_config` JSON: the decoder fields plus
+//!   `num_code_groups`).
+//! - [`CodePredictor::new(cfg, vb)`](CodePredictor::new) (`vb` = `talker.code_predictor`),
+//!   `generate(&past_hidden, &code0_embed, &mut samplers) -> PredictedCodes`,
+//!   `embed(group, &ids)`, `forward_hidden(&inputs_embeds)`, `num_code_groups()`.
+
+use super::layers::{
+    attention_mask, DecoderConfig, DecoderLayer, KvCache, RmsNorm, RotaryEmbedding,
+};
+use super::sampling::Sampler;
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::{Embedding, Linear, VarBuilder};
+use serde::Deserialize;
+
+/// `Qwen3OmniMoeTalkerCodePredictorConfig`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CodePredictorConfig {
+    #[serde(flatten)]
+    pub decoder: DecoderConfig,
+    /// Codes per frame (the Talker's code 0 included): 16 in the released model.
+    pub num_code_groups: usize,
+}
+
+/// `Qwen3OmniMoeTalkerCodePredictorModel`.
+#[derive(Debug, Clone)]
+struct CodePredictorModel {
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    rotary_emb: RotaryEmbedding,
+    /// `codec_embedding.{i}` embeds code `i + 1`.
+    codec_embedding: Vec<Embedding>,
+}
+
+impl CodePredictorModel {
+    fn new(cfg: &CodePredictorConfig, vb: VarBuilder) -> Result<Self> {
+        let d = &cfg.decoder;
+        let layers = (0..d.num_hidden_layers)
+            .map(|i| DecoderLayer::new(d, i, vb.pp("layers").pp(i)))
+            .collect::<Result<Vec<_>>>()?;
+        let codec_embedding = (0..cfg.num_code_groups.saturating_sub(1))
+            .map(|i| {
+                candle_nn::embedding(d.vocab_size, d.hidden_size, vb.pp("codec_embedding").pp(i))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            norm: RmsNorm::new(d.hidden_size, d.rms_norm_eps, vb.pp("norm"))?,
+            rotary_emb: RotaryEmbedding::new(d.head_dim(), d.rope_theta(), None, vb.device())?,
+            codec_embedding,
+        })
+    }
+
+    /// `(b, s, hidden)` after `past` cached positions -> final-normed hidden `(b, s, hidden)`.
+    fn forward(&self, x: &Tensor, caches: &mut [KvCache]) -> Result<Tensor> {
+        let (b, s, _) = x.dims3()?;
+        let past = caches.first().map_or(0, |c| c.seq_len());
+        let pos = Tensor::arange(past as u32, (past + s) as u32, x.device())?
+            .unsqueeze(0)?
+            .broadcast_as((b, s))?
+            .contiguous()?;
+        let (cos, sin) = self.rotary_emb.forward(&pos, x.dtype())?;
+        let mask = attention_mask(None, b, s, past + s, x.device())?;
+        let mut h = x.clone();
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            h = layer.forward(&h, &cos, &sin, mask.as_ref(), Some(cache))?;
+        }
+        self.norm.forward(&h)
+    }
+}
+
+/// One frame's residual codes for each row, and the raw logits they came from.
+#[derive(Debug, Clone)]
+pub struct PredictedCodes {
+    /// `codes[row]` = codes 1..N-1.
+    pub codes: Vec<Vec<u32>>,
+    /// Per code 1..N-1: raw logits `(b, codebook)` in f32.
+    pub logits: Vec<Tensor>,
+    /// `Σ_i codec_embedding.{i}(code i+1)`, `(b, 1, hidden)`: the code predictor's share of
+    /// the Talker's next input.
+    pub embed_sum: Tensor,
+}
+
+/// `Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration`.
+#[derive(Debug, Clone)]
+pub struct CodePredictor {
+    model: CodePredictorModel,
+    /// `lm_head.{i}` predicts code `i + 1`.
+    lm_head: Vec<Linear>,
+    cfg: CodePredictorConfig,
+}
+
+impl CodePredictor {
+    pub fn new(cfg: &CodePredictorConfig, vb: VarBuilder) -> Result<Self> {
+        if cfg.num_code_groups < 2 {
+            candle_core::bail!("num_code_groups {} must be >= 2", cfg.num_code_groups);
+        }
+        let d = &cfg.decoder;
+        let lm_head = (0..cfg.num_code_groups - 1)
+            .map(|i| candle_nn::linear_no_bias(d.hidden_size, d.vocab_size, vb.pp("lm_head").pp(i)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            model: CodePredictorModel::new(cfg, vb.pp("model"))?,
+            lm_head,
+            cfg: cfg.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &CodePredictorConfig {
+        &self.cfg
+    }
+
+    pub fn num_code_groups(&self) -> usize {
+        self.cfg.num_code_groups
+    }
+
+    /// Embeds code `group` (1..N-1) ids `(b, s)` with `codec_embedding.{group - 1}`.
+    pub fn embed(&self, group: usize, ids: &Tensor) -> Result<Tensor> {
+        match group
+            .checked_sub(1)
+            .and_then(|i| self.model.codec_embedding.get(i))
+        {
+            Some(e) => e.forward(ids),
+            None => candle_core::bail!("code group {group} has no code predictor embedding"),
+        }
+    }
+
+    /// The final-normed hidden states of a cache-less forward over `inputs_embeds`
+    /// `(b, s, hidden)` (what the reference's prefill computes).
+    pub fn forward_hidden(&self, inputs_embeds: &Tensor) -> Result<Tensor> {
+        let mut caches = vec![KvCache::new(); self.model.layers.len()];
+        self.model.forward(inputs_embeds, &mut caches)
+    }
+
+    /// Codes 1..N-1 of one frame for every row: `past_hidden` is the Talker's last
+    /// final-normed hidden state `(b, 1, hidden)` (or `(b, hidden)`), `code0_embed` the
+    /// Talker's `codec_embedding(code0)` of the same shape. `samplers[row]` chooses that
+    /// row's codes (greedy or sampled; see [`super::sampling::SamplingConfig::code_predictor`]).
+    pub fn generate(
+        &self,
+        past_hidden: &Tensor,
+        code0_embed: &Tensor,
+        samplers: &mut [Sampler],
+    ) -> Result<PredictedCodes> {
+        let as3 = |t: &Tensor| -> Result<Tensor> {
+            match t.rank() {
+                2 => t.unsqueeze(1),
+                _ => Ok(t.clone()),
+            }
+        };
+        let x = Tensor::cat(
+            &[
+                as3(past_hidden)?,
+                as3(code0_embed)?.to_dtype(past_hidden.dtype())?,
+            ],
+            1,
+        )?;
+        let b = x.dim(0)?;
+        if samplers.len() != b {
+            candle_core::bail!("{} samplers for a batch of {b}", samplers.len());
+        }
+        let n = self.cfg.num_code_groups - 1;
+        let mut caches = vec![KvCache::new(); self.model.layers.len()];
+        let mut codes = vec![Vec::with_capacity(n); b];
+        let mut all_logits = Vec::with_capacity(n);
+        let mut embed_sum: Option<Tensor> = None;
+        let mut input = x;
+        for (g, head) in self.lm_head.iter().enumerate() {
+            let h = self.model.forward(&input, &mut caches)?;
+            let last = h.narrow(1, h.dim(1)? - 1, 1)?.squeeze(1)?;
+            let logits = head.forward(&last)?.to_dtype(DType::F32)?;
+            let rows = logits.to_vec2::<f32>()?;
+            let mut ids = Vec::with_capacity(b);
+            for ((row, sampler), out) in rows.iter().zip(samplers.iter_mut()).zip(codes.iter_mut())
+            {
+                let id = sampler.sample(row)?;
+                out.push(id);
+                ids.push(id);
+            }
+            all_logits.push(logits);
+            // Code g+1 is embedded by table g, both as the next input and for the Talker.
+            let ids = Tensor::from_vec(ids, (b, 1), input.device())?;
+            let e = self.model.codec_embedding[g].forward(&ids)?;
+            embed_sum = Some(match embed_sum {
+                Some(s) => (s + &e)?,
+                None => e.clone(),
+            });
+            input = e.to_dtype(input.dtype())?;
+        }
+        let embed_sum = match embed_sum {
+            Some(s) => s,
+            None => candle_core::bail!("no residual code groups"),
+        };
+        Ok(PredictedCodes {
+            codes,
+            logits: all_logits,
+            embed_sum,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::qwen3_omni::fixtures;
+    use crate::models::qwen3_omni::sampling::SamplingConfig;
+
+    pub(crate) fn load() -> CodePredictor {
+        let cfg: CodePredictorConfig = serde_json::from_value(
+            fixtures::config()["talker_config"]["code_predictor_config"].clone(),
+        )
+        .unwrap();
+        CodePredictor::new(&cfg, fixtures::weights().pp("talker").pp("code_predictor")).unwrap()
+    }
+
+    #[test]
+    fn matches_reference_greedy() {
+        let cp = load();
+        let io = fixtures::io("code_predictor");
+        let x = &io["inputs_embeds"];
+        let b = x.dim(0).unwrap();
+
+        let hidden = cp.forward_hidden(x).unwrap();
+        let e_hidden = fixtures::max_abs_diff(&hidden, &io["prefill_hidden"]);
+        let logits0 = cp.lm_head[0].forward(&hidden).unwrap();
+        let e_prefill = fixtures::max_abs_diff(&logits0, &io["prefill_logits"]);
+
+        let code0_embed = x.narrow(1, 1, 1).unwrap();
+        let past_hidden = x.narrow(1, 0, 1).unwrap();
+        let mut samplers: Vec<Sampler> = (0..b)
+            .map(|_| Sampler::new(SamplingConfig::greedy()))
+            .collect();
+        let out = cp
+            .generate(&past_hidden, &code0_embed, &mut samplers)
+            .unwrap();
+        let want: Vec<Vec<u32>> = io["codes"].to_dtype(DType::U32).unwrap().to_vec2().unwrap();
+        assert_eq!(out.codes, want);
+        let logits = Tensor::stack(&out.logits, 1).unwrap();
+        let e_logits = fixtures::max_abs_diff(&logits, &io["logits"]);
+        // The Talker's embedding of code 0 plus ours.
+        let sum = (&code0_embed + &out.embed_sum).unwrap();
+        let e_sum = fixtures::max_abs_diff(&sum, &io["codec_sum"]);
+        println!("code predictor max abs: hidden {e_hidden:.2e} prefill logits {e_prefill:.2e} step logits {e_logits:.2e} embed sum {e_sum:.2e}");
+        let std = io["logits"]
+            .flatten_all()
+            .unwrap()
+            .var(0)
+            .unwrap()
+            .sqrt()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(std > 0.3, "reference logits are not trivial: std {std}");
+        for e in [e_hidden, e_prefill, e_logits, e_sum] {
+            assert!(e <= 1e-4, "{e}");
+        }
+
+        // Each row alone gives the same codes as in the batch.
+        for (r, want_row) in want.iter().enumerate() {
+            let mut s = vec![Sampler::new(SamplingConfig::greedy())];
+            let one = cp
+                .generate(
+                    &past_hidden.narrow(0, r, 1).unwrap(),
+                    &code0_embed.narrow(0, r, 1).unwrap(),
+                    &mut s,
+                )
+                .unwrap();
+            assert_eq!(&one.codes[0], want_row);
+        }
+    }
+
+    #[test]
+    fn sampled_codes_are_seeded_and_in_range() {
+        let cp = load();
+        let io = fixtures::io("code_predictor");
+        let x = &io["inputs_embeds"];
+        let run = |seed: u64| {
+            let mut s: Vec<Sampler> = (0..x.dim(0).unwrap())
+                .map(|r| Sampler::new(SamplingConfig::code_predictor().with_seed(seed + r as u64)))
+                .collect();
+            cp.generate(
+                &x.narrow(1, 0, 1).unwrap(),
+                &x.narrow(1, 1, 1).unwrap(),
+                &mut s,
+            )
+            .unwrap()
+            .codes
+        };
+        let a = run(1);
+        assert_eq!(a, run(1));
+        assert!(a.iter().flatten().all(|&c| c < 64));
+    }
+}

@@ -1,1 +1,757 @@
-//! (being written)
+//! Decoder building blocks shared by Qwen3-Omni's three Qwen3 decoders (Thinker text
+//! model, Talker, code predictor), mirroring `modeling_qwen3_omni_moe.py` (transformers
+//! 5.24) so checkpoint names map one to one.
+//!
+//! Public API (stable; only additions from here on):
+//! - [`DecoderConfig`] (serde, HF names; `rope_parameters` or the released checkpoint's
+//!   `rope_scaling` + `rope_theta`; `num_experts` or `num_local_experts`) and
+//!   [`RopeParameters`]. `head_dim()`, `rope_theta()`, `mrope_section()`,
+//!   `is_sparse_layer(idx)`.
+//! - [`RmsNorm::new(size, eps, vb)`](RmsNorm::new), `forward(&x)` (f32 inside).
+//! - [`linear(in, out, bias, vb)`](linear): a `candle_nn::Linear` with or without bias.
+//! - [`RotaryEmbedding::new(head_dim, theta, mrope_section, device)`](RotaryEmbedding::new),
+//!   [`RotaryEmbedding::from_config`], `forward(&position_ids, dtype) -> (cos, sin)`:
+//!   position ids `(b, s)` (plain) or `(3, b, s)` (interleaved MRoPE), any numeric dtype;
+//!   cos/sin come back in *half* form `(b, s, head_dim / 2)`.
+//! - [`apply_rotary_pos_emb(&q, &k, &cos, &sin)`](apply_rotary_pos_emb): q, k `(b, heads, s, d)`.
+//! - [`KvCache`]: `new()`, `append(&k, &v) -> (k_all, v_all)`, `seq_len()`, `reset()`;
+//!   a clone is an independent snapshot.
+//! - [`attention_mask(padding, batch, q_len, kv_len, device)`](attention_mask): the additive
+//!   causal (+ left-padding) mask `(b, 1, q, kv)`, 0 = visible, [`MASK_MIN`] = hidden;
+//!   `None` where nothing needs masking (one query, no padding).
+//! - [`Attention::new(cfg, vb)`](Attention::new), `forward(&x, &cos, &sin, mask, cache)`:
+//!   GQA, q_norm/k_norm, optional bias, KV cache append.
+//! - [`Mlp::new(hidden, intermediate, act, vb)`](Mlp::new): SwiGLU gate/up/down.
+//! - [`SparseMoe::new(cfg, vb)`](SparseMoe::new): router `gate`, `experts.{e}.*`, and a
+//!   sigmoid-gated `shared_expert` when `cfg.shared_expert_intermediate_size` is set.
+//! - [`FeedForward`] (`Dense(Mlp)` / `Moe(SparseMoe)`), [`DecoderLayer::new(cfg, idx, vb)`]
+//!   (dense or MoE per `mlp_only_layers` / `decoder_sparse_step`),
+//!   [`DecoderLayer::with_feed_forward`] (e.g. the Talker, MoE in every layer),
+//!   `forward(&x, &cos, &sin, mask, cache)`.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{Activation, Linear, VarBuilder};
+use serde::Deserialize;
+
+/// The additive value of a hidden position in an attention mask. Finite (not -inf), so a
+/// query row with every key hidden (a left-padding row) softmaxes without NaN; such rows
+/// are then zeroed, as torch's SDPA returns zeros for them.
+pub const MASK_MIN: f32 = f32::MIN;
+
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_one() -> usize {
+    1
+}
+fn default_act() -> Activation {
+    Activation::Silu
+}
+fn default_max_pos() -> usize {
+    32768
+}
+
+/// `rope_parameters` (transformers 5) or `rope_scaling` (the released checkpoint).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct RopeParameters {
+    #[serde(default)]
+    pub rope_type: Option<String>,
+    /// The older name of `rope_type` (the released checkpoint writes both).
+    #[serde(default, rename = "type")]
+    pub legacy_type: Option<String>,
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub mrope_section: Option<Vec<usize>>,
+    #[serde(default)]
+    pub interleaved: Option<bool>,
+    #[serde(default)]
+    pub mrope_interleaved: Option<bool>,
+}
+
+/// A Qwen3(-MoE) decoder's config: the Thinker's and Talker's `text_config` and the
+/// code predictor's config share these Hugging Face field names.
+#[derive(Debug, Clone, Deserialize)]
+pub struct DecoderConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    #[serde(default = "default_act")]
+    pub hidden_act: Activation,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default, alias = "rope_scaling")]
+    pub rope_parameters: Option<RopeParameters>,
+    /// The released checkpoint's top-level theta (transformers 5 moved it into `rope_parameters`).
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default, alias = "num_local_experts")]
+    pub num_experts: usize,
+    #[serde(default)]
+    pub num_experts_per_tok: usize,
+    #[serde(default)]
+    pub moe_intermediate_size: usize,
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    #[serde(default = "default_one")]
+    pub decoder_sparse_step: usize,
+    #[serde(default)]
+    pub mlp_only_layers: Option<Vec<usize>>,
+    #[serde(default)]
+    pub shared_expert_intermediate_size: Option<usize>,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+}
+
+impl DecoderConfig {
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    /// `rope_parameters.rope_theta`, else the top-level `rope_theta`, else 1e6 (the Qwen3-Omni
+    /// text configs' `default_theta`).
+    pub fn rope_theta(&self) -> f64 {
+        self.rope_parameters
+            .as_ref()
+            .and_then(|r| r.rope_theta)
+            .or(self.rope_theta)
+            .unwrap_or(1e6)
+    }
+
+    pub fn mrope_section(&self) -> Option<Vec<usize>> {
+        self.rope_parameters
+            .as_ref()
+            .and_then(|r| r.mrope_section.clone())
+    }
+
+    fn rope_type(&self) -> &str {
+        self.rope_parameters
+            .as_ref()
+            .and_then(|r| r.rope_type.as_deref().or(r.legacy_type.as_deref()))
+            .unwrap_or("default")
+    }
+
+    /// Whether layer `idx` has the sparse MoE block (the reference's rule).
+    pub fn is_sparse_layer(&self, idx: usize) -> bool {
+        let mlp_only = self
+            .mlp_only_layers
+            .as_ref()
+            .is_some_and(|l| l.contains(&idx));
+        !mlp_only
+            && self.num_experts > 0
+            && self.decoder_sparse_step > 0
+            && (idx + 1).is_multiple_of(self.decoder_sparse_step)
+    }
+}
+
+/// A `candle_nn::Linear`, with a bias only where the checkpoint has one.
+pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
+    candle_nn::linear_b(in_dim, out_dim, bias, vb)
+}
+
+/// Qwen3 RMSNorm: normalised in f32, scaled by `weight`.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn new(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        let weight = vb.get(size, "weight")?.to_dtype(DType::F32)?;
+        Ok(Self {
+            weight,
+            eps: eps as f32,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let x = x.to_dtype(DType::F32)?.contiguous()?;
+        candle_nn::ops::rms_norm(&x, &self.weight, self.eps)?.to_dtype(dtype)
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        RmsNorm::forward(self, x)
+    }
+}
+
+/// Rotary embedding: plain 1-D (`Qwen3OmniMoeRotaryEmbedding`) or interleaved MRoPE
+/// (`Qwen3OmniMoeThinkerTextRotaryEmbedding`, also the Talker's).
+#[derive(Debug, Clone)]
+pub struct RotaryEmbedding {
+    /// `(head_dim / 2,)` f32.
+    inv_freq: Tensor,
+    /// For each frequency index, which of the (t, h, w) position rows drives it.
+    mrope_rows: Option<Vec<usize>>,
+}
+
+impl RotaryEmbedding {
+    /// `mrope_section` e.g. `[24, 20, 20]` (sums to `head_dim / 2`) for MRoPE, `None` for plain.
+    pub fn new(
+        head_dim: usize,
+        theta: f64,
+        mrope_section: Option<&[usize]>,
+        device: &Device,
+    ) -> Result<Self> {
+        let half = head_dim / 2;
+        // As the reference: 1 / theta^(arange(0, dim, 2) / dim), in f32.
+        let inv: Vec<f32> = (0..half)
+            .map(|i| 1.0f32 / (theta as f32).powf((2 * i) as f32 / head_dim as f32))
+            .collect();
+        let inv_freq = Tensor::from_vec(inv, half, device)?;
+        let mrope_rows = match mrope_section {
+            None => None,
+            Some(sec) => {
+                if sec.len() != 3 || sec.iter().sum::<usize>() != half {
+                    candle_core::bail!(
+                        "mrope_section {sec:?} must have 3 entries summing to head_dim/2 = {half}"
+                    );
+                }
+                // recomposition_frequencies: start from T everywhere, then H takes
+                // indices 1, 4, .. < 3*sec[1] and W takes 2, 5, .. < 3*sec[2].
+                let mut rows = vec![0usize; half];
+                for (row, &s) in sec.iter().enumerate().skip(1) {
+                    let mut i = row;
+                    while i < (s * 3).min(half) {
+                        rows[i] = row;
+                        i += 3;
+                    }
+                }
+                Some(rows)
+            }
+        };
+        Ok(Self {
+            inv_freq,
+            mrope_rows,
+        })
+    }
+
+    /// From a decoder config (MRoPE when it has an `mrope_section`).
+    pub fn from_config(cfg: &DecoderConfig, device: &Device) -> Result<Self> {
+        if cfg.rope_type() != "default" {
+            candle_core::bail!("unsupported rope_type {:?}", cfg.rope_type());
+        }
+        let sec = cfg.mrope_section();
+        Self::new(cfg.head_dim(), cfg.rope_theta(), sec.as_deref(), device)
+    }
+
+    /// cos/sin in half form `(b, s, head_dim / 2)` for position ids `(b, s)` or `(3, b, s)`.
+    pub fn forward(&self, position_ids: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+        let pos = position_ids.to_dtype(DType::F32)?;
+        let freqs = match pos.rank() {
+            // (b, s, 1) * (half,)
+            2 => pos.unsqueeze(D::Minus1)?.broadcast_mul(&self.inv_freq)?,
+            3 => {
+                let (three, b, s) = pos.dims3()?;
+                if three != 3 {
+                    candle_core::bail!("3-D position ids must be (3, b, s), got {:?}", pos.dims());
+                }
+                let all = pos.unsqueeze(D::Minus1)?.broadcast_mul(&self.inv_freq)?; // (3,b,s,half)
+                match &self.mrope_rows {
+                    // Without sections every row is the same text position (the reference
+                    // expands 2-D ids to 3 identical rows).
+                    None => all.get(0)?,
+                    Some(rows) => {
+                        let half = rows.len();
+                        // Pick, per frequency index, the row that drives it.
+                        let sel: Vec<Tensor> = (0..3)
+                            .map(|r| {
+                                let m: Vec<f32> = rows
+                                    .iter()
+                                    .map(|&x| if x == r { 1.0 } else { 0.0 })
+                                    .collect();
+                                Tensor::from_vec(m, half, pos.device())
+                            })
+                            .collect::<Result<_>>()?;
+                        let mut out = all.get(0)?.broadcast_mul(&sel[0])?;
+                        for (r, m) in sel.iter().enumerate().skip(1) {
+                            out = (out + all.get(r)?.broadcast_mul(m)?)?;
+                        }
+                        out.reshape((b, s, half))?
+                    }
+                }
+            }
+            r => candle_core::bail!("position ids must be (b, s) or (3, b, s), got rank {r}"),
+        };
+        let cos = freqs.cos()?.to_dtype(dtype)?.contiguous()?;
+        let sin = freqs.sin()?.to_dtype(dtype)?.contiguous()?;
+        Ok((cos, sin))
+    }
+}
+
+/// The reference's `apply_rotary_pos_emb` (rotate_half form): q, k `(b, heads, s, d)`,
+/// cos/sin `(b, s, d / 2)` from [`RotaryEmbedding::forward`].
+pub fn apply_rotary_pos_emb(
+    q: &Tensor,
+    k: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    // One row of positions serves every batch entry.
+    let (cos, sin) = if cos.rank() == 3 && cos.dim(0)? == 1 && q.dim(0)? != 1 {
+        (cos.squeeze(0)?, sin.squeeze(0)?)
+    } else {
+        (cos.clone(), sin.clone())
+    };
+    let q = candle_nn::rotary_emb::rope(&q.contiguous()?, &cos, &sin)?;
+    let k = candle_nn::rotary_emb::rope(&k.contiguous()?, &cos, &sin)?;
+    Ok((q, k))
+}
+
+/// One layer's key/value cache, `(b, kv_heads, seq, head_dim)`, appended on every call.
+/// Appends concatenate into new tensors (never write in place), so a clone is an
+/// independent snapshot that can be extended separately.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+}
+
+impl KvCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends `(b, kv_heads, s, d)` keys/values; returns all cached ones (contiguous).
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (k, v) = match (&self.k, &self.v) {
+            (Some(pk), Some(pv)) => (Tensor::cat(&[pk, k], 2)?, Tensor::cat(&[pv, v], 2)?),
+            _ => (k.contiguous()?, v.contiguous()?),
+        };
+        self.k = Some(k.clone());
+        self.v = Some(v.clone());
+        Ok((k, v))
+    }
+
+    /// Cached positions.
+    pub fn seq_len(&self) -> usize {
+        self.k.as_ref().and_then(|k| k.dim(2).ok()).unwrap_or(0)
+    }
+
+    pub fn reset(&mut self) {
+        self.k = None;
+        self.v = None;
+    }
+}
+
+/// The additive attention mask `(b, 1, q_len, kv_len)` (f32, 0 visible, [`MASK_MIN`] hidden)
+/// for `q_len` new queries after `kv_len - q_len` cached positions: causal, plus the
+/// 2-D `padding` mask `(b, kv_len)` (1 = token, 0 = padding; any dtype) when given.
+/// `None` when nothing is hidden (a single query without padding).
+pub fn attention_mask(
+    padding: Option<&Tensor>,
+    batch: usize,
+    q_len: usize,
+    kv_len: usize,
+    device: &Device,
+) -> Result<Option<Tensor>> {
+    if q_len > kv_len {
+        candle_core::bail!("attention_mask: q_len {q_len} > kv_len {kv_len}");
+    }
+    let pad: Option<Vec<Vec<f32>>> = match padding {
+        Some(p) => {
+            let (pb, pl) = p.dims2()?;
+            if pb != batch || pl != kv_len {
+                candle_core::bail!(
+                    "padding mask {:?} does not match batch {batch} x kv_len {kv_len}",
+                    p.dims()
+                );
+            }
+            let v = p.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            if v.iter().all(|r| r.iter().all(|&x| x != 0.0)) {
+                None
+            } else {
+                Some(v)
+            }
+        }
+        None => None,
+    };
+    if q_len == 1 && pad.is_none() {
+        return Ok(None);
+    }
+    let past = kv_len - q_len;
+    let mut data = Vec::with_capacity(batch * q_len * kv_len);
+    for bi in 0..batch {
+        for qi in 0..q_len {
+            for kj in 0..kv_len {
+                let visible = kj <= past + qi && pad.as_ref().is_none_or(|p| p[bi][kj] != 0.0);
+                data.push(if visible { 0.0 } else { MASK_MIN });
+            }
+        }
+    }
+    Tensor::from_vec(data, (batch, 1, q_len, kv_len), device).map(Some)
+}
+
+fn repeat_kv(x: Tensor, n_rep: usize) -> Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(x);
+    }
+    let (b, h, s, d) = x.dims4()?;
+    x.unsqueeze(2)?
+        .expand((b, h, n_rep, s, d))?
+        .reshape((b, h * n_rep, s, d))
+}
+
+/// Qwen3 attention (`Qwen3OmniMoeThinkerTextAttention`, same for the Talker and the
+/// code predictor): GQA with per-head q/k RMSNorm before the rotary embedding.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    scaling: f64,
+}
+
+impl Attention {
+    pub fn new(cfg: &DecoderConfig, vb: VarBuilder) -> Result<Self> {
+        let hd = cfg.head_dim();
+        let (h, kvh, hs) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.hidden_size,
+        );
+        let bias = cfg.attention_bias;
+        Ok(Self {
+            q_proj: linear(hs, h * hd, bias, vb.pp("q_proj"))?,
+            k_proj: linear(hs, kvh * hd, bias, vb.pp("k_proj"))?,
+            v_proj: linear(hs, kvh * hd, bias, vb.pp("v_proj"))?,
+            o_proj: linear(h * hd, hs, bias, vb.pp("o_proj"))?,
+            q_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("q_norm"))?,
+            k_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("k_norm"))?,
+            num_heads: h,
+            num_kv_heads: kvh,
+            head_dim: hd,
+            scaling: (hd as f64).powf(-0.5),
+        })
+    }
+
+    /// `x` `(b, s, hidden)`; cos/sin `(b, s, head_dim / 2)`; `mask` from [`attention_mask`]
+    /// over the cached + new positions (`None` = full visibility, e.g. one decode step);
+    /// with a cache the new keys/values are appended and attention runs over all of them.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let (b, s, _) = x.dims3()?;
+        let hd = self.head_dim;
+        let q = self
+            .q_proj
+            .forward(x)?
+            .reshape((b, s, self.num_heads, hd))?;
+        let k = self
+            .k_proj
+            .forward(x)?
+            .reshape((b, s, self.num_kv_heads, hd))?;
+        let v = self
+            .v_proj
+            .forward(x)?
+            .reshape((b, s, self.num_kv_heads, hd))?;
+        let q = self.q_norm.forward(&q)?.transpose(1, 2)?;
+        let k = self.k_norm.forward(&k)?.transpose(1, 2)?;
+        let v = v.transpose(1, 2)?.contiguous()?;
+        let (q, k) = apply_rotary_pos_emb(&q, &k, cos, sin)?;
+        let (k, v) = match cache {
+            Some(c) => c.append(&k, &v)?,
+            None => (k, v),
+        };
+        let n_rep = self.num_heads / self.num_kv_heads;
+        let k = repeat_kv(k, n_rep)?.contiguous()?;
+        let v = repeat_kv(v, n_rep)?.contiguous()?;
+        let dtype = q.dtype();
+        let scores = (q.matmul(&k.t()?)? * self.scaling)?.to_dtype(DType::F32)?;
+        let probs = match mask {
+            Some(m) => {
+                let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(m)?)?;
+                // Rows with every key hidden come out as zeros, as torch's SDPA gives.
+                let keep = m
+                    .max_keepdim(D::Minus1)?
+                    .ge((MASK_MIN / 2.0) as f64)?
+                    .to_dtype(DType::F32)?;
+                probs.broadcast_mul(&keep)?
+            }
+            None => candle_nn::ops::softmax_last_dim(&scores)?,
+        };
+        let out = probs.to_dtype(dtype)?.matmul(&v)?;
+        let out = out.transpose(1, 2)?.reshape((b, s, self.num_heads * hd))?;
+        self.o_proj.forward(&out)
+    }
+}
+
+/// SwiGLU MLP: `down(act(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    act: Activation,
+}
+
+impl Mlp {
+    pub fn new(
+        hidden: usize,
+        intermediate: usize,
+        act: Activation,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_proj: linear(hidden, intermediate, false, vb.pp("gate_proj"))?,
+            up_proj: linear(hidden, intermediate, false, vb.pp("up_proj"))?,
+            down_proj: linear(intermediate, hidden, false, vb.pp("down_proj"))?,
+            act,
+        })
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = self.gate_proj.forward(x)?.apply(&self.act)?;
+        let u = self.up_proj.forward(x)?;
+        self.down_proj.forward(&(g * u)?)
+    }
+}
+
+/// Sparse MoE block (`...ThinkerTextSparseMoeBlock`, or `...TalkerTextSparseMoeBlock` with a
+/// shared expert): softmax router in f32, top-k, optional renormalisation; each expert
+/// runs only on the tokens routed to it.
+#[derive(Debug, Clone)]
+pub struct SparseMoe {
+    gate: Linear,
+    experts: Vec<Mlp>,
+    shared_expert: Option<(Mlp, Linear)>,
+    top_k: usize,
+    norm_topk_prob: bool,
+}
+
+impl SparseMoe {
+    pub fn new(cfg: &DecoderConfig, vb: VarBuilder) -> Result<Self> {
+        let hs = cfg.hidden_size;
+        if cfg.num_experts_per_tok == 0 || cfg.num_experts_per_tok > cfg.num_experts {
+            candle_core::bail!(
+                "num_experts_per_tok {} must be in 1..={}",
+                cfg.num_experts_per_tok,
+                cfg.num_experts
+            );
+        }
+        let gate = linear(hs, cfg.num_experts, false, vb.pp("gate"))?;
+        let vbe = vb.pp("experts");
+        let experts = (0..cfg.num_experts)
+            .map(|e| Mlp::new(hs, cfg.moe_intermediate_size, cfg.hidden_act, vbe.pp(e)))
+            .collect::<Result<Vec<_>>>()?;
+        let shared_expert = match cfg.shared_expert_intermediate_size {
+            Some(n) => Some((
+                Mlp::new(hs, n, cfg.hidden_act, vb.pp("shared_expert"))?,
+                linear(hs, 1, false, vb.pp("shared_expert_gate"))?,
+            )),
+            None => None,
+        };
+        Ok(Self {
+            gate,
+            experts,
+            shared_expert,
+            top_k: cfg.num_experts_per_tok,
+            norm_topk_prob: cfg.norm_topk_prob,
+        })
+    }
+}
+
+impl Module for SparseMoe {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let hidden = *dims.last().unwrap_or(&0);
+        let xs = x.reshape(((), hidden))?;
+        let n = xs.dim(0)?;
+        let logits = self.gate.forward(&xs)?;
+        let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+        let idx = probs
+            .arg_sort_last_dim(false)?
+            .narrow(1, 0, self.top_k)?
+            .contiguous()?;
+        let top = probs.gather(&idx, 1)?;
+        let idx = idx.to_vec2::<u32>()?;
+        let top = top.to_vec2::<f32>()?;
+        // Per expert: its tokens and their routing weights.
+        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
+        let mut weights: Vec<Vec<f32>> = vec![Vec::new(); self.experts.len()];
+        for t in 0..n {
+            let sum: f32 = top[t].iter().sum();
+            for (j, &e) in idx[t].iter().enumerate() {
+                let w = if self.norm_topk_prob {
+                    top[t][j] / sum
+                } else {
+                    top[t][j]
+                };
+                tokens[e as usize].push(t as u32);
+                weights[e as usize].push(w);
+            }
+        }
+        let mut rows = Vec::new();
+        let mut outs = Vec::new();
+        for (e, expert) in self.experts.iter().enumerate() {
+            if tokens[e].is_empty() {
+                continue;
+            }
+            let m = tokens[e].len();
+            let ids = Tensor::from_vec(tokens[e].clone(), m, xs.device())?;
+            let w =
+                Tensor::from_vec(weights[e].clone(), (m, 1), xs.device())?.to_dtype(xs.dtype())?;
+            let h = expert.forward(&xs.index_select(&ids, 0)?)?;
+            outs.push(h.broadcast_mul(&w)?);
+            rows.push(ids);
+        }
+        // One index_add in expert order: each token sums its experts in ascending index
+        // order, as the reference's loop does.
+        let mut out = xs.zeros_like()?;
+        if !outs.is_empty() {
+            let rows = Tensor::cat(&rows, 0)?;
+            let outs = Tensor::cat(&outs, 0)?;
+            out = out.index_add(&rows, &outs, 0)?;
+        }
+        if let Some((mlp, gate)) = &self.shared_expert {
+            let shared = mlp.forward(&xs)?;
+            let g = candle_nn::ops::sigmoid(&gate.forward(&xs)?)?;
+            out = (out + shared.broadcast_mul(&g)?)?;
+        }
+        out.reshape(dims)
+    }
+}
+
+/// A decoder layer's feed-forward part.
+#[derive(Debug, Clone)]
+pub enum FeedForward {
+    Dense(Mlp),
+    Moe(SparseMoe),
+}
+
+impl Module for FeedForward {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(m) => m.forward(x),
+            Self::Moe(m) => m.forward(x),
+        }
+    }
+}
+
+/// Pre-norm decoder layer: `x + attn(norm(x))`, then `h + mlp(norm(h))`.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    self_attn: Attention,
+    mlp: FeedForward,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+}
+
+impl DecoderLayer {
+    /// Dense or MoE by the reference's rule (`mlp_only_layers`, `decoder_sparse_step`).
+    pub fn new(cfg: &DecoderConfig, layer_idx: usize, vb: VarBuilder) -> Result<Self> {
+        let mlp = if cfg.is_sparse_layer(layer_idx) {
+            FeedForward::Moe(SparseMoe::new(cfg, vb.pp("mlp"))?)
+        } else {
+            FeedForward::Dense(Mlp::new(
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                cfg.hidden_act,
+                vb.pp("mlp"),
+            )?)
+        };
+        Self::with_feed_forward(cfg, mlp, vb)
+    }
+
+    /// With a given feed-forward part (loaded from `vb.pp("mlp")` by the caller).
+    pub fn with_feed_forward(
+        cfg: &DecoderConfig,
+        mlp: FeedForward,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Ok(Self {
+            self_attn: Attention::new(cfg, vb.pp("self_attn"))?,
+            mlp,
+            input_layernorm: RmsNorm::new(
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                vb.pp("input_layernorm"),
+            )?,
+            post_attention_layernorm: RmsNorm::new(
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                vb.pp("post_attention_layernorm"),
+            )?,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let h = self
+            .self_attn
+            .forward(&self.input_layernorm.forward(x)?, cos, sin, mask, cache)?;
+        let x = (x + h)?;
+        let h = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&x)?)?;
+        x + h
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::qwen3_omni::fixtures;
+
+    /// Interleaved MRoPE with distinct t/h/w rows against the reference's
+    /// `Qwen3OmniMoeThinkerTextRotaryEmbedding` (full-width cos/sin = [half, half]).
+    #[test]
+    fn mrope_matches_reference() {
+        let io = fixtures::io("thinker");
+        let cfg: DecoderConfig =
+            serde_json::from_value(fixtures::config()["thinker_config"]["text_config"].clone())
+                .unwrap();
+        let rope = RotaryEmbedding::from_config(&cfg, &Device::Cpu).unwrap();
+        let (cos, sin) = rope.forward(&io["rope.position_ids"], DType::F32).unwrap();
+        for (name, got) in [("cos", cos), ("sin", sin)] {
+            let want = &io[&format!("rope.{name}")];
+            let half = got.dim(D::Minus1).unwrap();
+            let full = Tensor::cat(&[&got, &got], D::Minus1).unwrap();
+            let d = fixtures::max_abs_diff(&full, want);
+            println!("mrope {name}: max abs err {d:.3e} (half {half})");
+            assert!(d <= 1e-4, "{name}: {d}");
+        }
+        // Plain 1-D positions equal MRoPE with three equal rows.
+        let p = Tensor::new(&[[3u32, 7, 11]], &Device::Cpu).unwrap();
+        let (c1, _) = rope.forward(&p, DType::F32).unwrap();
+        let (c3, _) = rope
+            .forward(
+                &p.unsqueeze(0).unwrap().repeat((3, 1, 1)).unwrap(),
+                DType::F32,
+            )
+            .unwrap();
+        assert_eq!(fixtures::max_abs_diff(&c1, &c3), 0.0);
+    }
+}

@@ -9,6 +9,7 @@ pub mod audio_encoder;
 pub mod code2wav;
 pub mod code_predictor;
 pub mod layers;
+pub mod omni;
 pub mod sampling;
 pub mod talker;
 pub mod thinker;

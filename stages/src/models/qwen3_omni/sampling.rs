@@ -1,1 +1,409 @@
-//! (being written)
+//! Token sampling with Hugging Face `generate` semantics (transformers 5.24), one
+//! [`Sampler`] per request so a batch's rows keep their own history and RNG.
+//!
+//! Order, as `GenerationMixin._get_logits_processor` builds it: repetition penalty,
+//! suppressed tokens, then (only when sampling) temperature, top-k, top-p; then argmax
+//! (greedy) or a draw from the softmax (sampling).
+//!
+//! Public API:
+//! - [`SamplingConfig`] (`greedy()`, `talker(vocab, eos)`, `code_predictor()`),
+//!   [`Sampler::new(cfg)`](Sampler::new), `process(&mut logits)`, `sample(&logits) -> u32`,
+//!   `sample_tensor(&logits) -> u32`, `push(id)`, `history()`, `reset()`.
+//! - The single transforms: [`repetition_penalty`], [`suppress`], [`temperature`],
+//!   [`top_k`], [`top_p`], and [`argmax`].
+
+use candle_core::{DType, Result, Tensor};
+use rand::distributions::{Distribution, WeightedIndex};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+/// How one request's tokens are chosen.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingConfig {
+    /// Draw from the distribution; `false` is greedy (temperature/top-k/top-p unused).
+    pub do_sample: bool,
+    /// 1.0 = unchanged.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: usize,
+    /// 1.0 = off.
+    pub top_p: f32,
+    /// 1.0 = off; applies to every id already produced (greedy too, as in HF).
+    pub repetition_penalty: f32,
+    /// Ids that can never be chosen.
+    pub suppress_tokens: Vec<u32>,
+    /// The RNG seed (sampling only).
+    pub seed: u64,
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        Self::greedy()
+    }
+}
+
+impl SamplingConfig {
+    /// Plain argmax.
+    pub fn greedy() -> Self {
+        Self {
+            do_sample: false,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            repetition_penalty: 1.0,
+            suppress_tokens: Vec::new(),
+            seed: 0,
+        }
+    }
+
+    /// The top-level `generate`'s Talker defaults for code 0: temperature 0.9, top_k 50,
+    /// top_p 1.0, repetition penalty 1.05, and every id in `[vocab - 1024, vocab)` but the
+    /// codec EOS suppressed (the codec's control ids and speakers live there).
+    pub fn talker(vocab_size: usize, codec_eos: u32) -> Self {
+        let suppress_tokens = (vocab_size.saturating_sub(1024)..vocab_size)
+            .map(|i| i as u32)
+            .filter(|&i| i != codec_eos)
+            .collect();
+        Self {
+            do_sample: true,
+            temperature: 0.9,
+            top_k: 50,
+            top_p: 1.0,
+            repetition_penalty: 1.05,
+            suppress_tokens,
+            seed: 0,
+        }
+    }
+
+    /// The code predictor's defaults when the Talker samples: top_k 50, top_p 0.8.
+    pub fn code_predictor() -> Self {
+        Self {
+            do_sample: true,
+            top_k: 50,
+            top_p: 0.8,
+            ..Self::greedy()
+        }
+    }
+
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    pub fn with_do_sample(mut self, do_sample: bool) -> Self {
+        self.do_sample = do_sample;
+        self
+    }
+}
+
+/// HF `RepetitionPenaltyLogitsProcessor`: every id in `ids` (once, however often it
+/// occurs) has its logit divided by `penalty` when positive, multiplied when negative.
+pub fn repetition_penalty(logits: &mut [f32], ids: &[u32], penalty: f32) {
+    if penalty == 1.0 {
+        return;
+    }
+    let mut seen = vec![false; logits.len()];
+    for &id in ids {
+        let i = id as usize;
+        if i < logits.len() && !seen[i] {
+            seen[i] = true;
+            let x = logits[i];
+            logits[i] = if x < 0.0 { x * penalty } else { x / penalty };
+        }
+    }
+}
+
+/// HF `SuppressTokensLogitsProcessor`: the ids get `-inf`.
+pub fn suppress(logits: &mut [f32], ids: &[u32]) {
+    for &id in ids {
+        if let Some(x) = logits.get_mut(id as usize) {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// HF `TemperatureLogitsWarper`.
+pub fn temperature(logits: &mut [f32], t: f32) {
+    if t != 1.0 {
+        for x in logits.iter_mut() {
+            *x /= t;
+        }
+    }
+}
+
+/// HF `TopKLogitsWarper` (min_tokens_to_keep 1): everything below the k-th largest
+/// logit gets `-inf` (ties with it stay).
+pub fn top_k(logits: &mut [f32], k: usize) {
+    if k == 0 || k >= logits.len() {
+        return;
+    }
+    let mut sorted: Vec<f32> = logits.to_vec();
+    sorted.sort_unstable_by(|a, b| b.total_cmp(a));
+    let kth = sorted[k - 1];
+    for x in logits.iter_mut() {
+        if *x < kth {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// HF `TopPLogitsWarper` (min_tokens_to_keep 1): sorted ascending, the tokens whose
+/// cumulative probability is `<= 1 - p` get `-inf`; the most likely token always stays.
+pub fn top_p(logits: &mut [f32], p: f32) {
+    if p >= 1.0 || logits.is_empty() {
+        return;
+    }
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    // Stable ascending sort, as torch.sort's order among equal logits does not matter for
+    // the kept set except at a tie across the threshold.
+    order.sort_by(|&a, &b| logits[a].total_cmp(&logits[b]));
+    let probs = softmax(&order.iter().map(|&i| logits[i]).collect::<Vec<_>>());
+    let threshold = 1.0 - p;
+    let mut cum = 0.0f32;
+    let last = order.len() - 1;
+    for (rank, (&i, &q)) in order.iter().zip(probs.iter()).enumerate() {
+        cum += q;
+        if cum <= threshold && rank != last {
+            logits[i] = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Softmax in f32 (`-inf` entries give 0).
+fn softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = logits.iter().map(|&x| (x - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    exps.into_iter().map(|e| e / sum).collect()
+}
+
+/// The first index of the largest value (torch.argmax's choice among ties).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// One request's sampler: its config, the ids it produced (for the repetition penalty)
+/// and its own seeded RNG.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    cfg: SamplingConfig,
+    history: Vec<u32>,
+    rng: StdRng,
+}
+
+impl Sampler {
+    pub fn new(cfg: SamplingConfig) -> Self {
+        let rng = StdRng::seed_from_u64(cfg.seed);
+        Self {
+            cfg,
+            history: Vec::new(),
+            rng,
+        }
+    }
+
+    pub fn config(&self) -> &SamplingConfig {
+        &self.cfg
+    }
+
+    /// The ids produced so far (those the repetition penalty applies to).
+    pub fn history(&self) -> &[u32] {
+        &self.history
+    }
+
+    /// Records an id produced elsewhere (e.g. forced), so the penalty sees it.
+    pub fn push(&mut self, id: u32) {
+        self.history.push(id);
+    }
+
+    /// Forgets the history and reseeds, for a new request.
+    pub fn reset(&mut self) {
+        self.history.clear();
+        self.rng = StdRng::seed_from_u64(self.cfg.seed);
+    }
+
+    /// Applies every processor in HF order to `logits` in place (the warpers only when sampling).
+    pub fn process(&self, logits: &mut [f32]) {
+        repetition_penalty(logits, &self.history, self.cfg.repetition_penalty);
+        suppress(logits, &self.cfg.suppress_tokens);
+        if self.cfg.do_sample {
+            temperature(logits, self.cfg.temperature);
+            top_k(logits, self.cfg.top_k);
+            top_p(logits, self.cfg.top_p);
+        }
+    }
+
+    /// Chooses the next id from raw logits and records it.
+    pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
+        let mut l = logits.to_vec();
+        self.process(&mut l);
+        let id = if self.cfg.do_sample {
+            let probs = softmax(&l);
+            let dist = WeightedIndex::new(&probs)
+                .map_err(|e| candle_core::Error::Msg(format!("sampling: {e}")))?;
+            dist.sample(&mut self.rng) as u32
+        } else {
+            argmax(&l)
+        };
+        self.history.push(id);
+        Ok(id)
+    }
+
+    /// [`Sampler::sample`] from a 1-D logits tensor (any float dtype).
+    pub fn sample_tensor(&mut self, logits: &Tensor) -> Result<u32> {
+        let l = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        self.sample(&l)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::qwen3_omni::fixtures;
+
+    const NEG: f32 = f32::NEG_INFINITY;
+
+    #[test]
+    fn hand_computed_transforms() {
+        let mut l = vec![2.0, -1.0, 0.5, 3.0];
+        repetition_penalty(&mut l, &[0, 1, 1], 2.0);
+        assert_eq!(l, vec![1.0, -2.0, 0.5, 3.0]);
+        suppress(&mut l, &[2]);
+        assert_eq!(l, vec![1.0, -2.0, NEG, 3.0]);
+        temperature(&mut l, 0.5);
+        assert_eq!(l, vec![2.0, -4.0, NEG, 6.0]);
+        let mut k = vec![1.0, 4.0, 3.0, 3.0, 0.0];
+        top_k(&mut k, 2);
+        // Ties with the k-th value stay, as HF's `scores < kth` keeps them.
+        assert_eq!(k, vec![NEG, 4.0, 3.0, 3.0, NEG]);
+        // softmax of [ln 1, ln 2, ln 7] / 10 = [0.1, 0.2, 0.7]: ascending cumsum 0.1, 0.3, 1.0.
+        let mut p = vec![1f32.ln(), 2f32.ln(), 7f32.ln()];
+        top_p(&mut p, 0.75); // drop cum <= 0.25: only the 0.1 one
+        assert!(p[0] == NEG && p[1].is_finite() && p[2].is_finite());
+        let mut p = vec![1f32.ln(), 2f32.ln(), 7f32.ln()];
+        top_p(&mut p, 0.5); // drop cum <= 0.5: 0.1 and 0.2
+        assert!(p[0] == NEG && p[1] == NEG && p[2].is_finite());
+        let mut p = vec![1f32.ln(), 2f32.ln(), 7f32.ln()];
+        top_p(&mut p, 0.01); // the most likely one always stays
+        assert!(p[0] == NEG && p[1] == NEG && p[2].is_finite());
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
+    }
+
+    #[test]
+    fn greedy_and_penalty_history() {
+        let mut s = Sampler::new(SamplingConfig {
+            repetition_penalty: 2.0,
+            suppress_tokens: vec![3],
+            ..SamplingConfig::greedy()
+        });
+        // 3 is suppressed; 0 wins, then is penalised (1.5 / 2 < 1.0).
+        assert_eq!(s.sample(&[1.5, 1.0, 0.0, 9.0]).unwrap(), 0);
+        assert_eq!(s.sample(&[1.5, 1.0, 0.0, 9.0]).unwrap(), 1);
+        assert_eq!(s.history(), &[0, 1]);
+        s.reset();
+        assert!(s.history().is_empty());
+    }
+
+    #[test]
+    fn seeded_sampling_is_reproducible_and_respects_filters() {
+        let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let cfg = SamplingConfig {
+            top_k: 5,
+            ..SamplingConfig::code_predictor()
+        }
+        .with_seed(42);
+        let mut kept = logits.clone();
+        Sampler::new(cfg.clone()).process(&mut kept);
+        let draw = |seed: u64| {
+            let mut s = Sampler::new(cfg.clone().with_seed(seed));
+            (0..200)
+                .map(|_| s.sample(&logits).unwrap())
+                .collect::<Vec<_>>()
+        };
+        let a = draw(42);
+        assert_eq!(a, draw(42));
+        assert_ne!(a, draw(43));
+        assert!(a.iter().all(|&i| kept[i as usize].is_finite()));
+        // more than one token is drawn (it samples, not argmax)
+        assert!(a.iter().any(|&i| i != a[0]));
+    }
+
+    fn rows(t: &Tensor) -> Vec<Vec<f32>> {
+        t.to_vec2::<f32>().unwrap()
+    }
+
+    fn assert_same(ours: &[f32], hf: &[f32], what: &str) {
+        assert_eq!(ours.len(), hf.len());
+        let mut finite = 0;
+        for (i, (a, b)) in ours.iter().zip(hf).enumerate() {
+            if b.is_infinite() {
+                assert_eq!(a, b, "{what}: id {i}");
+            } else {
+                assert!((a - b).abs() <= 1e-5, "{what}: id {i}: {a} vs {b}");
+                finite += 1;
+            }
+        }
+        assert!(finite > 0, "{what}: everything filtered");
+    }
+
+    /// The HF processors' outputs recorded by scripts/qwen3_omni/talker.py.
+    #[test]
+    fn matches_hf_logits_processors() {
+        let io = fixtures::io("talker");
+        let scores = rows(&io["sampling.scores"]);
+        let ids: Vec<Vec<u32>> = io["sampling.ids"]
+            .to_dtype(DType::U32)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        let vocab = scores[0].len();
+        let cfg = fixtures::config();
+        let eos = cfg["talker_config"]["codec_eos_token_id"].as_u64().unwrap() as u32;
+        let talker = SamplingConfig {
+            top_p: 0.8,
+            ..SamplingConfig::talker(vocab, eos)
+        };
+        let stages = [
+            "sampling.repetition",
+            "sampling.suppress",
+            "sampling.temperature",
+            "sampling.top_k",
+            "sampling.top_p",
+        ];
+        let hf: Vec<Vec<Vec<f32>>> = stages.iter().map(|k| rows(&io[*k])).collect();
+        for r in 0..scores.len() {
+            let mut l = scores[r].clone();
+            repetition_penalty(&mut l, &ids[r], talker.repetition_penalty);
+            assert_same(&l, &hf[0][r], stages[0]);
+            suppress(&mut l, &talker.suppress_tokens);
+            assert_same(&l, &hf[1][r], stages[1]);
+            temperature(&mut l, talker.temperature);
+            assert_same(&l, &hf[2][r], stages[2]);
+            top_k(&mut l, talker.top_k);
+            assert_same(&l, &hf[3][r], stages[3]);
+            top_p(&mut l, talker.top_p);
+            assert_same(&l, &hf[4][r], stages[4]);
+            let kept = l.iter().filter(|x| x.is_finite()).count();
+            assert!(kept > 1 && kept < 50, "top-p cut inside top-k: {kept}");
+
+            // The whole chain through a sampler with that history.
+            let mut s = Sampler::new(talker.clone());
+            for &id in &ids[r] {
+                s.push(id);
+            }
+            let mut all = scores[r].clone();
+            s.process(&mut all);
+            assert_same(&all, &hf[4][r], "sampler chain");
+
+            // The code predictor's defaults on a codebook-wide slice.
+            let mut cp = scores[r][..64].to_vec();
+            Sampler::new(SamplingConfig::code_predictor()).process(&mut cp);
+            assert_same(&cp, &rows(&io["sampling.cp_top_p"])[r], "code predictor");
+        }
+    }
+}

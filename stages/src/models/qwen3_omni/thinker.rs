@@ -1,1 +1,704 @@
-//! (being written)
+//! The Qwen3-Omni Thinker's text model (`Qwen3OmniMoeThinkerForConditionalGeneration` minus
+//! the vision path): token embeddings with audio embeddings scattered in at the audio
+//! placeholder tokens, the MoE decoder with interleaved MRoPE, the final norm and `lm_head`.
+//!
+//! Weights: a `VarBuilder` scoped to `thinker` (`model.embed_tokens`, `model.layers.{i}`,
+//! `model.norm`, `lm_head`; the audio tower `audio_tower` is a separate module).
+//!
+//! Streaming: [`Thinker::prefill`] takes the (left-padded) prompt, [`Thinker::step`] the
+//! next tokens; both append to the explicit [`ThinkerCache`]. Each returns the logits and
+//! the requested hidden states in the reference's `output_hidden_states` indexing
+//! (0 = input embeddings, `i` = output of layer `i - 1`, `num_hidden_layers` = final
+//! normed state), which is what the Talker consumes (`[0]` and `[accept_hidden_layer]`).
+//!
+//! Positions: the reference (transformers 5.24 `get_rope_index`) builds MRoPE positions
+//! from vision grids only; for text and audio prompts every row is the running count of
+//! real tokens (left padding gets position 1), which is also what its 3-D audio branch
+//! yields for audio segments (`arange(audio_len)` after the audio-start token).
+
+use super::layers::{
+    attention_mask, DecoderConfig, DecoderLayer, KvCache, RmsNorm, RotaryEmbedding,
+};
+use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
+use candle_nn::{Embedding, Linear, VarBuilder};
+use serde::Deserialize;
+
+/// The Thinker's `text_config` (same fields as every Qwen3-Omni decoder).
+pub type ThinkerTextConfig = DecoderConfig;
+
+fn default_n_window() -> usize {
+    50
+}
+
+/// The part of the Thinker's `audio_config` the text model needs (the audio encoder
+/// parses the whole of it).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ThinkerAudioConfig {
+    #[serde(default = "default_n_window")]
+    pub n_window: usize,
+}
+
+impl Default for ThinkerAudioConfig {
+    fn default() -> Self {
+        Self {
+            n_window: default_n_window(),
+        }
+    }
+}
+
+fn default_pos_per_sec() -> usize {
+    25
+}
+fn default_audio_token() -> u32 {
+    151646
+}
+fn default_image_token() -> u32 {
+    151655
+}
+fn default_video_token() -> u32 {
+    151656
+}
+fn default_audio_start() -> u32 {
+    151647
+}
+fn default_user_token() -> u32 {
+    872
+}
+
+/// `thinker_config` (Hugging Face names; `*_token_index` accepted as older aliases).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ThinkerConfig {
+    pub text_config: ThinkerTextConfig,
+    #[serde(default)]
+    pub audio_config: ThinkerAudioConfig,
+    #[serde(default = "default_pos_per_sec")]
+    pub position_id_per_seconds: usize,
+    #[serde(default = "default_audio_token", alias = "audio_token_index")]
+    pub audio_token_id: u32,
+    #[serde(default = "default_image_token", alias = "image_token_index")]
+    pub image_token_id: u32,
+    #[serde(default = "default_video_token", alias = "video_token_index")]
+    pub video_token_id: u32,
+    #[serde(default = "default_audio_start")]
+    pub audio_start_token_id: u32,
+    #[serde(default)]
+    pub vision_start_token_id: Option<u32>,
+    #[serde(default = "default_user_token")]
+    pub user_token_id: u32,
+}
+
+/// The audio encoder's output for the prompt's audio placeholders.
+#[derive(Debug, Clone, Copy)]
+pub struct AudioEmbeds<'a> {
+    /// `(n_audio_tokens, hidden)`: every audio, in prompt order (row-major over the batch).
+    pub embeds: &'a Tensor,
+    /// Mel frames of each audio (`feature_attention_mask.sum(-1)`), used to check that the
+    /// placeholder count matches the encoder's output length; empty to skip the check.
+    pub feature_lengths: &'a [usize],
+}
+
+/// The audio encoder's output length for `input_len` mel frames (the reference's
+/// `_get_feat_extract_output_lengths`).
+pub fn feat_extract_output_lengths(input_len: usize, n_window: usize) -> usize {
+    let chunk = (n_window * 2) as i64;
+    let n = input_len as i64;
+    let leave = n % chunk;
+    // Python floor division: leave = 0 gives 0 here.
+    let f = (leave - 1).div_euclid(2) + 1;
+    let out = ((f - 1).div_euclid(2) + 1 - 1).div_euclid(2) + 1 + (n / chunk) * 13;
+    out.max(0) as usize
+}
+
+/// Text/audio MRoPE position ids `(3, b, s)` from a 2-D attention mask (1 = token,
+/// 0 = padding), as the reference's `get_rope_index` without vision grids: the running
+/// count of real tokens minus one, and 1 at padding. Returns the rows and, per batch row,
+/// the position the next token takes.
+pub fn get_rope_index(attention_mask: &[Vec<u8>]) -> (Vec<Vec<i64>>, Vec<i64>) {
+    let mut rows = Vec::with_capacity(attention_mask.len());
+    let mut next = Vec::with_capacity(attention_mask.len());
+    for m in attention_mask {
+        let mut c = 0i64;
+        let row: Vec<i64> = m
+            .iter()
+            .map(|&x| {
+                c += i64::from(x != 0);
+                if x != 0 {
+                    c - 1
+                } else {
+                    1
+                }
+            })
+            .collect();
+        // generate continues from the last prompt position + 1.
+        next.push(row.last().map_or(0, |&p| p + 1));
+        rows.push(row);
+    }
+    (rows, next)
+}
+
+/// The streaming state of one (batched) Thinker generation.
+#[derive(Debug, Clone)]
+pub struct ThinkerCache {
+    kv: Vec<KvCache>,
+    /// `(b, cached)` 1 = token, 0 = padding, over every cached position.
+    padding: Vec<Vec<u8>>,
+    /// Per batch row, the rope position of the next token.
+    next_pos: Vec<i64>,
+}
+
+impl ThinkerCache {
+    /// Cached positions (prompt + generated).
+    pub fn seq_len(&self) -> usize {
+        self.kv.first().map_or(0, |c| c.seq_len())
+    }
+
+    /// Per batch row, the rope position the next token takes.
+    pub fn next_positions(&self) -> &[i64] {
+        &self.next_pos
+    }
+
+    pub fn reset(&mut self) {
+        self.kv.iter_mut().for_each(|c| c.reset());
+        self.padding.clear();
+        self.next_pos.clear();
+    }
+}
+
+/// Logits and the requested hidden states of one forward.
+#[derive(Debug, Clone)]
+pub struct ThinkerOutput {
+    /// `(b, s, vocab)`, f32.
+    pub logits: Tensor,
+    /// `(b, s, hidden)` each, in the order requested.
+    pub hidden_states: Vec<Tensor>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Thinker {
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    rotary_emb: RotaryEmbedding,
+    lm_head: Linear,
+    cfg: ThinkerConfig,
+    device: Device,
+}
+
+impl Thinker {
+    /// `vb` scoped to `thinker`.
+    pub fn new(cfg: &ThinkerConfig, vb: VarBuilder) -> Result<Self> {
+        let tc = &cfg.text_config;
+        let vbm = vb.pp("model");
+        let embed_tokens =
+            candle_nn::embedding(tc.vocab_size, tc.hidden_size, vbm.pp("embed_tokens"))?;
+        let layers = (0..tc.num_hidden_layers)
+            .map(|i| DecoderLayer::new(tc, i, vbm.pp("layers").pp(i)))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::new(tc.hidden_size, tc.rms_norm_eps, vbm.pp("norm"))?;
+        let lm_head = if tc.tie_word_embeddings {
+            Linear::new(embed_tokens.embeddings().clone(), None)
+        } else {
+            candle_nn::linear_no_bias(tc.hidden_size, tc.vocab_size, vb.pp("lm_head"))?
+        };
+        let rotary_emb = RotaryEmbedding::from_config(tc, vb.device())?;
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm,
+            rotary_emb,
+            lm_head,
+            cfg: cfg.clone(),
+            device: vb.device().clone(),
+        })
+    }
+
+    pub fn config(&self) -> &ThinkerConfig {
+        &self.cfg
+    }
+
+    /// Decoder layers (the index of the final normed hidden state).
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn new_cache(&self) -> ThinkerCache {
+        ThinkerCache {
+            kv: vec![KvCache::new(); self.layers.len()],
+            padding: Vec::new(),
+            next_pos: Vec::new(),
+        }
+    }
+
+    /// Token embeddings `(b, s, hidden)` of `(b, s)` u32 ids.
+    pub fn embed_tokens(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.embed_tokens.forward(input_ids)
+    }
+
+    /// The prompt embeddings with the audio embeddings at the `audio_token_id` positions
+    /// (the reference's `masked_scatter`, row-major over the batch).
+    pub fn embed_prompt(&self, input_ids: &Tensor, audio: Option<AudioEmbeds>) -> Result<Tensor> {
+        let embeds = self.embed_tokens(input_ids)?;
+        let Some(audio) = audio else {
+            return Ok(embeds);
+        };
+        let (b, s, h) = embeds.dims3()?;
+        let ids = input_ids.flatten_all()?.to_vec1::<u32>()?;
+        let n_audio = audio.embeds.dim(0)?;
+        let n_placeholders = ids
+            .iter()
+            .filter(|&&t| t == self.cfg.audio_token_id)
+            .count();
+        if n_placeholders != n_audio {
+            candle_core::bail!(
+                "{n_placeholders} audio placeholder tokens but {n_audio} audio embeddings"
+            );
+        }
+        if !audio.feature_lengths.is_empty() {
+            let expect: usize = audio
+                .feature_lengths
+                .iter()
+                .map(|&n| feat_extract_output_lengths(n, self.cfg.audio_config.n_window))
+                .sum();
+            if expect != n_audio {
+                candle_core::bail!(
+                    "audio feature lengths {:?} give {expect} tokens, the prompt has {n_audio}",
+                    audio.feature_lengths
+                );
+            }
+        }
+        // Gather from [text embeddings; audio embeddings].
+        let mut k = 0u32;
+        let idx: Vec<u32> = ids
+            .iter()
+            .enumerate()
+            .map(|(p, &t)| {
+                if t == self.cfg.audio_token_id {
+                    k += 1;
+                    (b * s) as u32 + k - 1
+                } else {
+                    p as u32
+                }
+            })
+            .collect();
+        let all = Tensor::cat(
+            &[
+                embeds.reshape((b * s, h))?,
+                audio.embeds.to_dtype(embeds.dtype())?,
+            ],
+            0,
+        )?;
+        let idx = Tensor::from_vec(idx, b * s, &self.device)?;
+        all.index_select(&idx, 0)?.reshape((b, s, h))
+    }
+
+    /// Runs the prompt `(b, s)` (u32 ids, left-padded; `attention_mask` `(b, s)`, 1 = token,
+    /// `None` = no padding) into a fresh `cache`. `hidden` lists the hidden-state indices to
+    /// return (see the module doc).
+    pub fn prefill(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        audio: Option<AudioEmbeds>,
+        cache: &mut ThinkerCache,
+        hidden: &[usize],
+    ) -> Result<ThinkerOutput> {
+        let (b, s) = input_ids.dims2()?;
+        let padding: Vec<Vec<u8>> = match attention_mask {
+            Some(m) => m
+                .to_dtype(DType::F32)?
+                .to_vec2::<f32>()?
+                .into_iter()
+                .map(|r| r.into_iter().map(|x| u8::from(x != 0.0)).collect())
+                .collect(),
+            None => vec![vec![1u8; s]; b],
+        };
+        if padding.len() != b || padding.iter().any(|r| r.len() != s) {
+            candle_core::bail!(
+                "attention_mask does not match input_ids {:?}",
+                input_ids.dims()
+            );
+        }
+        cache.reset();
+        let embeds = self.embed_prompt(input_ids, audio)?;
+        let (pos, next) = get_rope_index(&padding);
+        cache.padding = padding;
+        cache.next_pos = next;
+        self.forward_embeds(&embeds, &pos, cache, hidden)
+    }
+
+    /// Appends the next tokens `(b, s)` (usually `s = 1`) after a [`Self::prefill`].
+    pub fn step(
+        &self,
+        input_ids: &Tensor,
+        cache: &mut ThinkerCache,
+        hidden: &[usize],
+    ) -> Result<ThinkerOutput> {
+        let (b, s) = input_ids.dims2()?;
+        if cache.next_pos.len() != b {
+            candle_core::bail!(
+                "step: batch {b} but the cache holds {}",
+                cache.next_pos.len()
+            );
+        }
+        let embeds = self.embed_tokens(input_ids)?;
+        let pos: Vec<Vec<i64>> = cache
+            .next_pos
+            .iter()
+            .map(|&p| (0..s as i64).map(|i| p + i).collect())
+            .collect();
+        for (row, n) in cache.padding.iter_mut().zip(cache.next_pos.iter_mut()) {
+            row.extend(std::iter::repeat_n(1u8, s));
+            *n += s as i64;
+        }
+        self.forward_embeds(&embeds, &pos, cache, hidden)
+    }
+
+    /// The decoder over `embeds` `(b, s, hidden)` at per-row positions `pos` (the same on
+    /// all three MRoPE rows, as for text and audio), after the positions already in `cache`,
+    /// whose `padding` already covers the new positions.
+    fn forward_embeds(
+        &self,
+        embeds: &Tensor,
+        pos: &[Vec<i64>],
+        cache: &mut ThinkerCache,
+        hidden: &[usize],
+    ) -> Result<ThinkerOutput> {
+        let (b, s, _) = embeds.dims3()?;
+        let n_layers = self.layers.len();
+        if let Some(&bad) = hidden.iter().find(|&&i| i > n_layers) {
+            candle_core::bail!("hidden state index {bad} > num_hidden_layers {n_layers}");
+        }
+        let flat: Vec<f32> = pos.iter().flatten().map(|&p| p as f32).collect();
+        let pos = Tensor::from_vec(flat, (1, b, s), &self.device)?.repeat((3, 1, 1))?;
+        let (cos, sin) = self.rotary_emb.forward(&pos, embeds.dtype())?;
+        let kv_len = cache.padding.first().map_or(0, |r| r.len());
+        let pad_flat: Vec<u8> = cache.padding.iter().flatten().copied().collect();
+        let pad = Tensor::from_vec(pad_flat, (b, kv_len), &Device::Cpu)?;
+        let mask = attention_mask(Some(&pad), b, s, kv_len, &self.device)?;
+
+        let mut out_hidden: Vec<Option<Tensor>> = vec![None; hidden.len()];
+        let mut record = |i: usize, h: &Tensor| {
+            for (slot, &want) in out_hidden.iter_mut().zip(hidden) {
+                if want == i {
+                    *slot = Some(h.clone());
+                }
+            }
+        };
+        let mut x = embeds.clone();
+        record(0, &x);
+        for (i, (layer, kv)) in self.layers.iter().zip(cache.kv.iter_mut()).enumerate() {
+            x = layer.forward(&x, &cos, &sin, mask.as_ref(), Some(kv))?;
+            if i + 1 < n_layers {
+                record(i + 1, &x);
+            }
+        }
+        let x = self.norm.forward(&x)?;
+        record(n_layers, &x);
+        let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
+        let hidden_states = out_hidden
+            .into_iter()
+            .map(|h| h.ok_or_else(|| candle_core::Error::Msg("hidden state not recorded".into())))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ThinkerOutput {
+            logits,
+            hidden_states,
+        })
+    }
+
+    /// Greedy decoding as the reference's `generate(do_sample=False)`: `max_new_tokens`
+    /// per row; a row that emits one of `eos_ids` continues with `pad_id`, and decoding
+    /// stops once every row has. Returns the new tokens per row.
+    pub fn generate_greedy(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        audio: Option<AudioEmbeds>,
+        max_new_tokens: usize,
+        eos_ids: &[u32],
+        pad_id: u32,
+    ) -> Result<Vec<Vec<u32>>> {
+        let b = input_ids.dim(0)?;
+        let mut cache = self.new_cache();
+        let mut out = vec![Vec::with_capacity(max_new_tokens); b];
+        let mut done = vec![false; b];
+        if max_new_tokens == 0 {
+            return Ok(out);
+        }
+        let mut logits = self
+            .prefill(input_ids, attention_mask, audio, &mut cache, &[])?
+            .logits;
+        loop {
+            let s = logits.dim(1)?;
+            let next = logits.i((.., s - 1))?.argmax(D::Minus1)?.to_vec1::<u32>()?;
+            let next: Vec<u32> = next
+                .into_iter()
+                .zip(&done)
+                .map(|(t, &d)| if d { pad_id } else { t })
+                .collect();
+            for (i, &t) in next.iter().enumerate() {
+                out[i].push(t);
+                if eos_ids.contains(&t) {
+                    done[i] = true;
+                }
+            }
+            if out[0].len() >= max_new_tokens || done.iter().all(|&d| d) {
+                return Ok(out);
+            }
+            let ids = Tensor::from_vec(next, (b, 1), &self.device)?;
+            logits = self.step(&ids, &mut cache, &[])?.logits;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::qwen3_omni::fixtures;
+    use std::collections::HashMap;
+
+    fn load() -> (Thinker, HashMap<String, Tensor>, serde_json::Value) {
+        let cfg: ThinkerConfig =
+            serde_json::from_value(fixtures::config()["thinker_config"].clone()).unwrap();
+        let model = Thinker::new(&cfg, fixtures::weights().pp("thinker")).unwrap();
+        let meta: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixtures::dir().join("thinker/io.json")).unwrap(),
+        )
+        .unwrap();
+        (model, fixtures::io("thinker"), meta)
+    }
+
+    fn ids(t: &Tensor) -> Tensor {
+        t.to_dtype(DType::U32).unwrap()
+    }
+
+    fn check(name: &str, got: &Tensor, want: &Tensor, tol: f32) -> f32 {
+        let want_max = fixtures::max_abs_diff(want, &want.zeros_like().unwrap());
+        assert!(want_max > 1e-2, "{name}: reference is ~0 ({want_max})");
+        let d = fixtures::max_abs_diff(got, want);
+        println!("{name}: max abs err {d:.3e} (reference max {want_max:.3})");
+        assert!(d <= tol, "{name}: {d} > {tol}");
+        d
+    }
+
+    fn audio_input(io: &HashMap<String, Tensor>) -> (Tensor, Vec<usize>) {
+        let lens = io["audio.feature_lengths"].to_vec1::<i64>().unwrap();
+        (
+            io["audio.embeds"].clone(),
+            lens.into_iter().map(|n| n as usize).collect(),
+        )
+    }
+
+    #[test]
+    fn config_parses_released_names() {
+        let cfg: DecoderConfig = serde_json::from_str(
+            r#"{"vocab_size": 152064, "hidden_size": 2048, "intermediate_size": 768,
+                "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                "head_dim": 128, "rope_theta": 1000000, "num_experts": 128,
+                "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": true,
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu",
+                "rope_scaling": {"interleaved": true, "mrope_interleaved": true,
+                                 "mrope_section": [24, 20, 20], "rope_type": "default",
+                                 "type": "default"}}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.rope_theta(), 1e6);
+        assert_eq!(cfg.mrope_section(), Some(vec![24, 20, 20]));
+        assert!(cfg.is_sparse_layer(0));
+        assert_eq!(feat_extract_output_lengths(150, 50), 20);
+        assert_eq!(feat_extract_output_lengths(200, 50), 26);
+    }
+
+    #[test]
+    fn rope_index_matches_reference() {
+        let (_, io, _) = load();
+        let mask = io["b2.attention_mask"].to_vec2::<i64>().unwrap();
+        let mask: Vec<Vec<u8>> = mask
+            .into_iter()
+            .map(|r| r.into_iter().map(|x| x as u8).collect())
+            .collect();
+        let (rows, _) = get_rope_index(&mask);
+        let want = io["b2.position_ids"].to_vec3::<i64>().unwrap();
+        for w in want {
+            assert_eq!(w, rows);
+        }
+    }
+
+    fn prefill_case(name: &str, audio: bool) {
+        let (model, io, meta) = load();
+        let acc = meta["accept_hidden_layer"].as_u64().unwrap() as usize;
+        let n = model.config().text_config.num_hidden_layers;
+        let (ae, lens) = audio_input(&io);
+        let audio = audio.then_some(AudioEmbeds {
+            embeds: &ae,
+            feature_lengths: &lens,
+        });
+        let mut cache = model.new_cache();
+        let out = model
+            .prefill(
+                &ids(&io[&format!("{name}.input_ids")]),
+                Some(&io[&format!("{name}.attention_mask")]),
+                audio,
+                &mut cache,
+                &[0, acc, n],
+            )
+            .unwrap();
+        let tol = 1e-4;
+        check(
+            &format!("{name} logits"),
+            &out.logits,
+            &io[&format!("{name}.logits")],
+            tol,
+        );
+        if let Some(a) = audio {
+            // The audio embeddings must matter: without them the logits are far off.
+            let zeros = a.embeds.zeros_like().unwrap();
+            let mut c = model.new_cache();
+            let without = AudioEmbeds {
+                embeds: &zeros,
+                ..a
+            };
+            let ids = ids(&io[&format!("{name}.input_ids")]);
+            let mask = &io[&format!("{name}.attention_mask")];
+            let o = model
+                .prefill(&ids, Some(mask), Some(without), &mut c, &[])
+                .unwrap();
+            let d = fixtures::max_abs_diff(&o.logits, &io[&format!("{name}.logits")]);
+            println!("{name}: logits with zeroed audio embeddings off by {d:.3}");
+            assert!(d > 0.1, "audio embeddings have no effect ({d})");
+        }
+        check(
+            &format!("{name} hidden[0]"),
+            &out.hidden_states[0],
+            &io[&format!("{name}.hidden0")],
+            tol,
+        );
+        check(
+            &format!("{name} hidden[acc]"),
+            &out.hidden_states[1],
+            &io[&format!("{name}.hidden_acc")],
+            tol,
+        );
+        check(
+            &format!("{name} hidden[-1]"),
+            &out.hidden_states[2],
+            &io[&format!("{name}.hidden_last")],
+            tol,
+        );
+    }
+
+    #[test]
+    fn prefill_batch1() {
+        prefill_case("b1", false);
+    }
+
+    #[test]
+    fn prefill_batch2_left_padded() {
+        prefill_case("b2", false);
+    }
+
+    #[test]
+    fn prefill_with_audio() {
+        prefill_case("audio", true);
+    }
+
+    /// Greedy decoding step by step: the same ids, per-step logits and decode-step hidden
+    /// states as the reference's `generate`.
+    fn generate_case(name: &str, audio: bool) {
+        let (model, io, meta) = load();
+        let acc = meta["accept_hidden_layer"].as_u64().unwrap() as usize;
+        let n_steps = meta["n_steps"].as_u64().unwrap() as usize;
+        let (ae, lens) = audio_input(&io);
+        let audio = audio.then_some(AudioEmbeds {
+            embeds: &ae,
+            feature_lengths: &lens,
+        });
+        let input_ids = ids(&io[&format!("{name}.input_ids")]);
+        let mask = &io[&format!("{name}.attention_mask")];
+        let want_ids = io[&format!("{name}.gen_ids")].to_vec2::<i64>().unwrap();
+        let want_logits = &io[&format!("{name}.gen_logits")];
+        let b = input_ids.dim(0).unwrap();
+
+        let mut cache = model.new_cache();
+        let mut out = model
+            .prefill(&input_ids, Some(mask), audio, &mut cache, &[0, acc])
+            .unwrap();
+        let mut got_ids = vec![Vec::new(); b];
+        let (mut step_logits, mut h0, mut hacc) = (Vec::new(), Vec::new(), Vec::new());
+        let mut min_margin = f32::MAX;
+        for step in 0..n_steps {
+            let s = out.logits.dim(1).unwrap();
+            let last = out.logits.i((.., s - 1)).unwrap();
+            // The top-2 gap of the reference logits: greedy equality is meaningful only
+            // when it is well above the tolerance.
+            let wl = want_logits.i((.., step)).unwrap().to_vec2::<f32>().unwrap();
+            for row in &wl {
+                let mut v = row.clone();
+                v.sort_by(|a, b| b.partial_cmp(a).unwrap());
+                min_margin = min_margin.min(v[0] - v[1]);
+            }
+            let next = last.argmax(D::Minus1).unwrap().to_vec1::<u32>().unwrap();
+            for (r, &t) in next.iter().enumerate() {
+                got_ids[r].push(t as i64);
+            }
+            step_logits.push(last.unsqueeze(1).unwrap());
+            if step + 1 == n_steps {
+                break;
+            }
+            let t = Tensor::from_vec(next, (b, 1), &Device::Cpu).unwrap();
+            out = model.step(&t, &mut cache, &[0, acc]).unwrap();
+            h0.push(out.hidden_states[0].clone());
+            hacc.push(out.hidden_states[1].clone());
+        }
+        assert_eq!(got_ids, want_ids, "{name}: greedy ids differ");
+        println!("{name}: {n_steps} greedy ids equal (min top-2 logit gap {min_margin:.3e})");
+        let tol = 1e-4;
+        check(
+            &format!("{name} step logits"),
+            &Tensor::cat(&step_logits, 1).unwrap(),
+            want_logits,
+            tol,
+        );
+        check(
+            &format!("{name} step hidden[0]"),
+            &Tensor::cat(&h0, 1).unwrap(),
+            &io[&format!("{name}.gen_hidden0")],
+            tol,
+        );
+        check(
+            &format!("{name} step hidden[acc]"),
+            &Tensor::cat(&hacc, 1).unwrap(),
+            &io[&format!("{name}.gen_hidden_acc")],
+            tol,
+        );
+
+        // The one-call greedy loop gives the same ids.
+        let audio2 = audio.map(|a| AudioEmbeds { ..a });
+        let greedy = model
+            .generate_greedy(&input_ids, Some(mask), audio2, n_steps, &[], 0)
+            .unwrap();
+        let greedy: Vec<Vec<i64>> = greedy
+            .into_iter()
+            .map(|r| r.into_iter().map(i64::from).collect())
+            .collect();
+        assert_eq!(greedy, want_ids, "{name}: generate_greedy ids differ");
+    }
+
+    #[test]
+    fn generate_batch1() {
+        generate_case("b1", false);
+    }
+
+    #[test]
+    fn generate_batch2_left_padded() {
+        generate_case("b2", false);
+    }
+
+    #[test]
+    fn generate_with_audio() {
+        generate_case("audio", true);
+    }
+}

@@ -123,9 +123,10 @@ struct Counting {
 }
 
 impl Counting {
-    fn counted(&self, t: candle_core::Result<Tensor>) -> candle_core::Result<Tensor> {
-        if let (Ok(t), Some(progress)) = (&t, &self.progress) {
-            let bytes = (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+    fn counted(&self, name: &str, t: candle_core::Result<Tensor>) -> candle_core::Result<Tensor> {
+        if let (Ok(_), Some(progress)) = (&t, &self.progress) {
+            // Bytes as stored, whatever dtype they are converted to.
+            let bytes = self.inner.get(name).map_or(0, |v| v.data().len()) as u64;
             let read = self.read.fetch_add(bytes, Ordering::Relaxed) + bytes;
             progress(read.min(self.total), self.total);
         }
@@ -142,11 +143,17 @@ impl SimpleBackend for Counting {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
-        self.counted(SimpleBackend::get(&self.inner, s, name, h, dtype, dev))
+        self.counted(
+            name,
+            SimpleBackend::get(&self.inner, s, name, h, dtype, dev),
+        )
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        self.counted(SimpleBackend::get_unchecked(&self.inner, name, dtype, dev))
+        self.counted(
+            name,
+            SimpleBackend::get_unchecked(&self.inner, name, dtype, dev),
+        )
     }
 
     fn contains_tensor(&self, name: &str) -> bool {

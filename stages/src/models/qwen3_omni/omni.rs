@@ -1,0 +1,537 @@
+//! The whole Qwen3-Omni model (`Qwen3OmniMoeForConditionalGeneration`): config,
+//! loading, the Talker's prompt built from the Thinker's output exactly as the
+//! reference builds it, and a non-streaming `generate` (Thinker -> Talker with
+//! code predictor -> Code2Wav) that is the end-to-end proof against the
+//! reference. The engine's stages stream the same pieces.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::VarBuilder;
+use serde::Deserialize;
+
+use super::audio_encoder::{AudioEncoder, AudioEncoderConfig, AudioFeatureExtractor};
+use super::code2wav::{Code2Wav, Code2WavConfig};
+use super::sampling::{Sampler, SamplingConfig};
+use super::talker::{Talker, TalkerConfig, TtsEmbeds};
+use super::thinker::{AudioEmbeds, Thinker, ThinkerCache, ThinkerConfig};
+use super::weights::{self, Progress};
+use crate::models::{ModelError, Result};
+
+/// `Qwen3OmniMoeConfig` (`config.json` of the checkpoint).
+#[derive(Debug, Clone)]
+pub struct Qwen3OmniConfig {
+    pub thinker: ThinkerConfig,
+    /// `thinker_config.audio_config`.
+    pub audio: AudioEncoderConfig,
+    pub talker: TalkerConfig,
+    pub code2wav: Code2WavConfig,
+    pub ids: SpecialIds,
+    pub enable_audio_output: bool,
+}
+
+/// The chat and tts token ids of the top-level config.
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub struct SpecialIds {
+    pub im_start_token_id: u32,
+    pub im_end_token_id: u32,
+    pub tts_pad_token_id: u32,
+    pub tts_bos_token_id: u32,
+    pub tts_eos_token_id: u32,
+    pub system_token_id: u32,
+    pub user_token_id: u32,
+    pub assistant_token_id: u32,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+#[derive(Deserialize)]
+struct RawConfig {
+    thinker_config: serde_json::Value,
+    talker_config: TalkerConfig,
+    code2wav_config: Code2WavConfig,
+    #[serde(flatten)]
+    ids: SpecialIds,
+    #[serde(default = "default_true")]
+    enable_audio_output: bool,
+}
+
+impl Qwen3OmniConfig {
+    pub fn from_value(v: serde_json::Value) -> std::result::Result<Self, serde_json::Error> {
+        let raw: RawConfig = serde_json::from_value(v)?;
+        let audio = serde_json::from_value(
+            raw.thinker_config
+                .get("audio_config")
+                .cloned()
+                .unwrap_or_default(),
+        )?;
+        Ok(Self {
+            thinker: serde_json::from_value(raw.thinker_config)?,
+            audio,
+            talker: raw.talker_config,
+            code2wav: raw.code2wav_config,
+            ids: raw.ids,
+            enable_audio_output: raw.enable_audio_output,
+        })
+    }
+
+    /// Reads a checkpoint's `config.json` (transformers 4.57+ or 5.x layout).
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let v = serde_json::from_str(&text).map_err(|e| ModelError::Format {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        })?;
+        Self::from_value(v).map_err(|e| ModelError::Format {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        })
+    }
+}
+
+/// One request for [`Qwen3Omni::generate`].
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// The chat prompt, ending with `<|im_start|>assistant\n`; audio placeholders
+    /// (`audio_token_id`, as many as the encoder makes of `audio`) where the audio goes.
+    pub input_ids: Vec<u32>,
+    /// 16 kHz mono PCM heard by the Thinker's audio encoder.
+    pub audio: Option<Vec<f32>>,
+    pub speaker: String,
+    pub thinker_max_new_tokens: usize,
+    /// As the reference's `talker_max_new_tokens`: code-0 tokens sampled, so at most
+    /// one frame less is spoken.
+    pub talker_max_new_tokens: usize,
+    pub thinker_sampling: SamplingConfig,
+    pub talker_sampling: SamplingConfig,
+    pub code_predictor_sampling: SamplingConfig,
+}
+
+/// What [`Qwen3Omni::generate`] produced.
+#[derive(Debug, Clone)]
+pub struct GenerateOutput {
+    /// The Thinker's new tokens (the end-of-turn token included when it came).
+    pub tokens: Vec<u32>,
+    /// One `num_code_groups` frame per 80 ms of speech.
+    pub frames: Vec<Vec<u32>>,
+    /// 24 kHz PCM, `frames.len() * 1920` samples (the first 555 are the causal
+    /// decoder's lead-in; see `code2wav`).
+    pub audio: Vec<f32>,
+}
+
+/// What the Thinker has produced that the Talker's prompt is built from.
+pub struct ThinkerTrace<'a> {
+    /// The prompt's ids.
+    pub prompt: &'a [u32],
+    /// Thinker input embeddings (`hidden_states[0]`) of the prompt and of every
+    /// generated token fed back so far, `(n, thinker_hidden)`.
+    pub embeds: &'a Tensor,
+    /// The prompt's hidden states at `accept_hidden_layer`, `(prompt, thinker_hidden)`.
+    pub hidden: &'a Tensor,
+}
+
+/// The Talker prompt of one request.
+pub struct TalkerPrompt {
+    /// `(1, s, talker_hidden)`.
+    pub inputs_embeds: Tensor,
+    /// Text vectors fed one per frame after the prompt, `(t, talker_hidden)`; then `tts.pad`.
+    pub trailing: Tensor,
+    pub tts: TtsEmbeds,
+}
+
+pub struct Qwen3Omni {
+    cfg: Qwen3OmniConfig,
+    thinker: Thinker,
+    audio: AudioEncoder,
+    features: AudioFeatureExtractor,
+    talker: Talker,
+    code2wav: Code2Wav,
+}
+
+impl Qwen3Omni {
+    /// `vb` is the checkpoint's root (`thinker.`, `talker.`, `code2wav.` below it).
+    pub fn new(cfg: &Qwen3OmniConfig, vb: VarBuilder) -> Result<Self> {
+        if !cfg.enable_audio_output {
+            return Err(ModelError::Invalid(
+                "qwen3-omni: this checkpoint has no Talker (enable_audio_output is false)".into(),
+            ));
+        }
+        Ok(Self {
+            thinker: Thinker::new(&cfg.thinker, vb.pp("thinker"))?,
+            audio: AudioEncoder::new(&cfg.audio, vb.pp("thinker").pp("audio_tower"))?,
+            features: AudioFeatureExtractor::new(cfg.audio.num_mel_bins)?,
+            talker: Talker::new(&cfg.talker, vb.pp("talker"))?,
+            code2wav: Code2Wav::new(&cfg.code2wav, vb.pp("code2wav"))?,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// A downloaded checkpoint folder: `config.json` and its safetensors shards.
+    pub fn load(
+        dir: &Path,
+        dtype: DType,
+        device: &Device,
+        progress: Option<Progress>,
+    ) -> Result<Self> {
+        let cfg = Qwen3OmniConfig::from_file(&dir.join("config.json"))?;
+        let vb = weights::from_checkpoint(dir, dtype, device, progress)?;
+        Self::new(&cfg, vb)
+    }
+
+    /// Random weights at `cfg`'s shapes (benchmarks without the checkpoint).
+    pub fn random(cfg: &Qwen3OmniConfig, dtype: DType, device: &Device) -> Result<Self> {
+        Self::new(cfg, weights::random(dtype, device))
+    }
+
+    pub fn config(&self) -> &Qwen3OmniConfig {
+        &self.cfg
+    }
+    pub fn thinker(&self) -> &Thinker {
+        &self.thinker
+    }
+    pub fn talker(&self) -> &Talker {
+        &self.talker
+    }
+    pub fn code2wav(&self) -> &Code2Wav {
+        &self.code2wav
+    }
+    pub fn audio_encoder(&self) -> &AudioEncoder {
+        &self.audio
+    }
+
+    /// The audio encoder's embeddings of 16 kHz PCM, `(tokens, thinker_hidden)`, and
+    /// the mel frame count.
+    pub fn hear(&self, pcm: &[f32]) -> Result<(Tensor, usize)> {
+        let mel = self.features.extract(pcm, self.thinker.device())?;
+        let frames = mel.dim(1)?;
+        Ok((self.audio.forward(&mel, &[frames])?, frames))
+    }
+
+    /// How many audio placeholders `samples` of 16 kHz PCM take in a prompt.
+    pub fn audio_tokens(&self, samples: usize) -> usize {
+        self.audio
+            .output_len(AudioFeatureExtractor::frames(samples))
+    }
+
+    /// The Talker prompt, as the reference's `generate` builds it from the Thinker's
+    /// output: the user turns (text through `text_projection`, audio/image/video
+    /// positions' `accept_hidden_layer` states through `hidden_projection`), then the
+    /// assistant turn's opening (3 text positions, 4 tts_pad, tts_bos + first text
+    /// token over the codec's think/speaker/pad/bos ids). `trace.embeds` must
+    /// hold at least the first generated token.
+    pub fn talker_prompt(&self, trace: &ThinkerTrace, speaker: u32) -> Result<TalkerPrompt> {
+        let ids = &self.cfg.ids;
+        let prompt = trace.prompt;
+        let l = prompt.len();
+        let n = trace.embeds.dim(0)?;
+        if n < l + 1 || trace.hidden.dim(0)? != l {
+            return Err(ModelError::Invalid(format!(
+                "talker prompt: {n} embeddings and {} hidden states for a {l}-token prompt",
+                trace.hidden.dim(0)?
+            )));
+        }
+        let assistant = (0..l.saturating_sub(1))
+            .rev()
+            .find(|&i| {
+                prompt[i] == ids.im_start_token_id && prompt[i + 1] == ids.assistant_token_id
+            })
+            .ok_or_else(|| {
+                ModelError::Invalid("talker prompt: no <|im_start|>assistant in the prompt".into())
+            })?;
+        // A position belongs to the turn whose <|im_start|> precedes it; the role is the
+        // token after that (position 0's role token when no turn has started).
+        let mut user = Vec::new();
+        let mut start = 0usize;
+        for (i, &t) in prompt.iter().enumerate() {
+            if t == ids.im_start_token_id {
+                start = i;
+            }
+            if prompt[(start + 1).min(l - 1)] == ids.user_token_id {
+                user.push(i as u32);
+            }
+        }
+        let dev = trace.embeds.device();
+        let th = &self.cfg.thinker;
+        let mm: Vec<u32> = prompt
+            .iter()
+            .map(|&t| {
+                u32::from(
+                    t == th.audio_token_id || t == th.image_token_id || t == th.video_token_id,
+                )
+            })
+            .collect();
+        let mut parts = Vec::new();
+        if !user.is_empty() {
+            let idx = Tensor::from_vec(user.clone(), user.len(), dev)?;
+            let embeds = trace.embeds.narrow(0, 0, l)?.index_select(&idx, 0)?;
+            let hidden = trace.hidden.index_select(&idx, 0)?;
+            let mm = Tensor::from_vec(
+                user.iter().map(|&i| mm[i as usize]).collect::<Vec<u32>>(),
+                (1, user.len()),
+                dev,
+            )?;
+            parts.push(
+                self.talker
+                    .user_part(&embeds.unsqueeze(0)?, &hidden.unsqueeze(0)?, &mm)?,
+            );
+        }
+        let tts_ids = Tensor::new(
+            &[
+                ids.tts_bos_token_id,
+                ids.tts_eos_token_id,
+                ids.tts_pad_token_id,
+            ],
+            dev,
+        )?;
+        let tts = self.talker.tts_embeds(
+            &self
+                .thinker
+                .embed_tokens(&tts_ids.unsqueeze(0)?)?
+                .squeeze(0)?,
+        )?;
+        let speaker_ids = [speaker];
+        let (head, trailing) = self.talker.assistant_part(
+            &trace
+                .embeds
+                .narrow(0, assistant, n - assistant)?
+                .unsqueeze(0)?,
+            &speaker_ids,
+            &tts,
+        )?;
+        parts.push(head);
+        Ok(TalkerPrompt {
+            inputs_embeds: Tensor::cat(&parts, 1)?,
+            trailing: trailing.squeeze(0)?,
+            tts,
+        })
+    }
+
+    /// One request end to end, not streamed: the reference's `generate` with the
+    /// same sampling settings (greedy everywhere gives its exact tokens, codes and
+    /// waveform).
+    pub fn generate(&self, req: &GenerateRequest) -> Result<GenerateOutput> {
+        let tc = &self.cfg.talker;
+        let dev = self.thinker.device().clone();
+        let speaker = tc
+            .speaker(&req.speaker)
+            .ok_or_else(|| ModelError::Invalid(format!("unknown voice {:?}", req.speaker)))?;
+        let heard = match &req.audio {
+            Some(pcm) => Some(self.hear(pcm)?),
+            None => None,
+        };
+        let frames_in;
+        let audio = match &heard {
+            Some((embeds, frames)) => {
+                frames_in = [*frames];
+                Some(AudioEmbeds {
+                    embeds,
+                    feature_lengths: &frames_in,
+                })
+            }
+            None => None,
+        };
+        // 1. Thinker: prefill, then one token at a time; every token fed back adds its
+        //    embedding (hidden_states[0]) to the trace the Talker reads.
+        let l = req.input_ids.len();
+        let accept = tc.accept_hidden_layer;
+        let mut cache: ThinkerCache = self.thinker.new_cache();
+        let ids = Tensor::from_vec(req.input_ids.clone(), (1, l), &dev)?;
+        let out = self
+            .thinker
+            .prefill(&ids, None, audio, &mut cache, &[0, accept])?;
+        let mut embeds = vec![out.hidden_states[0].squeeze(0)?];
+        let hidden = out.hidden_states[1].squeeze(0)?;
+        let mut logits = out.logits.get(0)?.get(l - 1)?;
+        let mut sampler = Sampler::new(req.thinker_sampling.clone());
+        let eos = self.cfg.ids.im_end_token_id;
+        let mut tokens = Vec::new();
+        loop {
+            let t = sampler.sample_tensor(&logits)?;
+            tokens.push(t);
+            if t == eos || tokens.len() >= req.thinker_max_new_tokens {
+                break;
+            }
+            let step =
+                self.thinker
+                    .step(&Tensor::from_vec(vec![t], (1, 1), &dev)?, &mut cache, &[0])?;
+            embeds.push(step.hidden_states[0].squeeze(0)?);
+            logits = step.logits.get(0)?.get(0)?;
+        }
+        let embeds = Tensor::cat(&embeds, 0)?;
+        if embeds.dim(0)? < l + 1 {
+            // One token (its end, or a budget of one): nothing to say.
+            return Ok(GenerateOutput {
+                tokens,
+                frames: Vec::new(),
+                audio: Vec::new(),
+            });
+        }
+        // 2. Talker prompt.
+        let prompt = self.talker_prompt(
+            &ThinkerTrace {
+                prompt: &req.input_ids,
+                embeds: &embeds,
+                hidden: &hidden,
+            },
+            speaker,
+        )?;
+        // For one request the trailing text ends with tts_eos right after the last
+        // token fed back: the end-of-turn token (or, at the token budget, the last
+        // token) is never spoken, as in the reference.
+        let trailing = prompt.trailing;
+        // 3. Talker + code predictor, frame by frame.
+        let (mut state, out) = self.talker.prefill(&prompt.inputs_embeds, None, None)?;
+        let mut code0_sampler = Sampler::new(req.talker_sampling.clone());
+        let mut cp = [Sampler::new(req.code_predictor_sampling.clone())];
+        let mut logits = out.logits.get(0)?;
+        let mut frames = Vec::new();
+        let hs = trailing.dim(D::Minus1)?;
+        for f in 0..req.talker_max_new_tokens {
+            let code0 = code0_sampler.sample_tensor(&logits)?;
+            if code0 == tc.codec_eos_token_id || f + 1 == req.talker_max_new_tokens {
+                break;
+            }
+            let text = if f < trailing.dim(0)? {
+                trailing.narrow(0, f, 1)?
+            } else {
+                prompt.tts.pad.reshape((1, hs))?
+            };
+            let step = self
+                .talker
+                .step(&mut state, &[code0], &text.unsqueeze(0)?, &mut cp)?;
+            frames.extend(step.codes);
+            logits = step.logits.get(0)?;
+        }
+        // 4. Code2Wav.
+        let audio = if frames.is_empty() {
+            Vec::new()
+        } else {
+            let (n, g) = (frames.len(), frames[0].len());
+            let flat: Vec<u32> = frames.iter().flatten().copied().collect();
+            let codes = Tensor::from_vec(flat, (1, n, g), &dev)?.transpose(1, 2)?;
+            self.code2wav
+                .decode(&codes)?
+                .flatten_all()?
+                .to_dtype(DType::F32)?
+                .to_vec1()?
+        };
+        Ok(GenerateOutput {
+            tokens,
+            frames,
+            audio,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::qwen3_omni::fixtures::{self, max_abs_diff};
+
+    fn model() -> Qwen3Omni {
+        let cfg = Qwen3OmniConfig::from_value(fixtures::config()).unwrap();
+        Qwen3Omni::new(&cfg, fixtures::weights()).unwrap()
+    }
+
+    fn ids(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::U32)
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    /// The whole model against the reference's `generate` (greedy Thinker, Talker
+    /// and code predictor): the same tokens, every code of every frame, and the
+    /// same waveform (ours lags by the causal decoder's 555-sample lead-in and has
+    /// exactly frames x 1920 samples).
+    #[test]
+    fn generate_matches_the_reference_end_to_end() {
+        let m = model();
+        let io = fixtures::io("generate");
+        let meta: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixtures::dir().join("generate/io.json")).unwrap(),
+        )
+        .unwrap();
+        let cases = meta["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 3);
+        let tc = &m.config().talker;
+        for (i, case) in cases.iter().enumerate() {
+            let p = format!("c{i}_");
+            let input_ids = ids(&io[&format!("{p}input_ids")]);
+            let audio = io
+                .get(&format!("{p}pcm"))
+                .map(|t| t.to_vec1::<f32>().unwrap());
+            let greedy = SamplingConfig::greedy();
+            let req = GenerateRequest {
+                input_ids: input_ids.clone(),
+                audio,
+                speaker: case["speaker"].as_str().unwrap().to_string(),
+                thinker_max_new_tokens: 20,
+                talker_max_new_tokens: 24,
+                thinker_sampling: greedy.clone(),
+                talker_sampling: SamplingConfig {
+                    repetition_penalty: 1.05,
+                    suppress_tokens: tc.suppress_tokens(),
+                    ..SamplingConfig::greedy()
+                },
+                code_predictor_sampling: greedy,
+            };
+            let out = m.generate(&req).unwrap();
+            let seq = ids(&io[&format!("{p}sequences")]);
+            assert_eq!(out.tokens, seq[input_ids.len()..], "case {i} tokens");
+            let codes = io[&format!("{p}codes")].squeeze(0).unwrap(); // (groups, frames)
+            let want: Vec<Vec<u32>> = ids(&codes.t().unwrap().contiguous().unwrap())
+                .chunks(codes.dim(0).unwrap())
+                .map(|c| c.to_vec())
+                .collect();
+            assert_eq!(out.frames, want, "case {i} codes");
+            let wav = &io[&format!("{p}wav")];
+            let n = out.frames.len() * 1920;
+            assert_eq!(out.audio.len(), n);
+            let lead = m.code2wav().delay_samples();
+            assert!(out.audio[..lead].iter().all(|&x| x == 0.0));
+            let ours = Tensor::new(&out.audio[lead..], &Device::Cpu).unwrap();
+            let e = max_abs_diff(&ours, wav);
+            let peak = wav
+                .abs()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            println!(
+                "case {i} ({}): {} tokens, {} frames, waveform max abs {e:.2e} (peak {peak:.3})",
+                case["speaker"],
+                out.tokens.len(),
+                out.frames.len()
+            );
+            assert!(peak > 0.01, "silent reference");
+            assert!(e <= 1e-4, "case {i}: {e}");
+        }
+    }
+
+    #[test]
+    fn released_config_parses_at_real_shapes() {
+        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/qwen3_omni_moe/config.json");
+        let cfg = Qwen3OmniConfig::from_file(&path).unwrap();
+        let t = &cfg.thinker.text_config;
+        assert_eq!(
+            (t.hidden_size, t.num_hidden_layers, t.num_experts),
+            (2048, 48, 128)
+        );
+        assert_eq!(t.mrope_section(), Some(vec![24, 20, 20]));
+        assert_eq!(cfg.talker.text_config.num_experts_per_tok, 6);
+        assert_eq!(cfg.talker.speaker("Ethan"), Some(2302));
+        assert_eq!(cfg.audio.d_model, 1280);
+        assert_eq!(cfg.code2wav.samples_per_frame(), 1920);
+        assert_eq!(cfg.code2wav.delay_samples(), 555);
+    }
+}

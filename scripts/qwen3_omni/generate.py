@@ -8,25 +8,24 @@ case also stores the 16 kHz PCM and the reference's log-mel features."""
 
 import numpy as np
 import torch
-from transformers import WhisperFeatureExtractor
+from transformers import AutoTokenizer, WhisperFeatureExtractor
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
 import tiny
 
 I = tiny.IDS
-NL = 10  # the tiny vocabulary's "\n"
+AUDIO = "<|audio_start|><|audio_pad|><|audio_end|>"
 
 
-def turn(role, body):
-    return [I["im_start_token_id"], role, NL, *body, I["im_end_token_id"], NL]
-
-
-def prompt(system, user):
-    ids = []
-    if system is not None:
-        ids += turn(I["system_token_id"], system)
-    ids += turn(I["user_token_id"], user)
-    return ids + [I["im_start_token_id"], I["assistant_token_id"], NL]
+def chat_ids(hf, messages, n_audio=0):
+    """The chat template's prompt, the audio placeholder expanded to `n_audio`
+    tokens as the processor does."""
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = hf(text, add_special_tokens=False)["input_ids"]
+    out = []
+    for t in ids:
+        out += [t] * n_audio if t == I["audio_token_id"] else [t]
+    return out
 
 
 def speech(seconds, seed):
@@ -38,20 +37,20 @@ def speech(seconds, seed):
 
 
 def make(model, out):
-    g = torch.Generator().manual_seed(7)
-    words = lambda n: torch.randint(20, 200, (n,), generator=g).tolist()  # noqa: E731
+    hf = AutoTokenizer.from_pretrained(tiny.TOKENIZER_DIR)
     fe = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000)
     pcm = speech(1.3, 3)
     feats = fe(pcm, sampling_rate=16000, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt")
     n_audio = int(_get_feat_extract_output_lengths(feats["attention_mask"].sum(-1), 50)[0])
-    audio_body = [I["audio_start_token_id"], *[I["audio_token_id"]] * n_audio, I["audio_end_token_id"], *words(3)]
-    cases = [
-        ("ethan", prompt(words(6), words(9)), None),
-        ("chelsie", prompt(None, words(4)), None),
-        ("aiden", prompt(words(3), audio_body), feats),
+    conversations = [
+        ("ethan", [{"role": "system", "content": "You speak briefly."},
+                   {"role": "user", "content": "What is the capital of France?"}], None),
+        ("chelsie", [{"role": "user", "content": "Hello there! How are you today?"}], None),
+        ("aiden", [{"role": "user", "content": AUDIO + "Answer briefly."}], feats),
     ]
+    cases = [(spk, chat_ids(hf, msgs, n_audio if f is not None else 0), f, msgs) for spk, msgs, f in conversations]
     tensors, meta = {}, {"cases": []}
-    for i, (speaker, ids, feats) in enumerate(cases):
+    for i, (speaker, ids, feats, messages) in enumerate(cases):
         input_ids = torch.tensor([ids])
         captured = {}
         decode = model.code2wav.chunked_decode
@@ -83,7 +82,7 @@ def make(model, out):
         if feats is not None:
             tensors[p + "pcm"] = torch.from_numpy(pcm)
             tensors[p + "input_features"] = feats["input_features"][0]
-        meta["cases"].append({"speaker": speaker, "audio_tokens": n_audio if feats is not None else 0,
+        meta["cases"].append({"speaker": speaker, "messages": messages, "audio_tokens": n_audio if feats is not None else 0,
                               "frames": int(captured["codes"].shape[-1]), "new_tokens": int(seqs.shape[1] - len(ids))})
         print(speaker, "new tokens", seqs.shape[1] - len(ids), "frames", captured["codes"].shape[-1], "wav", wav.shape)
     tiny.save_io("generate", tensors, meta)

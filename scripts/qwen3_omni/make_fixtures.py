@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import tiny  # noqa: E402
 
-COMPONENTS = ["thinker", "audio_encoder", "talker", "code_predictor", "code2wav", "generate", "tokenizer"]
+COMPONENTS = ["tokenizer", "thinker", "audio_encoder", "talker", "code_predictor", "code2wav", "generate"]
 
 
 def main(names):

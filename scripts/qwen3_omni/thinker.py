@@ -12,7 +12,7 @@ import torch
 import tiny
 
 IDS = tiny.IDS
-NL = 10  # a plain text id standing for "\n" in the chat template
+NL = tiny.NL  # "\n"
 PAD = 0
 N_STEPS = 32
 
@@ -44,7 +44,7 @@ def make(model, out_dir):
     cfg = th.config
     acc = model.config.talker_config.accept_hidden_layer
     g = torch.Generator().manual_seed(7)
-    rand = lambda n: torch.randint(0, 230, (n,), generator=g).tolist()  # noqa: E731
+    rand = lambda n: torch.randint(0, tiny.FIRST_ADDED, (n,), generator=g).tolist()  # noqa: E731
 
     t = {}
     meta = {"accept_hidden_layer": acc, "n_steps": N_STEPS, "pad_id": PAD}

@@ -19,24 +19,72 @@ from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneratio
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "qwen3_omni")
 
-# Special ids inside the tiny vocabularies (the real ones are ~151k).
-THINKER_VOCAB = 256
-IDS = dict(
-    im_start_token_id=250,
-    im_end_token_id=251,
-    system_token_id=240,
-    user_token_id=241,
-    assistant_token_id=242,
-    tts_pad_token_id=245,
-    tts_bos_token_id=246,
-    tts_eos_token_id=247,
-    audio_token_id=230,
-    image_token_id=231,
-    video_token_id=232,
-    vision_start_token_id=233,
-    audio_start_token_id=234,
-    audio_end_token_id=235,
+# The tiny Thinker's vocabulary is a real (small) Qwen2-style tokenizer's: a
+# byte-level BPE with Qwen's split regex, the chat words ("system", "user",
+# "assistant") as single tokens and Qwen3-Omni's special tokens at the end, so the
+# whole model can be driven from text through tokenizer.json and its chat
+# template, as the real checkpoint is.
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+CHAT_WORDS = ["system", "user", "assistant"]
+SPECIALS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|tts_pad|>", "<|tts_bos|>", "<|tts_eos|>",
+]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. What is the capital of France? Paris is the capital of France.",
+    "Hello there! How are you today? I'm fine, thanks; it's 12:30 and we'll leave at 3 o'clock.",
+    "Speech streams in real time: first audio in 150 ms, exact chunk boundaries, 24 kHz PCM.",
+    "Zürich, naïve café — déjà vu. 你好，世界。 こんにちは。",
+]
+TOKENIZER_DIR = os.path.join(ROOT, "tokenizer")
+
+
+def build_tokenizer():
+    """Trains (deterministically) and saves the tiny tokenizer; returns it."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.add_tokens([AddedToken(w, normalized=False) for w in CHAT_WORDS])
+    tok.add_special_tokens(SPECIALS)
+    os.makedirs(TOKENIZER_DIR, exist_ok=True)
+    tok.save(os.path.join(TOKENIZER_DIR, "tokenizer.json"))
+    return tok
+
+
+_TOK = build_tokenizer()
+THINKER_VOCAB = _TOK.get_vocab_size(with_added_tokens=True)
+NL = _TOK.token_to_id("Ċ")  # "\n" as a byte-level token
+IDS = dict(
+    im_start_token_id=_TOK.token_to_id("<|im_start|>"),
+    im_end_token_id=_TOK.token_to_id("<|im_end|>"),
+    system_token_id=_TOK.token_to_id("system"),
+    user_token_id=_TOK.token_to_id("user"),
+    assistant_token_id=_TOK.token_to_id("assistant"),
+    tts_pad_token_id=_TOK.token_to_id("<|tts_pad|>"),
+    tts_bos_token_id=_TOK.token_to_id("<|tts_bos|>"),
+    tts_eos_token_id=_TOK.token_to_id("<|tts_eos|>"),
+    audio_token_id=_TOK.token_to_id("<|audio_pad|>"),
+    image_token_id=_TOK.token_to_id("<|image_pad|>"),
+    video_token_id=_TOK.token_to_id("<|video_pad|>"),
+    vision_start_token_id=_TOK.token_to_id("<|vision_start|>"),
+    audio_start_token_id=_TOK.token_to_id("<|audio_start|>"),
+    audio_end_token_id=_TOK.token_to_id("<|audio_end|>"),
+)
+assert all(v is not None for v in IDS.values()) and NL is not None, IDS
+# Plain text ids (below every added token), for scripts that draw random words.
+FIRST_ADDED = min(IDS.values())
 CODEBOOK = 64
 NUM_GROUPS = 4
 # The reference suppresses [vocab - 1024, vocab) when sampling code 0, so with
@@ -192,6 +240,10 @@ def tiny_model(seed: int = 0) -> Qwen3OmniMoeForConditionalGeneration:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or ".norm" in name and name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed" in name and p.dim() == 2:
+                # Unit-scale token embeddings (as nn.Embedding's init): with 1/sqrt(d) the
+                # residual stream forgets its input and greedy decoding repeats one token.
+                p.copy_(torch.randn(p.shape, generator=g))
             elif p.dim() >= 2:
                 fan_in = p.shape[-1] if p.dim() == 2 else p[0].numel() if "experts" in name else p[0].numel()
                 p.copy_(torch.randn(p.shape, generator=g) / max(fan_in, 1) ** 0.5)

@@ -6,15 +6,11 @@ Qwen3-Omni tokenizer is the same `tokenizers` pipeline with a 151k vocabulary.""
 import json
 import os
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 import tiny
 
-QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"]
 CHATML = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
@@ -22,12 +18,6 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog. What is the capital of France? Paris is the capital of France.",
-    "Hello there! How are you today? I'm fine, thanks; it's 12:30 and we'll leave at 3 o'clock.",
-    "Speech streams in real time: first audio in 150 ms, exact chunk boundaries, 24 kHz PCM.",
-    "Zürich, naïve café — déjà vu. 你好，世界。 こんにちは。",
-]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [
@@ -40,21 +30,9 @@ CONVERSATIONS = [
 
 
 def make(model, out):
+    """tokenizer.json is written by tiny.py (the model's vocabulary is built from it)."""
     del model
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    tok.save(os.path.join(out, "tokenizer.json"))
+    tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump(
             {
@@ -77,7 +55,7 @@ def make(model, out):
         text = hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
         ids = hf(text, add_special_tokens=False)["input_ids"]
         cases.append({"messages": conv, "text": text, "ids": ids, "decoded": hf.decode(ids)})
-    for line in CORPUS:
+    for line in tiny.CORPUS:
         ids = hf(line, add_special_tokens=False)["input_ids"]
         cases.append({"text": line, "ids": ids, "decoded": hf.decode(ids)})
     with open(os.path.join(out, "cases.json"), "w") as f:

@@ -998,7 +998,7 @@ mod tests {
             assert!(max_abs(want) > 0.05);
             let b0 = want.get(0).unwrap();
             let rows = diff(&b0, &want.get(1).unwrap());
-            assert!(rows > 1e-2, "batch rows differ by {rows}");
+            assert!(rows > 1e-3, "batch rows differ by {rows}");
         }
     }
 
@@ -1058,7 +1058,7 @@ mod tests {
         let a = random_codes(1, cfg.num_quantizers, frames, cfg.codebook_size, 2);
         let b = random_codes(1, cfg.num_quantizers, frames, cfg.codebook_size, 3);
         let (want_a, want_b) = (full(&m, &a), full(&m, &b));
-        assert!(diff(&want_a, &want_b) > 0.05);
+        assert!(diff(&want_a, &want_b) > 1e-3);
 
         // Two streams stepped alternately with different chunkings.
         let (mut sa, mut sb) = (m.new_state(), m.new_state());
@@ -1122,7 +1122,7 @@ mod tests {
         // So from the first boundary on it no longer lines up with the full decode.
         let after = chunked.narrow(2, kept, n).unwrap();
         let jump = diff(&after, &reference.narrow(2, kept, n).unwrap());
-        assert!(jump > 0.05, "{jump}");
+        assert!(jump > 1e-3, "{jump}");
 
         // Ours in the same chunks: 5*1920 samples each, equal to the reference's
         // full decode (555 later) throughout.

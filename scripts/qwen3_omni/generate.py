@@ -46,7 +46,7 @@ def make(model, out):
         ("ethan", [{"role": "system", "content": "You speak briefly."},
                    {"role": "user", "content": "What is the capital of France?"}], None),
         ("chelsie", [{"role": "user", "content": "Hello there! How are you today?"}], None),
-        ("aiden", [{"role": "user", "content": AUDIO + "Answer briefly."}], feats),
+        ("aiden", [{"role": "user", "content": AUDIO}], feats),
     ]
     cases = [(spk, chat_ids(hf, msgs, n_audio if f is not None else 0), f, msgs) for spk, msgs, f in conversations]
     tensors, meta = {}, {"cases": []}

@@ -48,6 +48,43 @@ pub enum ModelType {
     PiperTalker,
     /// Piper's HiFi-GAN decoder: latent frames to PCM.
     PiperDecoder,
+    /// Qwen3-Omni's Thinker (MoE text decoder + audio encoder): hears speech and
+    /// text, writes text and hands its Talker the embeddings it speaks from.
+    Qwen3OmniThinker,
+    /// Qwen3-Omni's Talker and code predictor: Thinker states to codec frames.
+    Qwen3OmniTalker,
+    /// Qwen3-Omni's Code2Wav: codec frames to 24 kHz PCM (exact streaming).
+    Qwen3OmniCode2wav,
+}
+
+/// Where a checkpoint's weights come from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightsSource {
+    /// The safetensors in the model folder.
+    #[default]
+    Checkpoint,
+    /// Random values at the folder's `config.json` shapes (benchmarks).
+    Random,
+}
+
+/// The dtype a checkpoint is computed in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl ModelType {
+    /// Qwen3-Omni stages load one checkpoint folder (shared by the three stages).
+    pub fn is_qwen3_omni(self) -> bool {
+        matches!(
+            self,
+            Self::Qwen3OmniThinker | Self::Qwen3OmniTalker | Self::Qwen3OmniCode2wav
+        )
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -60,6 +97,15 @@ pub struct ModelSpec {
     /// Second file where a model needs one (Piper's `.onnx.json`); relative to the profile.
     #[serde(default)]
     pub config: Option<PathBuf>,
+    /// Qwen3-Omni: the folder with `tokenizer.json` (default: the model folder).
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
+    /// Qwen3-Omni: `checkpoint` (default) or `random` weights.
+    #[serde(default)]
+    pub weights: WeightsSource,
+    /// Qwen3-Omni: `f32` (default) or `bf16`.
+    #[serde(default)]
+    pub dtype: Dtype,
 }
 
 /// Default sampling parameters of a stage. Which keys apply depends on the model;
@@ -120,6 +166,12 @@ pub struct StageSpec {
     pub prefix_cache_entries: Option<usize>,
     #[serde(default)]
     pub sampling: SamplingParams,
+    /// Qwen3-Omni Talker: how the code predictor draws codes 1..15.
+    #[serde(default)]
+    pub code_predictor_sampling: Option<SamplingParams>,
+    /// Talker stages: the voice used when a request names none.
+    #[serde(default)]
+    pub voice: Option<String>,
 }
 
 fn default_device() -> String {
@@ -331,8 +383,13 @@ impl Profile {
     pub fn connector_kind(&self, from: usize) -> Option<ConnectorKind> {
         let up = self.stages.get(from)?;
         Some(match up.model.model_type {
-            ModelType::WhisperCt2 | ModelType::GgufLlama => ConnectorKind::Text,
-            ModelType::PiperTalker | ModelType::PiperDecoder => ConnectorKind::Frames,
+            ModelType::WhisperCt2 | ModelType::GgufLlama | ModelType::Qwen3OmniThinker => {
+                ConnectorKind::Text
+            }
+            ModelType::PiperTalker
+            | ModelType::PiperDecoder
+            | ModelType::Qwen3OmniTalker
+            | ModelType::Qwen3OmniCode2wav => ConnectorKind::Frames,
         })
     }
 
@@ -421,8 +478,13 @@ impl Profile {
                 ));
             }
             let expected_kind = match s.model.model_type {
-                ModelType::WhisperCt2 | ModelType::GgufLlama => StageKind::Ar,
-                ModelType::PiperTalker | ModelType::PiperDecoder => StageKind::Generation,
+                ModelType::WhisperCt2
+                | ModelType::GgufLlama
+                | ModelType::Qwen3OmniThinker
+                | ModelType::Qwen3OmniTalker => StageKind::Ar,
+                ModelType::PiperTalker | ModelType::PiperDecoder | ModelType::Qwen3OmniCode2wav => {
+                    StageKind::Generation
+                }
             };
             if s.kind != expected_kind {
                 return Err(self.invalid(
@@ -434,7 +496,9 @@ impl Profile {
                 ));
             }
             let model_path = self.resolve(&s.model.path);
-            if !model_path.is_file() {
+            if s.model.model_type.is_qwen3_omni() {
+                self.validate_checkpoint(i, s)?;
+            } else if !model_path.is_file() {
                 return Err(self.invalid(
                     key("model.path"),
                     format!(
@@ -463,6 +527,8 @@ impl Profile {
                 (ModelType::WhisperCt2, ModelType::GgufLlama)
                     | (ModelType::GgufLlama, ModelType::PiperTalker)
                     | (ModelType::PiperTalker, ModelType::PiperDecoder)
+                    | (ModelType::Qwen3OmniThinker, ModelType::Qwen3OmniTalker)
+                    | (ModelType::Qwen3OmniTalker, ModelType::Qwen3OmniCode2wav)
             );
             if !ok {
                 return Err(self.invalid(
@@ -535,6 +601,58 @@ impl Profile {
         Ok(())
     }
 
+    /// A Qwen3-Omni stage's folder: `config.json`, and the weights unless random.
+    fn validate_checkpoint(&self, i: usize, s: &StageSpec) -> Result<(), ProfileError> {
+        let key = |k: &str| format!("stages[{i}].{k}");
+        let dir = self.resolve(&s.model.path);
+        if !dir.join("config.json").is_file() {
+            return Err(self.invalid(
+                key("model.path"),
+                format!(
+                    "{} is not a Qwen3-Omni checkpoint folder (no config.json)",
+                    dir.display()
+                ),
+            ));
+        }
+        if s.model.weights == WeightsSource::Checkpoint
+            && !dir.join("model.safetensors").is_file()
+            && !dir.join("model.safetensors.index.json").is_file()
+        {
+            return Err(self.invalid(
+                key("model.path"),
+                format!(
+                    "{} has no model.safetensors or model.safetensors.index.json \
+                     (or set `weights: random`)",
+                    dir.display()
+                ),
+            ));
+        }
+        if s.model.model_type == ModelType::Qwen3OmniThinker {
+            let tok = self.resolve(s.model.tokenizer.as_ref().unwrap_or(&s.model.path));
+            if !tok.join("tokenizer.json").is_file() {
+                return Err(self.invalid(
+                    key("model.tokenizer"),
+                    format!("{} has no tokenizer.json", tok.display()),
+                ));
+            }
+        }
+        let wrong = |k: &str, set: bool| -> Result<(), ProfileError> {
+            if set {
+                Err(self.invalid(key(k), "applies to qwen3-omni-talker stages only"))
+            } else {
+                Ok(())
+            }
+        };
+        if s.model.model_type != ModelType::Qwen3OmniTalker {
+            wrong(
+                "code_predictor_sampling",
+                s.code_predictor_sampling.is_some(),
+            )?;
+            wrong("voice", s.voice.is_some())?;
+        }
+        Ok(())
+    }
+
     fn validate_sampling(&self, i: usize, s: &StageSpec) -> Result<(), ProfileError> {
         let allowed: &[&str] = match s.model.model_type {
             ModelType::GgufLlama => &[
@@ -546,7 +664,15 @@ impl Profile {
                 "seed",
             ],
             ModelType::PiperTalker => &["noise_scale", "length_scale", "noise_w", "seed"],
-            ModelType::PiperDecoder | ModelType::WhisperCt2 => &[],
+            ModelType::Qwen3OmniThinker | ModelType::Qwen3OmniTalker => &[
+                "temperature",
+                "top_p",
+                "top_k",
+                "repetition_penalty",
+                "max_tokens",
+                "seed",
+            ],
+            ModelType::PiperDecoder | ModelType::WhisperCt2 | ModelType::Qwen3OmniCode2wav => &[],
         };
         for k in s.sampling.set_keys() {
             if !allowed.contains(&k) {

@@ -55,14 +55,8 @@ impl StageModel for WordThinker {
             ctx.emit(Event::TextDelta(w.clone()));
             ctx.add_completion_tokens(1);
             let finished = words.is_empty();
-            out.downstream.push((
-                id,
-                Payload::Text(TextChunk {
-                    text: w,
-                    token_ids: vec![],
-                    finished,
-                }),
-            ));
+            out.downstream
+                .push((id, Payload::Text(TextChunk::text(w, vec![], finished))));
             if finished {
                 self.reqs.remove(&id);
                 out.finished.push(id);

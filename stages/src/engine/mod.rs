@@ -13,7 +13,7 @@ mod stage;
 mod worker;
 
 pub use connector::{in_process, Closed, ConnectorRx, ConnectorTx, InProcessRx, InProcessTx};
-pub use payload::{Envelope, FrameChunk, Payload, TextChunk};
+pub use payload::{Envelope, FrameChunk, Payload, PromptStates, TextChunk, ThinkerStates};
 pub use pipeline::{
     Pipeline, PipelineStats, StageDef, StageRole, StageStats, DEFAULT_EVENT_CAPACITY,
     MAX_SPEECH_CHARS,

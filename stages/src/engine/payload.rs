@@ -21,14 +21,46 @@ pub enum Payload {
     Frames(FrameChunk),
 }
 
-/// A span of generated text. Future Thinkers attach the per-token tensors their
-/// Talker needs (embeddings, a hidden layer) next to the ids.
+/// A span of generated text, with the Thinker's tensors for a Talker that
+/// speaks from them (Qwen3-Omni) rather than from the text.
 #[derive(Debug, Clone)]
 pub struct TextChunk {
     pub text: String,
     pub token_ids: Vec<u32>,
     /// No more text follows for this request.
     pub finished: bool,
+    pub states: Option<ThinkerStates>,
+}
+
+impl TextChunk {
+    pub fn text(text: String, token_ids: Vec<u32>, finished: bool) -> Self {
+        Self {
+            text,
+            token_ids,
+            finished,
+            states: None,
+        }
+    }
+}
+
+/// What a Qwen3-Omni Thinker hands its Talker.
+#[derive(Debug, Clone, Default)]
+pub struct ThinkerStates {
+    /// With the first chunk: the prompt's ids, input embeddings and hidden states
+    /// at the Talker's `accept_hidden_layer`.
+    pub prompt: Option<Arc<PromptStates>>,
+    /// Input embeddings `(n, hidden)` of the generated tokens the Thinker fed back
+    /// since the last chunk (the token it ends on is never fed back).
+    pub embeds: Option<Tensor>,
+}
+
+#[derive(Debug)]
+pub struct PromptStates {
+    pub ids: Vec<u32>,
+    /// `(prompt, hidden)`.
+    pub embeds: Tensor,
+    /// `(prompt, hidden)`.
+    pub hidden: Tensor,
 }
 
 /// Speech units with time on the last axis: latent frames `[1, C, T]` (Piper) or

@@ -71,6 +71,8 @@ pub struct Pipeline {
     in_flight: Arc<AtomicU64>,
     event_capacity: usize,
     sample_rate: Option<u32>,
+    voices: Vec<String>,
+    thinker_hears: bool,
 }
 
 /// Longest text a speech request may ask for (the OpenAI speech API's limit).
@@ -128,7 +130,27 @@ impl Pipeline {
             in_flight: Arc::new(AtomicU64::new(0)),
             event_capacity: DEFAULT_EVENT_CAPACITY,
             sample_rate,
+            voices: Vec::new(),
+            thinker_hears: false,
         })
+    }
+
+    /// The voices the Talker speaks with, the default first.
+    pub fn voices(&self) -> &[String] {
+        &self.voices
+    }
+
+    pub fn set_voices(&mut self, voices: Vec<String>) {
+        self.voices = voices;
+    }
+
+    /// Whether the Thinker takes speech itself ([`RequestInput::Heard`]).
+    pub fn thinker_hears(&self) -> bool {
+        self.thinker_hears
+    }
+
+    pub fn set_thinker_hears(&mut self, hears: bool) {
+        self.thinker_hears = hears;
     }
 
     /// Sample rate of the audio the last stage emits, if the pipeline speaks.
@@ -160,6 +182,20 @@ impl Pipeline {
             RequestInput::Chat { messages } => {
                 if messages.is_empty() {
                     return Err(EngineError::BadRequest("no messages".into()));
+                }
+                self.index_of(StageRole::Thinker)
+                    .ok_or_else(|| EngineError::BadRequest("this pipeline has no Thinker".into()))?
+            }
+            RequestInput::Heard { audio, .. } => {
+                if audio.is_empty() {
+                    return Err(EngineError::BadRequest(
+                        "no audio in the spoken turn".into(),
+                    ));
+                }
+                if !self.thinker_hears {
+                    return Err(EngineError::BadRequest(
+                        "this pipeline's Thinker does not hear audio; transcribe it first".into(),
+                    ));
                 }
                 self.index_of(StageRole::Thinker)
                     .ok_or_else(|| EngineError::BadRequest("this pipeline has no Thinker".into()))?
@@ -198,7 +234,9 @@ impl Pipeline {
                 .ok_or_else(|| EngineError::BadRequest("this pipeline cannot speak".into()))?
         } else {
             match spec.input {
-                RequestInput::Chat { .. } | RequestInput::Transcribe { .. } => first,
+                RequestInput::Chat { .. }
+                | RequestInput::Heard { .. }
+                | RequestInput::Transcribe { .. } => first,
                 RequestInput::Speech { .. } => {
                     return Err(EngineError::BadRequest(
                         "speech requests produce audio".into(),
@@ -210,7 +248,9 @@ impl Pipeline {
         let (etx, erx) = flume::bounded(self.event_capacity);
         let speech = match &spec.input {
             RequestInput::Speech { text } => Some(text.clone()),
-            RequestInput::Chat { .. } | RequestInput::Transcribe { .. } => None,
+            RequestInput::Chat { .. }
+            | RequestInput::Heard { .. }
+            | RequestInput::Transcribe { .. } => None,
         };
         let ctx = Arc::new(RequestCtx::new(id, spec, first, last, etx));
         let input = &self.inputs[first];
@@ -226,11 +266,7 @@ impl Pipeline {
             input
                 .send(Envelope {
                     request: id,
-                    payload: Payload::Text(TextChunk {
-                        text,
-                        token_ids: Vec::new(),
-                        finished: true,
-                    }),
+                    payload: Payload::Text(TextChunk::text(text, Vec::new(), true)),
                 })
                 .map_err(|_| EngineError::Closed)?;
         }

@@ -57,6 +57,12 @@ pub enum RequestInput {
     Chat { messages: Vec<ChatMessage> },
     /// Text to speak as it is (skips the Thinker).
     Speech { text: String },
+    /// A conversation whose last user turn is speech (mono f32 at
+    /// [`TRANSCRIBE_RATE`]), for a Thinker that hears (Qwen3-Omni's audio encoder).
+    Heard {
+        messages: Vec<ChatMessage>,
+        audio: Arc<[f32]>,
+    },
     /// Speech to transcribe: mono f32 at [`TRANSCRIBE_RATE`]. Goes to the
     /// Listener stage only; the transcript comes back as text deltas.
     Transcribe { audio: Arc<[f32]> },

@@ -199,14 +199,8 @@ impl LlmThinker {
         if let Some(text) = seq.detok.push(&self.tokenizer, token)? {
             if !text.is_empty() {
                 seq.ctx.emit(Event::TextDelta(text.clone()));
-                out.downstream.push((
-                    id,
-                    Payload::Text(TextChunk {
-                        text,
-                        token_ids: vec![token],
-                        finished: false,
-                    }),
-                ));
+                out.downstream
+                    .push((id, Payload::Text(TextChunk::text(text, vec![token], false))));
             }
         }
         let ctx_full = seq.cache.len() + 1 >= self.model.config().max_seq_len;
@@ -218,14 +212,8 @@ impl LlmThinker {
         if !tail.is_empty() {
             seq.ctx.emit(Event::TextDelta(tail.clone()));
         }
-        out.downstream.push((
-            id,
-            Payload::Text(TextChunk {
-                text: tail,
-                token_ids: Vec::new(),
-                finished: true,
-            }),
-        ));
+        out.downstream
+            .push((id, Payload::Text(TextChunk::text(tail, Vec::new(), true))));
         out.finished.push(id);
         Ok(())
     }

@@ -6,6 +6,9 @@ mod listener;
 mod llm_thinker;
 mod piper_code2wav;
 mod piper_talker;
+mod qwen3_code2wav;
+mod qwen3_talker;
+mod qwen3_thinker;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -17,13 +20,18 @@ pub use listener::{Listener, Transcriber};
 pub use llm_thinker::LlmThinker;
 pub use piper_code2wav::{ChunkPolicy, PiperCode2Wav};
 pub use piper_talker::{PiperTalker, SpanPolicy};
+pub use qwen3_code2wav::{Qwen3OmniCode2Wav, QWEN3_OMNI_SAMPLE_RATE};
+pub use qwen3_talker::Qwen3OmniTalker;
+pub use qwen3_thinker::Qwen3OmniThinker;
 
 use crate::engine::{EngineError, Pipeline, RequestId, StageDef, StageModel, StageRole};
 use crate::models::piper::{PiperVoice, Scales};
 use crate::models::quantized_llama::QuantizedLlama;
+use crate::models::qwen3_omni::omni::Qwen3Omni;
+use crate::models::tokenizer::ChatTokenizer;
 use crate::models::whisper::WhisperAsr;
 use crate::models::ModelError;
-use crate::profile::{ModelType, Profile};
+use crate::profile::{Dtype, ModelType, Profile, StageSpec, WeightsSource};
 
 /// Name clients use for the Piper voice.
 pub const PIPER_VOICE_NAME: &str = "joe";
@@ -58,6 +66,9 @@ fn take_ready(
 pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
     let device = Device::Cpu;
     let mut voices: HashMap<PathBuf, Arc<PiperVoice>> = HashMap::new();
+    let mut omni: HashMap<PathBuf, Arc<Qwen3Omni>> = HashMap::new();
+    let mut voice_names = Vec::new();
+    let mut hears = false;
     let mut defs = Vec::new();
     let mut sample_rate = None;
     for (i, s) in profile.stages.iter().enumerate() {
@@ -151,6 +162,58 @@ pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
                     Box::new(PiperCode2Wav::new(voice, policy, s.max_num_seqs)),
                 )
             }
+            ModelType::Qwen3OmniThinker => {
+                let model = load_omni(&mut omni, &path, s)?;
+                let tok_dir = profile.resolve(s.model.tokenizer.as_ref().unwrap_or(&s.model.path));
+                let tok = ChatTokenizer::from_hf_dir(&tok_dir).map_err(model_err)?;
+                hears = true;
+                let thinker =
+                    Qwen3OmniThinker::new(model, Arc::new(tok), s.sampling.clone(), s.max_num_seqs)
+                        .map_err(model_err)?;
+                (StageRole::Thinker, Box::new(thinker))
+            }
+            ModelType::Qwen3OmniTalker => {
+                let model = load_omni(&mut omni, &path, s)?;
+                let names = Qwen3OmniTalker::voice_names(&model);
+                let default = s
+                    .voice
+                    .clone()
+                    .or_else(|| names.iter().find(|n| *n == "ethan").cloned())
+                    .or_else(|| names.first().cloned())
+                    .ok_or_else(|| {
+                        model_err(ModelError::Invalid("the Talker has no voices".into()))
+                    })?;
+                voice_names = std::iter::once(default.clone())
+                    .chain(names.into_iter().filter(|n| *n != default))
+                    .collect();
+                let talker = Qwen3OmniTalker::new(
+                    model,
+                    s.sampling.clone(),
+                    s.code_predictor_sampling.clone(),
+                    default,
+                    s.max_num_seqs,
+                )
+                .map_err(model_err)?;
+                (StageRole::Talker, Box::new(talker))
+            }
+            ModelType::Qwen3OmniCode2wav => {
+                let model = load_omni(&mut omni, &path, s)?;
+                sample_rate = Some(QWEN3_OMNI_SAMPLE_RATE);
+                let policy = ChunkPolicy {
+                    async_chunk: profile.async_chunk,
+                    initial_frames: c
+                        .and_then(|c| c.initial_codec_chunk_frames)
+                        .unwrap_or(DEFAULT_INITIAL_FRAMES),
+                    chunk_frames: c
+                        .and_then(|c| c.codec_chunk_frames)
+                        .unwrap_or(DEFAULT_CHUNK_FRAMES),
+                    left_context_frames: 0,
+                };
+                (
+                    StageRole::Code2Wav,
+                    Box::new(Qwen3OmniCode2Wav::new(model, policy, s.max_num_seqs)),
+                )
+            }
         };
         let input_capacity = c.map(|c| c.capacity).unwrap_or(1024);
         defs.push(StageDef {
@@ -160,5 +223,42 @@ pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
             input_capacity,
         });
     }
-    Pipeline::start(defs, sample_rate)
+    let mut pipeline = Pipeline::start(defs, sample_rate)?;
+    if voice_names.is_empty() && pipeline.has_role(StageRole::Talker) {
+        voice_names.push(PIPER_VOICE_NAME.to_string());
+    }
+    pipeline.set_voices(voice_names);
+    pipeline.set_thinker_hears(hears);
+    Ok(pipeline)
+}
+
+/// The Qwen3-Omni checkpoint at `path`, loaded once for all its stages.
+fn load_omni(
+    cache: &mut HashMap<PathBuf, Arc<Qwen3Omni>>,
+    path: &std::path::Path,
+    s: &StageSpec,
+) -> Result<Arc<Qwen3Omni>, EngineError> {
+    if let Some(m) = cache.get(path) {
+        return Ok(m.clone());
+    }
+    let model_err = |source: ModelError| EngineError::Model {
+        stage: s.name.clone(),
+        source,
+    };
+    let dtype = match s.model.dtype {
+        Dtype::F32 => candle_core::DType::F32,
+        Dtype::Bf16 => candle_core::DType::BF16,
+    };
+    let device = Device::Cpu;
+    let model = match s.model.weights {
+        WeightsSource::Checkpoint => Qwen3Omni::load(path, dtype, &device, None),
+        WeightsSource::Random => {
+            crate::models::qwen3_omni::omni::Qwen3OmniConfig::from_file(&path.join("config.json"))
+                .and_then(|cfg| Qwen3Omni::random(&cfg, dtype, &device))
+        }
+    }
+    .map_err(model_err)?;
+    let model = Arc::new(model);
+    cache.insert(path.to_path_buf(), model.clone());
+    Ok(model)
 }

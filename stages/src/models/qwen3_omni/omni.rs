@@ -135,15 +135,6 @@ pub struct ThinkerTrace<'a> {
     pub hidden: &'a Tensor,
 }
 
-/// The Talker prompt of one request.
-pub struct TalkerPrompt {
-    /// `(1, s, talker_hidden)`.
-    pub inputs_embeds: Tensor,
-    /// Text vectors fed one per frame after the prompt, `(t, talker_hidden)`; then `tts.pad`.
-    pub trailing: Tensor,
-    pub tts: TtsEmbeds,
-}
-
 pub struct Qwen3Omni {
     cfg: Qwen3OmniConfig,
     thinker: Thinker,
@@ -151,6 +142,8 @@ pub struct Qwen3Omni {
     features: AudioFeatureExtractor,
     talker: Talker,
     code2wav: Code2Wav,
+    /// The Thinker's tts_bos / tts_eos / tts_pad through `text_projection`.
+    tts: TtsEmbeds,
 }
 
 impl Qwen3Omni {
@@ -161,12 +154,25 @@ impl Qwen3Omni {
                 "qwen3-omni: this checkpoint has no Talker (enable_audio_output is false)".into(),
             ));
         }
+        let thinker = Thinker::new(&cfg.thinker, vb.pp("thinker"))?;
+        let talker = Talker::new(&cfg.talker, vb.pp("talker"))?;
+        let ids = &cfg.ids;
+        let tts_ids = Tensor::new(
+            &[[
+                ids.tts_bos_token_id,
+                ids.tts_eos_token_id,
+                ids.tts_pad_token_id,
+            ]],
+            thinker.device(),
+        )?;
+        let tts = talker.tts_embeds(&thinker.embed_tokens(&tts_ids)?.squeeze(0)?)?;
         Ok(Self {
-            thinker: Thinker::new(&cfg.thinker, vb.pp("thinker"))?,
             audio: AudioEncoder::new(&cfg.audio, vb.pp("thinker").pp("audio_tower"))?,
             features: AudioFeatureExtractor::new(cfg.audio.num_mel_bins)?,
-            talker: Talker::new(&cfg.talker, vb.pp("talker"))?,
             code2wav: Code2Wav::new(&cfg.code2wav, vb.pp("code2wav"))?,
+            thinker,
+            talker,
+            tts,
             cfg: cfg.clone(),
         })
     }
@@ -223,8 +229,9 @@ impl Qwen3Omni {
     /// positions' `accept_hidden_layer` states through `hidden_projection`), then the
     /// assistant turn's opening (3 text positions, 4 tts_pad, tts_bos + first text
     /// token over the codec's think/speaker/pad/bos ids). `trace.embeds` must
-    /// hold at least the first generated token.
-    pub fn talker_prompt(&self, trace: &ThinkerTrace, speaker: u32) -> Result<TalkerPrompt> {
+    /// hold at least the first generated token; the later ones are the Talker's
+    /// trailing text ([`Self::text_vectors`]).
+    pub fn talker_prompt(&self, trace: &ThinkerTrace, speaker: u32) -> Result<Tensor> {
         let ids = &self.cfg.ids;
         let prompt = trace.prompt;
         let l = prompt.len();
@@ -280,35 +287,25 @@ impl Qwen3Omni {
                     .user_part(&embeds.unsqueeze(0)?, &hidden.unsqueeze(0)?, &mm)?,
             );
         }
-        let tts_ids = Tensor::new(
-            &[
-                ids.tts_bos_token_id,
-                ids.tts_eos_token_id,
-                ids.tts_pad_token_id,
-            ],
-            dev,
-        )?;
-        let tts = self.talker.tts_embeds(
-            &self
-                .thinker
-                .embed_tokens(&tts_ids.unsqueeze(0)?)?
-                .squeeze(0)?,
-        )?;
-        let speaker_ids = [speaker];
-        let (head, trailing) = self.talker.assistant_part(
-            &trace
-                .embeds
-                .narrow(0, assistant, n - assistant)?
-                .unsqueeze(0)?,
-            &speaker_ids,
-            &tts,
+        let (head, _) = self.talker.assistant_part(
+            &trace.embeds.narrow(0, assistant, 4)?.unsqueeze(0)?,
+            &[speaker],
+            &self.tts,
         )?;
         parts.push(head);
-        Ok(TalkerPrompt {
-            inputs_embeds: Tensor::cat(&parts, 1)?,
-            trailing: trailing.squeeze(0)?,
-            tts,
-        })
+        Ok(Tensor::cat(&parts, 1)?)
+    }
+
+    /// The tts_bos / tts_eos / tts_pad vectors in the Talker's width.
+    pub fn tts(&self) -> &TtsEmbeds {
+        &self.tts
+    }
+
+    /// The Talker's text vectors `(n, talker_hidden)` for generated tokens' Thinker
+    /// embeddings `(n, thinker_hidden)`: fed one per frame after the prompt, then
+    /// `tts().eos` once the text has ended, then `tts().pad`.
+    pub fn text_vectors(&self, embeds: &Tensor) -> Result<Tensor> {
+        Ok(self.talker.text_projection(embeds)?)
     }
 
     /// One request end to end, not streamed: the reference's `generate` with the
@@ -380,12 +377,18 @@ impl Qwen3Omni {
             },
             speaker,
         )?;
-        // For one request the trailing text ends with tts_eos right after the last
-        // token fed back: the end-of-turn token (or, at the token budget, the last
-        // token) is never spoken, as in the reference.
-        let trailing = prompt.trailing;
+        // The trailing text: every generated token fed back after the first, then
+        // tts_eos. The token the Thinker ended on (end of turn, or the last of its
+        // budget) is never fed back, so never spoken, as in the reference.
+        let trailing = Tensor::cat(
+            &[
+                self.text_vectors(&embeds.narrow(0, l + 1, embeds.dim(0)? - l - 1)?)?,
+                self.tts.eos.unsqueeze(0)?,
+            ],
+            0,
+        )?;
         // 3. Talker + code predictor, frame by frame.
-        let (mut state, out) = self.talker.prefill(&prompt.inputs_embeds, None, None)?;
+        let (mut state, out) = self.talker.prefill(&prompt, None, None)?;
         let mut code0_sampler = Sampler::new(req.talker_sampling.clone());
         let mut cp = [Sampler::new(req.code_predictor_sampling.clone())];
         let mut logits = out.logits.get(0)?;
@@ -399,7 +402,7 @@ impl Qwen3Omni {
             let text = if f < trailing.dim(0)? {
                 trailing.narrow(0, f, 1)?
             } else {
-                prompt.tts.pad.reshape((1, hs))?
+                self.tts.pad.reshape((1, hs))?
             };
             let step = self
                 .talker

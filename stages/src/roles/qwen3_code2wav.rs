@@ -1,0 +1,196 @@
+//! Code2Wav stage for Qwen3-Omni: codec frames in, 24 kHz PCM out.
+//!
+//! The decoder is causal and keeps every layer's state across chunks
+//! (`models::qwen3_omni::code2wav`), so a chunk is decoded as soon as its frames
+//! are here, with no lookahead and no re-decoded context, and the streamed audio
+//! equals the whole-utterance decode. The chunk sizes only trade how often audio
+//! goes out against per-call overhead: the first chunk after
+//! `initial_codec_chunk_frames`, then every `codec_chunk_frames`.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+
+use super::take_ready;
+use super::ChunkPolicy;
+use crate::engine::{Event, Payload, RequestCtx, RequestId, StageModel, StepOutput};
+use crate::models::qwen3_omni::code2wav::Code2WavState;
+use crate::models::qwen3_omni::omni::Qwen3Omni;
+use crate::models::{ModelError, Result};
+
+struct Req {
+    ctx: Arc<RequestCtx>,
+    state: Code2WavState,
+    /// Frames `(groups, n)` received and not yet decoded, oldest first.
+    pending: VecDeque<Tensor>,
+    pending_frames: usize,
+    upstream_done: bool,
+    chunks: u64,
+}
+
+pub struct Qwen3OmniCode2Wav {
+    model: Arc<Qwen3Omni>,
+    policy: ChunkPolicy,
+    max_num_seqs: usize,
+    reqs: HashMap<RequestId, Req>,
+    order: VecDeque<RequestId>,
+}
+
+/// The sample rate of Qwen3-Omni's audio.
+pub const QWEN3_OMNI_SAMPLE_RATE: u32 = 24_000;
+
+impl Qwen3OmniCode2Wav {
+    pub fn new(model: Arc<Qwen3Omni>, policy: ChunkPolicy, max_num_seqs: usize) -> Self {
+        Self {
+            model,
+            policy,
+            max_num_seqs,
+            reqs: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+
+    fn chunk(&self, r: &Req) -> usize {
+        if r.chunks == 0 {
+            self.policy.initial_frames
+        } else {
+            self.policy.chunk_frames
+        }
+    }
+
+    fn is_ready(&self, r: &Req) -> bool {
+        r.upstream_done || (self.policy.async_chunk && r.pending_frames >= self.chunk(r))
+    }
+
+    /// Decodes the next chunk (everything left once upstream is done); returns
+    /// the samples and whether the request is complete.
+    fn decode(&self, r: &mut Req) -> Result<(Vec<f32>, bool)> {
+        let want = if r.upstream_done {
+            r.pending_frames
+        } else {
+            self.chunk(r).min(r.pending_frames)
+        };
+        let mut parts = Vec::new();
+        let mut got = 0;
+        while got < want {
+            let Some(t) = r.pending.pop_front() else {
+                break;
+            };
+            let n = t.dim(1)?;
+            if got + n <= want {
+                got += n;
+                parts.push(t);
+            } else {
+                let need = want - got;
+                parts.push(t.narrow(1, 0, need)?);
+                r.pending.push_front(t.narrow(1, need, n - need)?);
+                got = want;
+            }
+        }
+        r.pending_frames -= got;
+        let done = r.upstream_done && r.pending_frames == 0;
+        if parts.is_empty() {
+            return Ok((Vec::new(), done));
+        }
+        let codes = Tensor::cat(&parts, 1)?.unsqueeze(0)?;
+        let pcm = self
+            .model
+            .code2wav()
+            .step(&mut r.state, &codes)?
+            .flatten_all()?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?;
+        Ok((pcm, done))
+    }
+}
+
+impl StageModel for Qwen3OmniCode2Wav {
+    fn admit(&mut self, ctx: Arc<RequestCtx>) -> Result<()> {
+        let id = ctx.id;
+        self.reqs.insert(
+            id,
+            Req {
+                ctx,
+                state: self.model.code2wav().new_state(),
+                pending: VecDeque::new(),
+                pending_frames: 0,
+                upstream_done: false,
+                chunks: 0,
+            },
+        );
+        self.order.push_back(id);
+        Ok(())
+    }
+
+    fn push(&mut self, id: RequestId, payload: Payload) -> Result<()> {
+        let Payload::Frames(chunk) = payload else {
+            return Err(ModelError::Invalid("Code2Wav takes codec frames".into()));
+        };
+        let groups = self.model.config().code2wav.num_quantizers;
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return Ok(());
+        };
+        if let Some(f) = chunk.frames {
+            let dims = f.dims();
+            if dims.len() != 2 || dims[0] != groups {
+                return Err(ModelError::Invalid(format!(
+                    "codec frames must be [{groups}, T], got {dims:?}"
+                )));
+            }
+            r.pending_frames += dims[1];
+            r.pending.push_back(f);
+        }
+        r.upstream_done |= chunk.finished;
+        Ok(())
+    }
+
+    fn step(&mut self, out: &mut StepOutput) {
+        let mut order = std::mem::take(&mut self.order);
+        let ready = take_ready(&mut order, self.max_num_seqs, |id| {
+            self.reqs.get(id).is_some_and(|r| self.is_ready(r))
+        });
+        self.order = order;
+        out.batch = ready.len();
+        for id in ready {
+            let Some(mut r) = self.reqs.remove(&id) else {
+                continue;
+            };
+            match self.decode(&mut r) {
+                Ok((pcm, done)) => {
+                    if !pcm.is_empty() {
+                        r.ctx.emit(Event::Audio {
+                            samples: pcm,
+                            sample_rate: QWEN3_OMNI_SAMPLE_RATE,
+                            seq: r.chunks,
+                        });
+                        r.chunks += 1;
+                    }
+                    if done {
+                        self.order.retain(|x| *x != id);
+                        out.finished.push(id);
+                    } else {
+                        self.reqs.insert(id, r);
+                    }
+                }
+                Err(e) => {
+                    self.order.retain(|x| *x != id);
+                    out.failed.push((id, e));
+                }
+            }
+        }
+    }
+
+    fn remove(&mut self, id: RequestId) {
+        self.reqs.remove(&id);
+        self.order.retain(|x| *x != id);
+    }
+
+    fn has_ready_work(&self) -> bool {
+        self.reqs.values().any(|r| self.is_ready(r))
+    }
+
+    fn active(&self) -> usize {
+        self.reqs.len()
+    }
+}

@@ -778,6 +778,43 @@ connectors:
     }
 
     #[test]
+    fn the_shipped_qwen3_omni_profiles_parse() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+        // The tiny one points at the committed fixture checkpoint.
+        let tiny = Profile::load(&root.join("qwen3-omni-tiny.yaml")).unwrap();
+        assert_eq!(tiny.stages.len(), 3);
+        assert_eq!(tiny.stages[1].voice.as_deref(), Some("ethan"));
+        // The real one, beside a checkpoint folder laid out as the download is.
+        let dir = tempfile::tempdir().unwrap();
+        let deploy = dir.path().join("deploy");
+        let ckpt = dir.path().join("models/Qwen3-Omni-30B-A3B-Instruct");
+        std::fs::create_dir_all(&deploy).unwrap();
+        std::fs::create_dir_all(&ckpt).unwrap();
+        std::fs::copy(
+            root.join("qwen3_omni_moe/config.json"),
+            ckpt.join("config.json"),
+        )
+        .unwrap();
+        std::fs::write(ckpt.join("tokenizer.json"), "{}").unwrap();
+        let text = std::fs::read_to_string(root.join("qwen3_omni_moe.yaml")).unwrap();
+        let err = Profile::parse(&text, &deploy.join("qwen3_omni_moe.yaml")).unwrap_err();
+        assert!(
+            err.to_string().contains("model.safetensors.index.json"),
+            "{err}"
+        );
+        std::fs::write(ckpt.join("model.safetensors.index.json"), "{}").unwrap();
+        let p = Profile::parse(&text, &deploy.join("qwen3_omni_moe.yaml")).unwrap();
+        assert_eq!(p.stages[0].model.dtype, Dtype::Bf16);
+        let talker = &p.stages[1];
+        assert_eq!(talker.sampling.top_k, Some(50));
+        assert_eq!(
+            talker.code_predictor_sampling.as_ref().unwrap().top_p,
+            Some(0.8)
+        );
+        assert_eq!(p.connector(1).unwrap().initial_codec_chunk_frames, Some(1));
+    }
+
+    #[test]
     fn errors_name_the_file_and_the_key() {
         let (_d, path, yaml) = fixture();
         let file = path.display().to_string();

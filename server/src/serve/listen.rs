@@ -235,7 +235,7 @@ async fn transcription(state: &AppState, form: &mut Multipart) -> Result<Respons
 }
 
 /// WAV (any PCM layout hound reads) or Ogg Opus, told apart by their magic.
-fn decode_upload(bytes: &[u8]) -> Result<(Vec<f32>, u32), ApiError> {
+pub(crate) fn decode_upload(bytes: &[u8]) -> Result<(Vec<f32>, u32), ApiError> {
     let bad = |what: &str, e: omnistream_codecs::CodecError| {
         ApiError::bad_request(
             "invalid_audio",
@@ -253,7 +253,7 @@ fn decode_upload(bytes: &[u8]) -> Result<(Vec<f32>, u32), ApiError> {
 }
 
 /// Mono f32 at `rate` -> the Listener's rate.
-fn resample(samples: &[f32], rate: u32) -> Result<Vec<f32>, ClientError> {
+pub(crate) fn resample(samples: &[f32], rate: u32) -> Result<Vec<f32>, ClientError> {
     if rate == TRANSCRIBE_RATE {
         return Ok(samples.to_vec());
     }

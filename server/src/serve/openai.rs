@@ -30,7 +30,6 @@ use omnistream_stages::engine::{
     SamplingOverrides, MAX_SPEECH_CHARS,
 };
 use omnistream_stages::models::tokenizer::ChatMessage;
-use omnistream_stages::roles::PIPER_VOICE_NAME;
 
 use super::audio::{AudioEncoder, OutputFormat};
 use super::metrics::{Metrics, TaskGuard};
@@ -111,7 +110,7 @@ async fn chat(
     t: &mut Tracker,
 ) -> Result<Reply, ApiError> {
     let body: ChatRequest = read_json(req).await?;
-    let plan = ChatPlan::from_request(body, store)?;
+    let plan = ChatPlan::from_request(body, store, state.pipeline.voices())?;
     let audio = match plan.audio {
         Some(format) => Some((format, sample_rate(state)?)),
         None => None,
@@ -142,7 +141,7 @@ async fn chat(
 
 async fn speak(state: &Arc<AppState>, req: Request) -> Result<Reply, ApiError> {
     let body: SpeechRequest = read_json(req).await?;
-    let plan = SpeechPlan::from_request(body)?;
+    let plan = SpeechPlan::from_request(body, state.pipeline.voices())?;
     let enc = AudioEncoder::new(plan.format, sample_rate(state)?).map_err(internal)?;
     let slot = state.sessions.begin_request()?;
     let handle = submit(state, plan.spec).await?;
@@ -335,14 +334,27 @@ struct ChatPlan {
 }
 
 impl ChatPlan {
-    fn from_request(r: ChatRequest, store: &AudioStore) -> Result<Self, ApiError> {
+    fn from_request(
+        mut r: ChatRequest,
+        store: &AudioStore,
+        voices: &[String],
+    ) -> Result<Self, ApiError> {
         if r.messages.is_empty() {
             return Err(invalid("`messages` must not be empty"));
+        }
+        // Speech in the last user message goes to a Thinker that hears it.
+        let last = r.messages.len() - 1;
+        let mut heard = None;
+        for (i, m) in r.messages.iter_mut().enumerate() {
+            if let Some(audio) = take_input_audio(i, m, i == last)? {
+                heard = Some(audio);
+            }
         }
         let messages = r
             .messages
             .iter()
             .enumerate()
+            .filter(|(i, m)| !(heard.is_some() && *i == last && m.content.is_none()))
             .map(|(i, m)| to_chat_message(i, m, store))
             .collect::<Result<Vec<_>, _>>()?;
         let sampling = chat_sampling(&r)?;
@@ -357,7 +369,7 @@ impl ChatPlan {
             let name = a.format.as_deref().unwrap_or("pcm16");
             (
                 Some(output_format(name, CHAT_FORMATS, "audio.format")?),
-                check_voice(a.voice.as_ref())?,
+                check_voice(a.voice.as_ref(), voices)?,
             )
         } else {
             (None, None)
@@ -368,7 +380,13 @@ impl ChatPlan {
         let stream = r.stream.unwrap_or(false);
         Ok(Self {
             spec: RequestSpec {
-                input: RequestInput::Chat { messages },
+                input: match heard {
+                    Some(audio) => RequestInput::Heard {
+                        messages,
+                        audio: audio.into(),
+                    },
+                    None => RequestInput::Chat { messages },
+                },
                 modalities,
                 sampling,
                 voice,
@@ -459,6 +477,68 @@ fn to_chat_message(i: usize, m: &InMessage, store: &AudioStore) -> Result<ChatMe
     Ok(ChatMessage::new(role, content))
 }
 
+/// Takes the `{"type": "input_audio", "input_audio": {"data", "format"}}` parts
+/// out of a message (WAV or Ogg Opus, base64), as 16 kHz mono; only the last
+/// message, a user's, may carry speech. A message left without parts has its
+/// `content` removed.
+fn take_input_audio(i: usize, m: &mut InMessage, last: bool) -> Result<Option<Vec<f32>>, ApiError> {
+    let Some(Value::Array(parts)) = &mut m.content else {
+        return Ok(None);
+    };
+    let is_audio = |p: &Value| p.get("type").and_then(Value::as_str) == Some("input_audio");
+    let Some(j) = parts.iter().position(is_audio) else {
+        return Ok(None);
+    };
+    if !last || m.role != "user" {
+        return Err(invalid(format!(
+            "messages[{i}].content[{j}]: only the last message, a user's, may carry audio"
+        )));
+    }
+    if parts.iter().filter(|p| is_audio(p)).count() > 1 {
+        return Err(invalid(format!(
+            "messages[{i}]: one input_audio part per message"
+        )));
+    }
+    let part = parts.remove(j);
+    let a = part.get("input_audio");
+    let data = a
+        .and_then(|a| a.get("data"))
+        .and_then(Value::as_str)
+        .ok_or_else(|| {
+            invalid(format!(
+                "messages[{i}].content[{j}]: input_audio needs `data` (base64)"
+            ))
+        })?;
+    let format = a
+        .and_then(|a| a.get("format"))
+        .and_then(Value::as_str)
+        .unwrap_or("wav");
+    if !matches!(format, "wav" | "opus" | "ogg") {
+        return Err(invalid(format!(
+            "messages[{i}].content[{j}]: input_audio format {format:?} is not supported (wav, opus)"
+        )));
+    }
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(data)
+        .map_err(|e| {
+            invalid(format!(
+                "messages[{i}].content[{j}]: input_audio data is not base64: {e}"
+            ))
+        })?;
+    let (samples, rate) = super::listen::decode_upload(&bytes)?;
+    if samples.is_empty() {
+        return Err(invalid(format!(
+            "messages[{i}].content[{j}]: the audio is empty"
+        )));
+    }
+    let audio = super::listen::resample(&samples, rate)
+        .map_err(|e| ApiError::bad_request(e.code, e.message))?;
+    if parts.is_empty() {
+        m.content = None;
+    }
+    Ok(Some(audio))
+}
+
 /// A message's text: a string, or an array of `{"type": "text", "text"}` parts.
 fn content_text(i: usize, c: &Value) -> Result<String, ApiError> {
     match c {
@@ -498,7 +578,7 @@ struct SpeechPlan {
 }
 
 impl SpeechPlan {
-    fn from_request(r: SpeechRequest) -> Result<Self, ApiError> {
+    fn from_request(r: SpeechRequest, voices: &[String]) -> Result<Self, ApiError> {
         if r.input.trim().is_empty() {
             return Err(invalid("`input` must not be empty"));
         }
@@ -508,7 +588,7 @@ impl SpeechPlan {
                 "`input` is {n} characters; the limit is {MAX_SPEECH_CHARS}"
             )));
         }
-        let voice = check_voice(r.voice.as_ref())?;
+        let voice = check_voice(r.voice.as_ref(), voices)?;
         let format = output_format(
             r.response_format.as_deref().unwrap_or("wav"),
             SPEECH_FORMATS,
@@ -547,20 +627,20 @@ impl SpeechPlan {
     }
 }
 
-/// Our one voice, by name or as `{"id": ...}`; a missing voice is ours too.
-fn check_voice(v: Option<&Value>) -> Result<Option<String>, ApiError> {
+/// One of the pipeline's voices, by name or as `{"id": ...}`; none = the default.
+fn check_voice(v: Option<&Value>, voices: &[String]) -> Result<Option<String>, ApiError> {
     let name = match v {
         None | Some(Value::Null) => return Ok(None),
         Some(Value::String(s)) => s.as_str(),
         Some(Value::Object(o)) => o.get("id").and_then(Value::as_str).unwrap_or(""),
         Some(other) => return Err(invalid(format!("`voice` must be a string, got {other}"))),
     };
-    if name.eq_ignore_ascii_case(PIPER_VOICE_NAME) {
-        Ok(Some(PIPER_VOICE_NAME.to_string()))
-    } else {
-        Err(invalid(format!(
-            "unsupported voice {name:?}; available voices: {PIPER_VOICE_NAME}"
-        )))
+    match voices.iter().find(|v| v.eq_ignore_ascii_case(name)) {
+        Some(v) => Ok(Some(v.clone())),
+        None => Err(invalid(format!(
+            "unsupported voice {name:?}; available voices: {}",
+            voices.join(", ")
+        ))),
     }
 }
 
@@ -1255,10 +1335,11 @@ impl AudioStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use omnistream_stages::roles::PIPER_VOICE_NAME;
 
     fn chat_req(v: Value) -> Result<ChatPlan, ApiError> {
         let r: ChatRequest = serde_json::from_value(v).map_err(|e| invalid(e.to_string()))?;
-        ChatPlan::from_request(r, &AudioStore::default())
+        ChatPlan::from_request(r, &AudioStore::default(), &[PIPER_VOICE_NAME.to_string()])
     }
 
     fn msgs() -> Value {
@@ -1355,7 +1436,7 @@ mod tests {
     fn speech_requests_are_validated() {
         let plan = |v: Value| {
             let r: SpeechRequest = serde_json::from_value(v).map_err(|e| invalid(e.to_string()))?;
-            SpeechPlan::from_request(r)
+            SpeechPlan::from_request(r, &[PIPER_VOICE_NAME.to_string()])
         };
         let p = plan(json!({"model": "tts-1", "input": "Hello.", "voice": "joe", "speed": 1.5, "stream_format": "sse"})).unwrap();
         assert!(p.sse);

@@ -216,15 +216,8 @@ fn check_temperature(t: f64) -> Result<f64, ClientError> {
     }
 }
 
-fn check_voice(v: &str) -> Result<String, ClientError> {
-    if v == "joe" {
-        Ok(v.to_string())
-    } else {
-        Err(ClientError::param(
-            "voice",
-            format!("voice {v:?} is not available; the only voice is \"joe\""),
-        ))
-    }
+fn check_voice(state: &AppState, v: &str) -> Result<String, ClientError> {
+    state.voice(v).map_err(|m| ClientError::param("voice", m))
 }
 
 /// Accepts pcm16 at 24 kHz, in the GA (`{"type":"audio/pcm","rate":24000}`)
@@ -425,10 +418,8 @@ impl SessionPatch {
                 check_format(f, p)?;
             }
         }
-        let voice = match output.voice.or(self.voice) {
-            Some(v) => Some(check_voice(&v)?),
-            None => None,
-        };
+        // Checked against the pipeline's voices where the session applies it.
+        let voice = output.voice.or(self.voice);
         let audio_out = match self.output_modalities.or(self.modalities) {
             Some(names) => Some(modalities(&names, "session.output_modalities")?),
             None => None,
@@ -505,11 +496,7 @@ impl ResponseParams {
             audio_out,
             record,
             instructions: self.instructions,
-            voice: out_audio
-                .voice
-                .or(self.voice)
-                .map(|v| check_voice(&v))
-                .transpose()?,
+            voice: out_audio.voice.or(self.voice),
             max_tokens: self
                 .max_output_tokens
                 .or(self.max_response_output_tokens)
@@ -557,7 +544,7 @@ impl Realtime {
                 },
                 "output": {
                     "format": {"type": "audio/pcm", "rate": RATE},
-                    "voice": s.voice.clone().unwrap_or_else(|| "joe".into()),
+                    "voice": s.voice.clone().unwrap_or_else(|| self.state.default_voice().to_string()),
                     "speed": s.sampling.speed.unwrap_or(1.0),
                 },
             },
@@ -647,9 +634,12 @@ impl Realtime {
     }
 
     async fn session_update(&mut self, v: Value) -> Result<(), ClientError> {
-        let change = fields::<SessionUpdate>(v, "session.update")?
+        let mut change = fields::<SessionUpdate>(v, "session.update")?
             .session
             .validate()?;
+        if let Some(v) = &change.voice {
+            change.voice = Some(check_voice(&self.state, v)?);
+        }
         if let Some(td) = &change.turn_detection {
             let hub = self.state.config.vad.as_ref();
             let param = "session.audio.input.turn_detection";
@@ -1022,10 +1012,13 @@ impl Realtime {
                 format!("response {r} is still in progress: wait for response.done or cancel it"),
             ));
         }
-        let o = fields::<ResponseCreate>(v, "response.create")?
+        let mut o = fields::<ResponseCreate>(v, "response.create")?
             .response
             .unwrap_or_default()
             .validate(self.audio_out)?;
+        if let Some(v) = &o.voice {
+            o.voice = Some(check_voice(&self.state, v)?);
+        }
         let Some((messages, mut sampling, session_voice)) =
             self.state.sessions.with(&self.session.id, |s| {
                 let instructions = o.instructions.clone().or(s.instructions.clone());

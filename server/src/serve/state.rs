@@ -54,6 +54,26 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// The pipeline's voice named `name` (any case), or an error listing them.
+    pub fn voice(&self, name: &str) -> Result<String, String> {
+        let voices = self.pipeline.voices();
+        voices
+            .iter()
+            .find(|v| v.eq_ignore_ascii_case(name))
+            .cloned()
+            .ok_or_else(|| {
+                format!(
+                    "voice {name:?} is not available; available voices: {}",
+                    voices.join(", ")
+                )
+            })
+    }
+
+    /// The voice used when a request names none.
+    pub fn default_voice(&self) -> &str {
+        self.pipeline.voices().first().map_or("", String::as_str)
+    }
+
     pub fn new(
         pipeline: Pipeline,
         config: ServerConfig,

@@ -272,12 +272,14 @@ impl PcmStream {
                 ))
             }
         };
-        if let Some(v) = s.voice.as_deref().filter(|v| *v != "joe") {
-            return Err(ClientError::invalid(
-                "unsupported_voice",
-                format!("voice {v:?} is not available; the only voice is \"joe\""),
-            ));
-        }
+        let voice = match s.voice.as_deref() {
+            Some(v) => Some(
+                self.state
+                    .voice(v)
+                    .map_err(|m| ClientError::invalid("unsupported_voice", m))?,
+            ),
+            None => None,
+        };
         let hub = self.state.config.vad.as_ref();
         let turns = match (
             TurnSettings::parse(&s.turn_detection, hub, "turn_detection")?,
@@ -295,7 +297,7 @@ impl PcmStream {
         let turn_detection = turns.as_ref().map(|t| t.settings.to_json());
         self.turns = turns;
         self.state.sessions.with(&self.session.id, |sess| {
-            sess.voice = s.voice.clone();
+            sess.voice = voice.clone();
             sess.instructions = s.instructions.clone().filter(|i| !i.trim().is_empty());
             sess.input_format = format!("{}@{rate}", s.format.name());
             sess.output_format = format!("{}@{rate}", s.format.name());

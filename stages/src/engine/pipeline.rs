@@ -73,6 +73,7 @@ pub struct Pipeline {
     sample_rate: Option<u32>,
     voices: Vec<String>,
     thinker_hears: bool,
+    speaks_text: bool,
 }
 
 /// Longest text a speech request may ask for (the OpenAI speech API's limit).
@@ -132,6 +133,7 @@ impl Pipeline {
             sample_rate,
             voices: Vec::new(),
             thinker_hears: false,
+            speaks_text: true,
         })
     }
 
@@ -151,6 +153,16 @@ impl Pipeline {
 
     pub fn set_thinker_hears(&mut self, hears: bool) {
         self.thinker_hears = hears;
+    }
+
+    /// Whether the Talker speaks given text ([`RequestInput::Speech`]); a
+    /// Qwen3-Omni Talker speaks only from its Thinker's states.
+    pub fn speaks_text(&self) -> bool {
+        self.speaks_text
+    }
+
+    pub fn set_speaks_text(&mut self, speaks: bool) {
+        self.speaks_text = speaks;
     }
 
     /// Sample rate of the audio the last stage emits, if the pipeline speaks.
@@ -201,6 +213,11 @@ impl Pipeline {
                     .ok_or_else(|| EngineError::BadRequest("this pipeline has no Thinker".into()))?
             }
             RequestInput::Speech { text } => {
+                if !self.speaks_text {
+                    return Err(EngineError::BadRequest(
+                        "this pipeline's Talker speaks the Thinker's answers, not given text: ask for audio from a chat instead".into(),
+                    ));
+                }
                 if text.trim().is_empty() {
                     return Err(EngineError::BadRequest(
                         "nothing to say: the text is empty".into(),

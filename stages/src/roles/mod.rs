@@ -229,6 +229,13 @@ pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
     }
     pipeline.set_voices(voice_names);
     pipeline.set_thinker_hears(hears);
+    // Only Piper's Talker speaks given text; Qwen3-Omni's speaks its Thinker's states.
+    pipeline.set_speaks_text(
+        profile
+            .stages
+            .iter()
+            .any(|s| s.model.model_type == ModelType::PiperTalker),
+    );
     Ok(pipeline)
 }
 

@@ -228,10 +228,17 @@ impl AudioEncoder {
         let layers = (0..cfg.encoder_layers)
             .map(|i| AudioEncoderLayer::new(cfg, vb.pp("layers").pp(i)))
             .collect::<Result<Vec<_>>>()?;
+        // candle's CPU conv2d has no bf16/f16 kernel: the (small) conv stack runs in
+        // f32 there, whatever the model's dtype.
+        let cv = if vb.device().is_cpu() {
+            vb.to_dtype(DType::F32)
+        } else {
+            vb.clone()
+        };
         Ok(Self {
-            conv2d1: candle_nn::conv2d(1, ds, 3, conv, vb.pp("conv2d1"))?,
-            conv2d2: candle_nn::conv2d(ds, ds, 3, conv, vb.pp("conv2d2"))?,
-            conv2d3: candle_nn::conv2d(ds, ds, 3, conv, vb.pp("conv2d3"))?,
+            conv2d1: candle_nn::conv2d(1, ds, 3, conv, cv.pp("conv2d1"))?,
+            conv2d2: candle_nn::conv2d(ds, ds, 3, conv, cv.pp("conv2d2"))?,
+            conv2d3: candle_nn::conv2d(ds, ds, 3, conv, cv.pp("conv2d3"))?,
             conv_out: candle_nn::linear_no_bias(ds * freq, cfg.d_model, vb.pp("conv_out"))?,
             // A buffer, not a checkpoint tensor.
             positional_embedding: sinusoids(cfg.max_source_positions, cfg.d_model, vb.device())?
@@ -287,7 +294,7 @@ impl AudioEncoder {
         }
         let padded = Tensor::stack(&padded, 0)?
             .unsqueeze(1)?
-            .to_dtype(self.positional_embedding.dtype())?;
+            .to_dtype(self.conv2d1.weight().dtype())?;
 
         // The conv stack, `conv_chunksize` chunks at a time (memory only).
         let mut embeds = Vec::new();
@@ -299,7 +306,7 @@ impl AudioEncoder {
             let x = self.conv2d2.forward(&x)?.gelu_erf()?;
             embeds.push(self.conv2d3.forward(&x)?.gelu_erf()?);
         }
-        let x = Tensor::cat(&embeds, 0)?;
+        let x = Tensor::cat(&embeds, 0)?.to_dtype(self.positional_embedding.dtype())?;
         let (b, c, f, t) = x.dims4()?;
         let x = x.permute((0, 3, 1, 2))?.reshape((b, t, c * f))?;
         let x = self.conv_out.forward(&x)?;

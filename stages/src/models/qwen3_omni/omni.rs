@@ -520,6 +520,128 @@ mod tests {
         }
     }
 
+    fn request(m: &Qwen3Omni, case: usize, tokens: usize, frames: usize) -> GenerateRequest {
+        let io = fixtures::io("generate");
+        let meta: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixtures::dir().join("generate/io.json")).unwrap(),
+        )
+        .unwrap();
+        let greedy = SamplingConfig::greedy();
+        GenerateRequest {
+            input_ids: ids(&io[&format!("c{case}_input_ids")]),
+            audio: io
+                .get(&format!("c{case}_pcm"))
+                .map(|t| t.to_vec1::<f32>().unwrap()),
+            speaker: meta["cases"][case]["speaker"].as_str().unwrap().into(),
+            thinker_max_new_tokens: tokens,
+            talker_max_new_tokens: frames,
+            thinker_sampling: greedy.clone(),
+            talker_sampling: SamplingConfig {
+                suppress_tokens: m.config().talker.suppress_tokens(),
+                ..greedy.clone()
+            },
+            code_predictor_sampling: greedy,
+        }
+    }
+
+    /// The checkpoint in bf16 runs every component (audio in included) and stays
+    /// close to f32: the Thinker's first logits within bf16's precision.
+    #[test]
+    fn bf16_runs_close_to_f32() {
+        let cfg = Qwen3OmniConfig::from_value(fixtures::config()).unwrap();
+        let dir = fixtures::dir().join("model");
+        let bf16 = Qwen3Omni::load(&dir, DType::BF16, &Device::Cpu, None).unwrap();
+        let f32m = model();
+        let prompt = ids(&fixtures::io("generate")["c0_input_ids"]);
+        let x = Tensor::new(prompt.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let logits = |m: &Qwen3Omni| {
+            let mut cache = m.thinker().new_cache();
+            m.thinker()
+                .prefill(&x, None, None, &mut cache, &[])
+                .unwrap()
+                .logits
+        };
+        let (a, b) = (logits(&bf16), logits(&f32m));
+        let peak = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+        let peak = peak.to_scalar::<f32>().unwrap();
+        let e = max_abs_diff(&a, &b);
+        println!("bf16 vs f32 Thinker logits: max abs {e:.3} (peak {peak:.2})");
+        assert!(e < 0.05 * peak, "{e} vs peak {peak}");
+        for case in [0, 2] {
+            let out = bf16.generate(&request(&bf16, case, 6, 8)).unwrap();
+            assert_eq!(out.tokens.len(), 6);
+            assert_eq!(out.frames.len(), 7);
+            assert_eq!(out.audio.len(), 7 * 1920);
+            assert!(out.audio.iter().all(|x| x.is_finite()));
+            assert!(out.audio.iter().any(|&x| x != 0.0));
+        }
+        assert_eq!(cfg.code2wav.samples_per_frame(), 1920);
+    }
+
+    /// Random weights at any config run the same code: the tiny config here, and
+    /// the released widths (one layer each, so it fits a CI machine).
+    #[test]
+    fn random_weights_run_at_any_config() {
+        let cfg = Qwen3OmniConfig::from_value(fixtures::config()).unwrap();
+        let m = Qwen3Omni::random(&cfg, DType::F32, &Device::Cpu).unwrap();
+        let out = m.generate(&request(&m, 2, 3, 3)).unwrap();
+        assert_eq!(
+            (out.tokens.len(), out.frames.len(), out.audio.len()),
+            (3, 2, 2 * 1920)
+        );
+
+        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/qwen3_omni_moe/config.json");
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        v["thinker_config"]["text_config"]["num_hidden_layers"] = 1.into();
+        v["thinker_config"]["audio_config"]["encoder_layers"] = 1.into();
+        v["talker_config"]["text_config"]["num_hidden_layers"] = 1.into();
+        v["talker_config"]["accept_hidden_layer"] = 1.into();
+        v["talker_config"]["code_predictor_config"]["num_hidden_layers"] = 1.into();
+        v["code2wav_config"]["num_hidden_layers"] = 1.into();
+        let real = Qwen3OmniConfig::from_value(v).unwrap();
+        let m = Qwen3Omni::random(&real, DType::BF16, &Device::Cpu).unwrap();
+        let ids = &real.ids;
+        let input_ids = vec![
+            ids.im_start_token_id,
+            ids.user_token_id,
+            198,
+            9707,
+            ids.im_end_token_id,
+            198,
+            ids.im_start_token_id,
+            ids.assistant_token_id,
+            198,
+        ];
+        let greedy = SamplingConfig::greedy();
+        let out = m
+            .generate(&GenerateRequest {
+                input_ids,
+                audio: None,
+                speaker: "chelsie".into(),
+                thinker_max_new_tokens: 3,
+                talker_max_new_tokens: 3,
+                thinker_sampling: greedy.clone(),
+                talker_sampling: SamplingConfig {
+                    suppress_tokens: real.talker.suppress_tokens(),
+                    ..greedy.clone()
+                },
+                code_predictor_sampling: greedy,
+            })
+            .unwrap();
+        assert_eq!(out.tokens.len(), 3);
+        assert_eq!(out.frames.len(), 2);
+        assert!(out
+            .frames
+            .iter()
+            .all(|f| f.len() == 16 && f.iter().all(|&c| c < 2048)));
+        assert_eq!(out.audio.len(), 2 * 1920);
+    }
+
     #[test]
     fn released_config_parses_at_real_shapes() {
         let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))

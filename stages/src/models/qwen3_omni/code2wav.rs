@@ -894,6 +894,36 @@ mod tests {
         (Code2Wav::new(&cfg, vb.pp("code2wav")).unwrap(), cfg)
     }
 
+    /// Not a test: the cost per frame of streaming at the released Code2Wav's
+    /// shapes (random weights) for several chunk sizes (docs/bench/qwen3_omni.md).
+    #[test]
+    #[ignore]
+    fn bench_chunk_sizes() {
+        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/qwen3_omni_moe/config.json");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let cfg: Code2WavConfig = serde_json::from_value(v["code2wav_config"].clone()).unwrap();
+        let vb = crate::models::qwen3_omni::weights::random(DType::F32, &Device::Cpu);
+        let m = Code2Wav::new(&cfg, vb).unwrap();
+        let frames = 16;
+        let codes = random_codes(1, cfg.num_quantizers, frames, cfg.codebook_size, 5);
+        stream(&m, &codes, 1, 1); // warm-up
+        for chunk in [1usize, 2, 4, 8, 16] {
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let t0 = std::time::Instant::now();
+                stream(&m, &codes, chunk, chunk);
+                best = best.min(t0.elapsed().as_secs_f64());
+            }
+            println!(
+                "code2wav (released shapes, f32, CPU): chunk {chunk:>2} frames: {:.1} ms per frame ({:.3} RTF)",
+                best * 1e3 / frames as f64,
+                best / (frames as f64 * 0.08)
+            );
+        }
+    }
+
     /// Deterministic pseudo-random codes (batch, quantizers, frames).
     fn random_codes(batch: usize, nq: usize, frames: usize, codebook: usize, seed: u64) -> Tensor {
         let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;

@@ -642,6 +642,37 @@ mod tests {
         assert_eq!(out.audio.len(), 2 * 1920);
     }
 
+    /// Not a test: our `generate` on the fixture cases, beside
+    /// scripts/qwen3_omni/bench_reference.py (docs/bench/qwen3_omni.md).
+    #[test]
+    #[ignore]
+    fn bench_generate() {
+        let m = model();
+        for case in 0..3 {
+            let req = GenerateRequest {
+                talker_sampling: SamplingConfig {
+                    repetition_penalty: 1.05,
+                    suppress_tokens: m.config().talker.suppress_tokens(),
+                    ..SamplingConfig::greedy()
+                },
+                ..request(&m, case, 20, 24)
+            };
+            let mut times = Vec::new();
+            for _ in 0..6 {
+                let t0 = std::time::Instant::now();
+                let out = m.generate(&req).unwrap();
+                times.push(t0.elapsed().as_secs_f64() * 1e3);
+                assert_eq!(out.frames.len(), 23);
+            }
+            let mut t = times[1..].to_vec();
+            t.sort_by(f64::total_cmp);
+            println!(
+                "omnistream generate, case {case}: median {:.1} ms over 5",
+                t[2]
+            );
+        }
+    }
+
     #[test]
     fn released_config_parses_at_real_shapes() {
         let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))

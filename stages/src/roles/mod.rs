@@ -24,7 +24,9 @@ pub use qwen3_code2wav::{Qwen3OmniCode2Wav, QWEN3_OMNI_SAMPLE_RATE};
 pub use qwen3_talker::Qwen3OmniTalker;
 pub use qwen3_thinker::Qwen3OmniThinker;
 
-use crate::engine::{EngineError, Pipeline, RequestId, StageDef, StageModel, StageRole};
+use crate::engine::{
+    EngineError, Pipeline, RequestId, StageDef, StageModel, StageRole, StepOutput,
+};
 use crate::models::piper::{PiperVoice, Scales};
 use crate::models::quantized_llama::QuantizedLlama;
 use crate::models::qwen3_omni::omni::Qwen3Omni;
@@ -60,6 +62,76 @@ fn take_ready(
     order.retain(|id| !ready.contains(id));
     order.extend(ready.iter().copied());
     ready
+}
+
+/// The requests of a stage whose requests advance independently of each other:
+/// their states and the round-robin order.
+pub(crate) struct Requests<R> {
+    reqs: HashMap<RequestId, R>,
+    order: VecDeque<RequestId>,
+}
+
+impl<R> Default for Requests<R> {
+    fn default() -> Self {
+        Self {
+            reqs: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+}
+
+impl<R> Requests<R> {
+    pub(crate) fn insert(&mut self, id: RequestId, r: R) {
+        self.reqs.insert(id, r);
+        self.order.push_back(id);
+    }
+    pub(crate) fn get_mut(&mut self, id: RequestId) -> Option<&mut R> {
+        self.reqs.get_mut(&id)
+    }
+    pub(crate) fn remove(&mut self, id: RequestId) {
+        self.reqs.remove(&id);
+        self.order.retain(|x| *x != id);
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.reqs.len()
+    }
+    pub(crate) fn any(&self, f: impl Fn(&R) -> bool) -> bool {
+        self.reqs.values().any(f)
+    }
+
+    /// One step: up to `max` ready requests (round-robin) each `advance` once;
+    /// `Ok(true)` finishes a request, an error fails it (both free its state).
+    pub(crate) fn step(
+        &mut self,
+        max: usize,
+        out: &mut StepOutput,
+        is_ready: impl Fn(&R) -> bool,
+        mut advance: impl FnMut(RequestId, &mut R, &mut StepOutput) -> Result<bool, ModelError>,
+    ) {
+        let reqs = &self.reqs;
+        let ready = take_ready(&mut self.order, max, |id| {
+            reqs.get(id).is_some_and(&is_ready)
+        });
+        out.batch = ready.len();
+        for id in ready {
+            let Some(mut r) = self.reqs.remove(&id) else {
+                continue;
+            };
+            match advance(id, &mut r, out) {
+                Ok(false) => {
+                    self.reqs.insert(id, r);
+                }
+                Ok(true) => {
+                    self.order.retain(|x| *x != id);
+                    out.finished.push(id);
+                }
+                Err(e) => {
+                    self.order.retain(|x| *x != id);
+                    out.failed.push((id, e));
+                }
+            }
+        }
+    }
 }
 
 /// Loads every model of `profile` and starts the pipeline.

@@ -7,13 +7,12 @@
 //! goes out against per-call overhead: the first chunk after
 //! `initial_codec_chunk_frames`, then every `codec_chunk_frames`.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use super::take_ready;
-use super::ChunkPolicy;
+use super::{ChunkPolicy, Requests};
 use crate::engine::{Event, Payload, RequestCtx, RequestId, StageModel, StepOutput};
 use crate::models::qwen3_omni::code2wav::Code2WavState;
 use crate::models::qwen3_omni::omni::Qwen3Omni;
@@ -33,8 +32,7 @@ pub struct Qwen3OmniCode2Wav {
     model: Arc<Qwen3Omni>,
     policy: ChunkPolicy,
     max_num_seqs: usize,
-    reqs: HashMap<RequestId, Req>,
-    order: VecDeque<RequestId>,
+    reqs: Requests<Req>,
 }
 
 /// The sample rate of Qwen3-Omni's audio.
@@ -46,8 +44,7 @@ impl Qwen3OmniCode2Wav {
             model,
             policy,
             max_num_seqs,
-            reqs: HashMap::new(),
-            order: VecDeque::new(),
+            reqs: Requests::default(),
         }
     }
 
@@ -107,9 +104,8 @@ impl Qwen3OmniCode2Wav {
 
 impl StageModel for Qwen3OmniCode2Wav {
     fn admit(&mut self, ctx: Arc<RequestCtx>) -> Result<()> {
-        let id = ctx.id;
         self.reqs.insert(
-            id,
+            ctx.id,
             Req {
                 ctx,
                 state: self.model.code2wav().new_state(),
@@ -119,7 +115,6 @@ impl StageModel for Qwen3OmniCode2Wav {
                 chunks: 0,
             },
         );
-        self.order.push_back(id);
         Ok(())
     }
 
@@ -128,7 +123,7 @@ impl StageModel for Qwen3OmniCode2Wav {
             return Err(ModelError::Invalid("Code2Wav takes codec frames".into()));
         };
         let groups = self.model.config().code2wav.num_quantizers;
-        let Some(r) = self.reqs.get_mut(&id) else {
+        let Some(r) = self.reqs.get_mut(id) else {
             return Ok(());
         };
         if let Some(f) = chunk.frames {
@@ -146,48 +141,33 @@ impl StageModel for Qwen3OmniCode2Wav {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
-        let mut order = std::mem::take(&mut self.order);
-        let ready = take_ready(&mut order, self.max_num_seqs, |id| {
-            self.reqs.get(id).is_some_and(|r| self.is_ready(r))
-        });
-        self.order = order;
-        out.batch = ready.len();
-        for id in ready {
-            let Some(mut r) = self.reqs.remove(&id) else {
-                continue;
-            };
-            match self.decode(&mut r) {
-                Ok((pcm, done)) => {
-                    if !pcm.is_empty() {
-                        r.ctx.emit(Event::Audio {
-                            samples: pcm,
-                            sample_rate: QWEN3_OMNI_SAMPLE_RATE,
-                            seq: r.chunks,
-                        });
-                        r.chunks += 1;
-                    }
-                    if done {
-                        self.order.retain(|x| *x != id);
-                        out.finished.push(id);
-                    } else {
-                        self.reqs.insert(id, r);
-                    }
+        let mut reqs = std::mem::take(&mut self.reqs);
+        reqs.step(
+            self.max_num_seqs,
+            out,
+            |r| self.is_ready(r),
+            |_, r, _| {
+                let (pcm, done) = self.decode(r)?;
+                if !pcm.is_empty() {
+                    r.ctx.emit(Event::Audio {
+                        samples: pcm,
+                        sample_rate: QWEN3_OMNI_SAMPLE_RATE,
+                        seq: r.chunks,
+                    });
+                    r.chunks += 1;
                 }
-                Err(e) => {
-                    self.order.retain(|x| *x != id);
-                    out.failed.push((id, e));
-                }
-            }
-        }
+                Ok(done)
+            },
+        );
+        self.reqs = reqs;
     }
 
     fn remove(&mut self, id: RequestId) {
-        self.reqs.remove(&id);
-        self.order.retain(|x| *x != id);
+        self.reqs.remove(id);
     }
 
     fn has_ready_work(&self) -> bool {
-        self.reqs.values().any(|r| self.is_ready(r))
+        self.reqs.any(|r| self.is_ready(r))
     }
 
     fn active(&self) -> usize {

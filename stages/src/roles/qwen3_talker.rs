@@ -8,13 +8,12 @@
 //! waits for the Thinker; its code 0 is drawn once and kept. This is the
 //! reference's `generate` exactly, streamed.
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
 use super::qwen3_thinker::sampling_config;
-use super::take_ready;
+use super::Requests;
 use crate::engine::{
     FrameChunk, Payload, PromptStates, RequestCtx, RequestId, StageModel, StepOutput,
 };
@@ -51,8 +50,7 @@ pub struct Qwen3OmniTalker {
     cp_defaults: SamplingConfig,
     default_voice: String,
     max_num_seqs: usize,
-    reqs: HashMap<RequestId, Req>,
-    order: VecDeque<RequestId>,
+    reqs: Requests<Req>,
 }
 
 enum Text {
@@ -88,8 +86,7 @@ impl Qwen3OmniTalker {
             cp_defaults,
             default_voice,
             max_num_seqs,
-            reqs: HashMap::new(),
-            order: VecDeque::new(),
+            reqs: Requests::default(),
         })
     }
 
@@ -223,9 +220,8 @@ impl StageModel for Qwen3OmniTalker {
         let mut code0 = sampling_config(&self.defaults, None, ctx.id);
         code0.suppress_tokens = cfg.suppress_tokens();
         let cp = self.cp_defaults.clone().with_seed(ctx.id.wrapping_add(1));
-        let id = ctx.id;
         self.reqs.insert(
-            id,
+            ctx.id,
             Req {
                 speaker,
                 prompt: None,
@@ -244,7 +240,6 @@ impl StageModel for Qwen3OmniTalker {
                     .max(1),
             },
         );
-        self.order.push_back(id);
         Ok(())
     }
 
@@ -254,7 +249,7 @@ impl StageModel for Qwen3OmniTalker {
                 "the Talker takes the Thinker's output".into(),
             ));
         };
-        let Some(r) = self.reqs.get_mut(&id) else {
+        let Some(r) = self.reqs.get_mut(id) else {
             return Ok(());
         };
         if let Some(states) = chunk.states {
@@ -276,39 +271,22 @@ impl StageModel for Qwen3OmniTalker {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
-        let mut order = std::mem::take(&mut self.order);
-        let ready = take_ready(&mut order, self.max_num_seqs, |id| {
-            self.reqs.get(id).is_some_and(|r| self.is_ready(r))
-        });
-        self.order = order;
-        out.batch = ready.len();
-        for id in ready {
-            let Some(mut r) = self.reqs.remove(&id) else {
-                continue;
-            };
-            match self.advance(id, &mut r, out) {
-                Ok(false) => {
-                    self.reqs.insert(id, r);
-                }
-                Ok(true) => {
-                    self.order.retain(|x| *x != id);
-                    out.finished.push(id);
-                }
-                Err(e) => {
-                    self.order.retain(|x| *x != id);
-                    out.failed.push((id, e));
-                }
-            }
-        }
+        let mut reqs = std::mem::take(&mut self.reqs);
+        reqs.step(
+            self.max_num_seqs,
+            out,
+            |r| self.is_ready(r),
+            |id, r, out| self.advance(id, r, out),
+        );
+        self.reqs = reqs;
     }
 
     fn remove(&mut self, id: RequestId) {
-        self.reqs.remove(&id);
-        self.order.retain(|x| *x != id);
+        self.reqs.remove(id);
     }
 
     fn has_ready_work(&self) -> bool {
-        self.reqs.values().any(|r| self.is_ready(r))
+        self.reqs.any(|r| self.is_ready(r))
     }
 
     fn active(&self) -> usize {

@@ -7,12 +7,11 @@
 //! Requests are stepped one after another within a step (each with its own KV
 //! cache); batching them into one forward is the GPU engine's job.
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use super::take_ready;
+use super::Requests;
 use crate::engine::{
     Event, Payload, PromptStates, RequestCtx, RequestId, RequestInput, StageModel, StepOutput,
     TextChunk, ThinkerStates,
@@ -49,8 +48,7 @@ pub struct Qwen3OmniThinker {
     tokenizer: Arc<ChatTokenizer>,
     defaults: SamplingParams,
     max_num_seqs: usize,
-    seqs: HashMap<RequestId, Seq>,
-    order: VecDeque<RequestId>,
+    seqs: Requests<Seq>,
 }
 
 /// A Qwen3-Omni sampling config from a stage's defaults and a request's overrides.
@@ -96,8 +94,7 @@ impl Qwen3OmniThinker {
             tokenizer,
             defaults,
             max_num_seqs,
-            seqs: HashMap::new(),
-            order: VecDeque::new(),
+            seqs: Requests::default(),
         })
     }
 
@@ -279,9 +276,7 @@ impl StageModel for Qwen3OmniThinker {
             detok: IncrementalDecoder::new(),
             ctx,
         };
-        let id = seq.ctx.id;
-        self.seqs.insert(id, seq);
-        self.order.push_back(id);
+        self.seqs.insert(seq.ctx.id, seq);
         Ok(())
     }
 
@@ -292,39 +287,22 @@ impl StageModel for Qwen3OmniThinker {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
-        let mut order = std::mem::take(&mut self.order);
-        let ready = take_ready(&mut order, self.max_num_seqs, |id| {
-            self.seqs.contains_key(id)
-        });
-        self.order = order;
-        out.batch = ready.len();
-        for id in ready {
-            let Some(mut seq) = self.seqs.remove(&id) else {
-                continue;
-            };
-            match self.advance(id, &mut seq, out) {
-                Ok(false) => {
-                    self.seqs.insert(id, seq);
-                }
-                Ok(true) => {
-                    self.order.retain(|x| *x != id);
-                    out.finished.push(id);
-                }
-                Err(e) => {
-                    self.order.retain(|x| *x != id);
-                    out.failed.push((id, e));
-                }
-            }
-        }
+        let mut seqs = std::mem::take(&mut self.seqs);
+        seqs.step(
+            self.max_num_seqs,
+            out,
+            |_| true,
+            |id, seq, out| self.advance(id, seq, out),
+        );
+        self.seqs = seqs;
     }
 
     fn remove(&mut self, id: RequestId) {
-        self.seqs.remove(&id);
-        self.order.retain(|x| *x != id);
+        self.seqs.remove(id);
     }
 
     fn has_ready_work(&self) -> bool {
-        !self.seqs.is_empty()
+        self.seqs.len() > 0
     }
 
     fn active(&self) -> usize {

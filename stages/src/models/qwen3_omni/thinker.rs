@@ -16,6 +16,7 @@
 //! real tokens (left padding gets position 1), which is also what its 3-D audio branch
 //! yields for audio segments (`arange(audio_len)` after the audio-start token).
 
+use super::audio_encoder::feat_extract_output_lengths;
 use super::layers::{
     attention_mask, DecoderConfig, DecoderLayer, KvCache, RmsNorm, RotaryEmbedding,
 };
@@ -95,18 +96,6 @@ pub struct AudioEmbeds<'a> {
     /// Mel frames of each audio (`feature_attention_mask.sum(-1)`), used to check that the
     /// placeholder count matches the encoder's output length; empty to skip the check.
     pub feature_lengths: &'a [usize],
-}
-
-/// The audio encoder's output length for `input_len` mel frames (the reference's
-/// `_get_feat_extract_output_lengths`).
-pub fn feat_extract_output_lengths(input_len: usize, n_window: usize) -> usize {
-    let chunk = (n_window * 2) as i64;
-    let n = input_len as i64;
-    let leave = n % chunk;
-    // Python floor division: leave = 0 gives 0 here.
-    let f = (leave - 1).div_euclid(2) + 1;
-    let out = ((f - 1).div_euclid(2) + 1 - 1).div_euclid(2) + 1 + (n / chunk) * 13;
-    out.max(0) as usize
 }
 
 /// Text/audio MRoPE position ids `(3, b, s)` from a 2-D attention mask (1 = token,

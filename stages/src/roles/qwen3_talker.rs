@@ -101,7 +101,8 @@ impl Qwen3OmniTalker {
         if r.state.is_none() {
             return r.prompt.is_some() && (!r.fed.is_empty() || r.upstream_done);
         }
-        r.code0.is_none() || !matches!(self.text_for(r, r.frames), Ok(Text::Wait))
+        // Frame f needs answer token f + 1, or the end of the answer.
+        r.code0.is_none() || r.frames + 1 < r.fed.len() || r.upstream_done
     }
 
     /// The text vector frame `f` consumes: the answer token after the first one,

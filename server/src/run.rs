@@ -10,9 +10,10 @@ use omnistream_codecs::wav::write_wav;
 use omnistream_stages::engine::{
     Event, Modalities, Pipeline, RequestInput, RequestSpec, SamplingOverrides,
 };
+use omnistream_stages::models::qwen3_omni::weights::Progress;
 use omnistream_stages::models::tokenizer::ChatMessage;
 use omnistream_stages::profile::Profile;
-use omnistream_stages::roles::build_pipeline;
+use omnistream_stages::roles::build_pipeline_with_progress;
 
 /// What one request produced, and when.
 #[derive(Debug, Default, Clone)]
@@ -54,7 +55,23 @@ pub fn load_pipeline(profile: &Path) -> Result<Pipeline> {
 }
 
 pub fn load_profile(profile: &Profile) -> Result<Pipeline> {
-    build_pipeline(profile).with_context(|| format!("loading {}", profile.file.display()))
+    // A progress bar for checkpoints read tensor by tensor (Qwen3-Omni's ~70 GB).
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "loading weights {bar:40} {bytes}/{total_bytes} [{elapsed}, {eta} left]",
+        )
+        .context("progress bar template")?,
+    );
+    let b = bar.clone();
+    let progress: Progress = std::sync::Arc::new(move |read, total| {
+        b.set_length(total);
+        b.set_position(read);
+    });
+    let p = build_pipeline_with_progress(profile, Some(progress))
+        .with_context(|| format!("loading {}", profile.file.display()));
+    bar.finish_and_clear();
+    p
 }
 
 /// Submits `spec` and collects its events; `on_text` sees each text delta.

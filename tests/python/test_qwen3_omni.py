@@ -193,3 +193,85 @@ def test_text_only_and_bad_requests(client):
     # The server is still fine.
     r = client.chat.completions.create(model="m", messages=case["messages"], max_completion_tokens=3)
     assert r.choices[0].message.content
+
+
+def ws_url(path: str) -> str:
+    return URL.replace("http://", "ws://").rstrip("/") + path
+
+
+def pcm16(samples: np.ndarray) -> bytes:
+    return (np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def test_spoken_turn_over_the_stream_websocket():
+    """/v1/stream: a spoken turn (pcm16 at 16 kHz, ended by audio_end) goes to
+    the Thinker's own ears (no transcript) and is answered in audio."""
+    import asyncio
+
+    import websockets
+
+    async def run():
+        async with websockets.connect(ws_url("/v1/stream"), max_size=None) as ws:
+            await ws.send(json.dumps({"type": "start", "sample_rate": 16000, "voice": "aiden"}))
+            started = json.loads(await ws.recv())
+            assert started["type"] == "started" and started["voice"] == "aiden", started
+            pcm = pcm16(IO["c2_pcm"])
+            for i in range(0, len(pcm), 6400):
+                await ws.send(pcm[i : i + 6400])
+            await ws.send(json.dumps({"type": "audio_end"}))
+            audio, text, events = b"", "", []
+            while True:
+                m = await asyncio.wait_for(ws.recv(), 120)
+                if isinstance(m, bytes):
+                    audio += m
+                    continue
+                e = json.loads(m)
+                events.append(e["type"])
+                if e["type"] == "transcript":
+                    text += e["text"]
+                if e["type"] in ("done", "error"):
+                    assert e["type"] == "done" and e["status"] == "completed", e
+                    break
+            assert "input_transcript" not in events, events
+            assert events[0] == "audio_received", events
+            assert text and len(audio) >= 16000 * 2, (text, len(audio))
+
+    asyncio.run(run())
+
+
+def test_spoken_turn_over_realtime():
+    """/v1/realtime: committed speech (pcm16 at 24 kHz) is heard by the Thinker
+    and answered with audio and its transcript."""
+    import asyncio
+
+    import websockets
+
+    pcm24 = np.interp(np.arange(0, len(IO["c2_pcm"]), 16000 / 24000), np.arange(len(IO["c2_pcm"])), IO["c2_pcm"])
+
+    async def run():
+        async with websockets.connect(ws_url("/v1/realtime"), max_size=None) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            await ws.send(json.dumps({"type": "session.update", "session": {"audio": {"output": {"voice": "chelsie"}}}}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm16(pcm24)).decode()}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            await ws.send(json.dumps({"type": "response.create"}))
+            audio, transcript, kinds = b"", "", []
+            while True:
+                e = json.loads(await asyncio.wait_for(ws.recv(), 120))
+                kinds.append(e["type"])
+                if e["type"] == "error":
+                    raise AssertionError(e)
+                if e["type"] == "session.updated":
+                    assert e["session"]["audio"]["output"]["voice"] == "chelsie"
+                if e["type"] == "response.output_audio.delta":
+                    audio += base64.b64decode(e["delta"])
+                if e["type"] == "response.output_audio_transcript.delta":
+                    transcript += e["delta"]
+                if e["type"] == "response.done":
+                    assert e["response"]["status"] == "completed", e
+                    break
+            assert "input_audio_buffer.committed" in kinds
+            assert not any("transcription" in k for k in kinds), kinds
+            assert transcript and len(audio) >= 24000 * 2, (transcript, len(audio))
+
+    asyncio.run(run())

@@ -27,6 +27,6 @@ fn qwen3_omni_served_through_the_openai_sdk() {
         out.status.success(),
         "pytest failed:\n{report}\nserver log:\n{log}"
     );
-    assert!(report.contains("4 passed"), "{report}");
+    assert!(report.contains("6 passed"), "{report}");
     assert!(server.alive(), "the server died:\n{log}");
 }

@@ -843,7 +843,7 @@ impl Realtime {
                     let seconds = audio.len() as f64 / f64::from(TRANSCRIBE_RATE);
                     let heard = self.commit_item(id, audio, seconds, early).await;
                     let busy = self.active.as_ref().is_some_and(Active::running);
-                    if create && !heard.is_empty() && !busy {
+                    if create && heard && !busy {
                         self.response_create(json!({"type": "response.create"}))
                             .await?;
                     }
@@ -900,7 +900,7 @@ impl Realtime {
         if let Some(t) = self.turns.as_mut() {
             t.clear();
         }
-        let audio = if listen::can_hear(&self.state) {
+        let audio = if listen::can_hear(&self.state) || self.state.pipeline.thinker_hears() {
             listen::to_listener_rate(&pcm, RATE)?
         } else {
             Vec::new()
@@ -916,15 +916,16 @@ impl Realtime {
 
     /// Adds the user's speech as an item, transcribes it (16 kHz `audio`;
     /// empty where the pipeline cannot hear; `early`: its transcription,
-    /// already started) and puts the words in the conversation; returns them
-    /// (empty when nothing was heard).
+    /// already started) and puts the words in the conversation; returns
+    /// whether there is a turn to answer (not when nothing was heard). A
+    /// Thinker that hears speech itself gets the audio instead of words.
     async fn commit_item(
         &mut self,
         id: String,
         audio: Vec<f32>,
         seconds: f64,
         early: Option<listen::Hearing>,
-    ) -> String {
+    ) -> bool {
         let previous = self.last_item.replace(id.clone());
         self.send(event(
             "input_audio_buffer.committed",
@@ -939,6 +940,14 @@ impl Realtime {
             "audio_seconds": seconds,
         });
         self.announce_item(item, previous).await;
+        if early.is_none() && self.state.pipeline.thinker_hears() && !audio.is_empty() {
+            let audio: std::sync::Arc<[f32]> = audio.into();
+            return self
+                .state
+                .sessions
+                .with(&self.session.id, |s| s.spoken = Some(audio))
+                .is_some();
+        }
         let result = if let Some(h) = early {
             h.result().await
         } else if listen::can_hear(&self.state) {
@@ -963,7 +972,7 @@ impl Realtime {
                     json!({"item_id": id, "content_index": 0, "transcript": transcript}),
                 ))
                 .await;
-                transcript
+                !transcript.is_empty()
             }
             Err(e) => {
                 self.send(event(
@@ -974,7 +983,7 @@ impl Realtime {
                     }),
                 ))
                 .await;
-                String::new()
+                false
             }
         }
     }
@@ -1019,19 +1028,20 @@ impl Realtime {
         if let Some(v) = &o.voice {
             o.voice = Some(check_voice(&self.state, v)?);
         }
-        let Some((messages, mut sampling, session_voice)) =
+        let Some((messages, mut sampling, session_voice, spoken)) =
             self.state.sessions.with(&self.session.id, |s| {
                 let instructions = o.instructions.clone().or(s.instructions.clone());
                 (
                     conn::prompt(instructions.as_deref(), &s.history),
                     s.sampling.clone(),
                     s.voice.clone(),
+                    s.spoken.take(),
                 )
             })
         else {
             return Err(ClientError::expired());
         };
-        if messages.iter().all(|m| m.role == "system") {
+        if spoken.is_none() && messages.iter().all(|m| m.role == "system") {
             return Err(ClientError::invalid(
                 "conversation_empty",
                 "the conversation has no message to answer: add an item first",
@@ -1045,7 +1055,10 @@ impl Realtime {
         }
         let (audio_out, record, max_out) = (o.audio_out, o.record, sampling.max_tokens);
         let spec = RequestSpec {
-            input: RequestInput::Chat { messages },
+            input: match spoken {
+                Some(audio) => RequestInput::Heard { messages, audio },
+                None => RequestInput::Chat { messages },
+            },
             modalities: if audio_out {
                 Modalities::TEXT_AUDIO
             } else {

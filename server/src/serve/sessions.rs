@@ -48,6 +48,9 @@ pub struct Session {
     pub last_active: Instant,
     /// The response being generated, if any (cancelled by `cancel_in_flight`).
     pub in_flight: Option<String>,
+    /// The user's last spoken turn (16 kHz), not answered yet, for a Thinker
+    /// that hears speech itself (there is no transcript to keep instead).
+    pub spoken: Option<std::sync::Arc<[f32]>>,
 }
 
 struct Inner {
@@ -117,6 +120,7 @@ impl SessionManager {
                 created: now,
                 last_active: now,
                 in_flight: None,
+                spoken: None,
             },
         );
         self.0

@@ -286,10 +286,11 @@ impl PcmStream {
             hub,
         ) {
             (Some(settings), Some(hub)) => {
-                if !listen::can_hear(&self.state) {
+                if !self.hears() {
                     return Err(Self::deaf());
                 }
-                let listener = Some((self.state.clone(), "stream"));
+                let listener =
+                    listen::can_hear(&self.state).then(|| (self.state.clone(), "stream"));
                 Some(TurnDetector::new(settings, hub, rate, listener)?)
             }
             _ => None,
@@ -306,7 +307,8 @@ impl PcmStream {
         self.format = s.format;
         self.send(msg(json!({
             "type": "started", "session_id": self.session.id,
-            "format": s.format.name(), "sample_rate": rate, "voice": "joe",
+            "format": s.format.name(), "sample_rate": rate,
+            "voice": voice.as_deref().unwrap_or(self.state.default_voice()),
             "turn_detection": turn_detection,
         })))
         .await;
@@ -325,7 +327,7 @@ impl PcmStream {
             ));
         }
         self.idle()?;
-        self.answer(t.text, rate)
+        self.answer(UserTurn::Text(t.text), rate)
     }
 
     /// No answer is playing (one answer at a time).
@@ -342,24 +344,44 @@ impl PcmStream {
         }
     }
 
-    /// Starts the spoken answer to the user's turn `text`.
-    fn answer(&mut self, text: String, rate: u32) -> Result<(), ClientError> {
-        let user = ChatMessage::new("user", text);
-        let (messages, sampling, voice) = self
+    /// Whether the pipeline takes speech: through a Listener, or a Thinker
+    /// that hears it itself.
+    fn hears(&self) -> bool {
+        listen::can_hear(&self.state) || self.state.pipeline.thinker_hears()
+    }
+
+    /// Starts the spoken answer to the user's turn.
+    fn answer(&mut self, turn: UserTurn, rate: u32) -> Result<(), ClientError> {
+        let (messages, sampling, voice, audio) = self
             .state
             .sessions
             .with(&self.session.id, |s| {
                 let mut history = s.history.clone();
-                history.push(user.clone());
+                let audio = match &turn {
+                    UserTurn::Text(text) => {
+                        history.push(ChatMessage::new("user", text.clone()));
+                        None
+                    }
+                    UserTurn::Spoken(audio) => Some(audio.clone()),
+                };
+                s.spoken = None;
                 (
                     conn::prompt(s.instructions.as_deref(), &history),
                     s.sampling.clone(),
                     s.voice.clone(),
+                    audio,
                 )
             })
             .ok_or_else(ClientError::expired)?;
+        let user = match turn {
+            UserTurn::Text(text) => Some(ChatMessage::new("user", text)),
+            UserTurn::Spoken(_) => None,
+        };
         let spec = RequestSpec {
-            input: RequestInput::Chat { messages },
+            input: match audio {
+                Some(audio) => RequestInput::Heard { messages, audio },
+                None => RequestInput::Chat { messages },
+            },
             modalities: Modalities::TEXT_AUDIO,
             sampling,
             voice,
@@ -378,7 +400,10 @@ impl PcmStream {
         )?;
         let id = conn::new_id("resp");
         self.state.sessions.with(&self.session.id, |s| {
-            conn::remember(s, user);
+            // A spoken turn has no words to keep; its answer is kept.
+            if let Some(user) = user {
+                conn::remember(s, user);
+            }
             s.in_flight = Some(id.clone());
         });
         self.active = Some(Active {
@@ -584,7 +609,7 @@ impl PcmStream {
             Some((audio, early)) => return self.hear(audio, early).await,
             None if pcm.is_empty() => return Ok(()),
             None => {
-                if !listen::can_hear(&self.state) {
+                if !self.hears() {
                     return Err(Self::deaf());
                 }
                 // Without turn detection, one answer at a time.
@@ -605,8 +630,23 @@ impl PcmStream {
         early: Option<listen::Hearing>,
     ) -> Result<(), ClientError> {
         let rate = self.rate.ok_or_else(Self::not_started)?;
-        if !listen::can_hear(&self.state) {
+        if !self.hears() {
             return Err(Self::deaf());
+        }
+        let create = self
+            .turns
+            .as_ref()
+            .is_none_or(|t| t.settings.create_response);
+        if early.is_none() && self.state.pipeline.thinker_hears() {
+            // The Thinker hears the turn itself: no transcript.
+            let audio: std::sync::Arc<[f32]> = audio.into();
+            if create && self.idle().is_ok() {
+                return self.answer(UserTurn::Spoken(audio), rate);
+            }
+            self.state
+                .sessions
+                .with(&self.session.id, |s| s.spoken = Some(audio));
+            return Ok(());
         }
         let text = match early {
             Some(h) => h.result().await?,
@@ -617,12 +657,8 @@ impl PcmStream {
         if text.is_empty() {
             return Ok(());
         }
-        let create = self
-            .turns
-            .as_ref()
-            .is_none_or(|t| t.settings.create_response);
         if create && self.idle().is_ok() {
-            return self.answer(text, rate);
+            return self.answer(UserTurn::Text(text), rate);
         }
         let user = ChatMessage::new("user", text);
         self.state
@@ -763,4 +799,10 @@ impl Job {
             self.gen.sent_audio();
         }
     }
+}
+
+/// A user turn to answer: typed words, or speech for a Thinker that hears it.
+enum UserTurn {
+    Text(String),
+    Spoken(std::sync::Arc<[f32]>),
 }

@@ -30,6 +30,7 @@ use crate::engine::{
 use crate::models::piper::{PiperVoice, Scales};
 use crate::models::quantized_llama::QuantizedLlama;
 use crate::models::qwen3_omni::omni::Qwen3Omni;
+use crate::models::qwen3_omni::weights::Progress;
 use crate::models::tokenizer::ChatTokenizer;
 use crate::models::whisper::WhisperAsr;
 use crate::models::ModelError;
@@ -136,6 +137,15 @@ impl<R> Requests<R> {
 
 /// Loads every model of `profile` and starts the pipeline.
 pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
+    build_pipeline_with_progress(profile, None)
+}
+
+/// [`build_pipeline`], reporting the bytes of large checkpoints (Qwen3-Omni's
+/// shards) as they are read.
+pub fn build_pipeline_with_progress(
+    profile: &Profile,
+    progress: Option<Progress>,
+) -> Result<Pipeline, EngineError> {
     let device = Device::Cpu;
     let mut voices: HashMap<PathBuf, Arc<PiperVoice>> = HashMap::new();
     let mut omni: HashMap<PathBuf, Arc<Qwen3Omni>> = HashMap::new();
@@ -235,7 +245,7 @@ pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
                 )
             }
             ModelType::Qwen3OmniThinker => {
-                let model = load_omni(&mut omni, &path, s)?;
+                let model = load_omni(&mut omni, &path, s, progress.clone())?;
                 let tok_dir = profile.resolve(s.model.tokenizer.as_ref().unwrap_or(&s.model.path));
                 let tok = ChatTokenizer::from_hf_dir(&tok_dir).map_err(model_err)?;
                 hears = true;
@@ -245,7 +255,7 @@ pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
                 (StageRole::Thinker, Box::new(thinker))
             }
             ModelType::Qwen3OmniTalker => {
-                let model = load_omni(&mut omni, &path, s)?;
+                let model = load_omni(&mut omni, &path, s, progress.clone())?;
                 let names = Qwen3OmniTalker::voice_names(&model);
                 let default = s
                     .voice
@@ -269,7 +279,7 @@ pub fn build_pipeline(profile: &Profile) -> Result<Pipeline, EngineError> {
                 (StageRole::Talker, Box::new(talker))
             }
             ModelType::Qwen3OmniCode2wav => {
-                let model = load_omni(&mut omni, &path, s)?;
+                let model = load_omni(&mut omni, &path, s, progress.clone())?;
                 sample_rate = Some(QWEN3_OMNI_SAMPLE_RATE);
                 let policy = ChunkPolicy {
                     async_chunk: profile.async_chunk,
@@ -316,6 +326,7 @@ fn load_omni(
     cache: &mut HashMap<PathBuf, Arc<Qwen3Omni>>,
     path: &std::path::Path,
     s: &StageSpec,
+    progress: Option<Progress>,
 ) -> Result<Arc<Qwen3Omni>, EngineError> {
     if let Some(m) = cache.get(path) {
         return Ok(m.clone());
@@ -330,7 +341,7 @@ fn load_omni(
     };
     let device = Device::Cpu;
     let model = match s.model.weights {
-        WeightsSource::Checkpoint => Qwen3Omni::load(path, dtype, &device, None),
+        WeightsSource::Checkpoint => Qwen3Omni::load(path, dtype, &device, progress),
         WeightsSource::Random => {
             crate::models::qwen3_omni::omni::Qwen3OmniConfig::from_file(&path.join("config.json"))
                 .and_then(|cfg| Qwen3Omni::random(&cfg, dtype, &device))

@@ -66,11 +66,11 @@ def make(model, out):
         seqs, wav = model.generate(
             input_ids=input_ids,
             speaker=speaker,
-            thinker_max_new_tokens=20,
+            thinker_max_new_tokens=32,
             thinker_do_sample=False,
             thinker_eos_token_id=I["im_end_token_id"],
             talker_do_sample=False,
-            talker_max_new_tokens=24,
+            talker_max_new_tokens=33,
             **extra,
         )
         model.code2wav.chunked_decode = decode

@@ -19,8 +19,8 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_omni")
 }
 
-/// The fixture checkpoint with the reference's settings: greedy Thinker (20
-/// tokens), greedy Talker with its repetition penalty (24 code-0 tokens),
+/// The fixture checkpoint with the reference's settings: greedy Thinker (32
+/// tokens), greedy Talker with its repetition penalty (33 code-0 tokens),
 /// greedy code predictor; Code2Wav chunks of `first` then `chunk` frames.
 fn profile(first: usize, chunk: usize, talker_extra: &str) -> Profile {
     let dir = fixtures();
@@ -34,13 +34,13 @@ stages:
     kind: ar
     model: {{ type: qwen3-omni-thinker, path: {m}, tokenizer: {t} }}
     max_num_seqs: 4
-    sampling: {{ temperature: 0.0, max_tokens: 20 }}
+    sampling: {{ temperature: 0.0, max_tokens: 32 }}
   - stage_id: 1
     name: talker
     kind: ar
     model: {{ type: qwen3-omni-talker, path: {m} }}
     max_num_seqs: 4
-    sampling: {{ temperature: 0.0, repetition_penalty: 1.05, max_tokens: 24 }}
+    sampling: {{ temperature: 0.0, repetition_penalty: 1.05, max_tokens: 33 }}
     code_predictor_sampling: {{ temperature: 0.0 }}
     {talker_extra}
   - stage_id: 2
@@ -193,8 +193,8 @@ fn streamed_pipeline_equals_the_reference_generate() {
         assert!(got.done);
         assert_eq!(got.rate, Some(24_000));
         assert_eq!(got.text, tok.decode(&c.tokens).unwrap(), "case {i} text");
-        // 23 frames of 1920 samples: 2 + 5 + 5 + 5 + 5 + 1.
-        assert_eq!(got.audio.len(), 23 * 1920, "case {i}");
+        // 32 frames of 1920 samples: 2 + 5 + 5 + 5 + 5 + 5 + 5.
+        assert_eq!(got.audio.len(), 32 * 1920, "case {i}");
         assert_eq!(got.chunks[..2], [2 * 1920, 5 * 1920]);
         let lead = 555;
         assert!(got.audio[..lead].iter().all(|&x| x == 0.0));
@@ -234,7 +234,7 @@ fn modalities_voices_and_bad_requests() {
     );
     bad = submit(&pipeline, c, Modalities::TEXT_AUDIO);
     let got = collect(&bad);
-    assert_eq!(got.audio.len(), 23 * 1920);
+    assert_eq!(got.audio.len(), 32 * 1920);
 
     // Empty audio is refused before it reaches a stage.
     let err = pipeline

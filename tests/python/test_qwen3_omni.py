@@ -31,8 +31,8 @@ URL = os.environ.get("OMNISTREAM_URL", "http://127.0.0.1:8000")
 RATE = 24_000
 FRAME = 1920
 LEAD = 555  # the causal decoder's lead-in (stages/src/models/qwen3_omni/code2wav.rs)
-REF_TOKENS = 20  # the reference ran its Thinker for 20 tokens and spoke 23 frames
-REF_FRAMES = 23
+REF_TOKENS = 32  # the reference ran its Thinker for 32 tokens and spoke 32 frames
+REF_FRAMES = 32
 # 16-bit output quantisation (1/32768) plus float rounding.
 TOL = 2e-4
 
@@ -84,7 +84,7 @@ def float_wav(samples: np.ndarray, rate: int) -> bytes:
 
 
 def assert_same_audio(got: np.ndarray, ref: np.ndarray) -> None:
-    # The reference spoke 23 frames; a longer answer has them as its prefix (causal decoder).
+    # The reference spoke 32 frames; a longer answer has them as its prefix (causal decoder).
     assert len(got) >= REF_FRAMES * FRAME and len(got) % FRAME == 0, len(got)
     assert np.all(got[:LEAD] == 0)
     err = np.abs(got[LEAD : REF_FRAMES * FRAME] - ref).max()

@@ -476,8 +476,8 @@ mod tests {
                 input_ids: input_ids.clone(),
                 audio,
                 speaker: case["speaker"].as_str().unwrap().to_string(),
-                thinker_max_new_tokens: 20,
-                talker_max_new_tokens: 24,
+                thinker_max_new_tokens: 32,
+                talker_max_new_tokens: 33,
                 thinker_sampling: greedy.clone(),
                 talker_sampling: SamplingConfig {
                     repetition_penalty: 1.05,

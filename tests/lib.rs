@@ -231,6 +231,30 @@ pub fn spawn_server(extra: &[&str]) -> Server {
     server
 }
 
+/// Runs a pytest file from `tests/python/` against `server` (`OMNISTREAM_URL`);
+/// panics with pytest's report and the server's log unless it passed. Returns
+/// the report.
+pub fn run_pytest(server: &Server, file: &str) -> String {
+    let out = Command::new("python3")
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .arg(root().join("tests/python").join(file))
+        .env("OMNISTREAM_URL", &server.url)
+        .current_dir(root())
+        .output()
+        .expect("running pytest");
+    let report = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let log = server.log.lock().map(|l| l.clone()).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "pytest failed:\n{report}\nserver log:\n{log}"
+    );
+    report
+}
+
 /// A plain HTTP/1.1 GET on loopback (no client library needed); returns the body.
 pub fn http_get(port: u16, path: &str) -> String {
     use std::io::{Read, Write};

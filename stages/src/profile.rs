@@ -597,6 +597,16 @@ impl Profile {
                     return Err(self.invalid(key(k), "must be at least 1"));
                 }
             }
+            let into_qwen3 = self
+                .stages
+                .get(c.to)
+                .is_some_and(|s| s.model.model_type == ModelType::Qwen3OmniCode2wav);
+            if into_qwen3 && c.codec_left_context_frames.is_some_and(|n| n > 0) {
+                return Err(self.invalid(
+                    key("codec_left_context_frames"),
+                    "Qwen3-Omni's Code2Wav always streams exactly (causal, stateful): no re-decoded context",
+                ));
+            }
         }
         Ok(())
     }
@@ -812,6 +822,17 @@ connectors:
             Some(0.8)
         );
         assert_eq!(p.connector(1).unwrap().initial_codec_chunk_frames, Some(1));
+        // The exact decoder has no re-decoded context to set.
+        let text = text.replace(
+            "codec_chunk_frames: 4",
+            "codec_chunk_frames: 4\n    codec_left_context_frames: 25",
+        );
+        let err = Profile::parse(&text, &deploy.join("qwen3_omni_moe.yaml")).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("connectors[1].codec_left_context_frames"),
+            "{err}"
+        );
     }
 
     #[test]

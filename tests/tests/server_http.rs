@@ -8,7 +8,7 @@ use std::net::TcpStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use omnistream_e2e::{root, spawn_server, Server};
+use omnistream_e2e::{run_pytest, spawn_server, Server};
 
 /// An HTTP response, as curl saw it.
 struct Resp {
@@ -186,23 +186,7 @@ fn open_audio_stream(server: &Server, prompt: &str) -> TcpStream {
 #[test]
 fn openai_python_sdk_end_to_end() {
     let mut server = spawn_server(&["--max-in-flight", "4"]);
-    let out = Command::new("python3")
-        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
-        .arg(root().join("tests/python/test_openai.py"))
-        .env("OMNISTREAM_URL", &server.url)
-        .current_dir(root())
-        .output()
-        .expect("running pytest");
-    let report = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "pytest failed:\n{report}\nserver log:\n{}",
-        log(&server)
-    );
+    let report = run_pytest(&server, "test_openai.py");
     assert!(report.contains("passed"), "{report}");
     assert!(!report.contains("skipped"), "{report}");
 

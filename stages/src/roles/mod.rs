@@ -34,7 +34,7 @@ use crate::models::qwen3_omni::weights::Progress;
 use crate::models::tokenizer::ChatTokenizer;
 use crate::models::whisper::WhisperAsr;
 use crate::models::ModelError;
-use crate::profile::{Dtype, ModelType, Profile, StageSpec, WeightsSource};
+use crate::profile::{ConnectorSpec, Dtype, ModelType, Profile, StageSpec, WeightsSource};
 
 /// Name clients use for the Piper voice.
 pub const PIPER_VOICE_NAME: &str = "joe";
@@ -229,19 +229,13 @@ pub fn build_pipeline_with_progress(
             ModelType::PiperDecoder => {
                 let voice = load_voice()?;
                 sample_rate = Some(voice.sample_rate());
-                let policy = ChunkPolicy {
-                    async_chunk: profile.async_chunk,
-                    initial_frames: c
-                        .and_then(|c| c.initial_codec_chunk_frames)
-                        .unwrap_or(DEFAULT_INITIAL_FRAMES),
-                    chunk_frames: c
-                        .and_then(|c| c.codec_chunk_frames)
-                        .unwrap_or(DEFAULT_CHUNK_FRAMES),
-                    left_context_frames: c.and_then(|c| c.codec_left_context_frames).unwrap_or(0),
-                };
                 (
                     StageRole::Code2Wav,
-                    Box::new(PiperCode2Wav::new(voice, policy, s.max_num_seqs)),
+                    Box::new(PiperCode2Wav::new(
+                        voice,
+                        chunk_policy(profile, c),
+                        s.max_num_seqs,
+                    )),
                 )
             }
             ModelType::Qwen3OmniThinker => {
@@ -281,19 +275,13 @@ pub fn build_pipeline_with_progress(
             ModelType::Qwen3OmniCode2wav => {
                 let model = load_omni(&mut omni, &path, s, progress.clone())?;
                 sample_rate = Some(QWEN3_OMNI_SAMPLE_RATE);
-                let policy = ChunkPolicy {
-                    async_chunk: profile.async_chunk,
-                    initial_frames: c
-                        .and_then(|c| c.initial_codec_chunk_frames)
-                        .unwrap_or(DEFAULT_INITIAL_FRAMES),
-                    chunk_frames: c
-                        .and_then(|c| c.codec_chunk_frames)
-                        .unwrap_or(DEFAULT_CHUNK_FRAMES),
-                    left_context_frames: 0,
-                };
                 (
                     StageRole::Code2Wav,
-                    Box::new(Qwen3OmniCode2Wav::new(model, policy, s.max_num_seqs)),
+                    Box::new(Qwen3OmniCode2Wav::new(
+                        model,
+                        chunk_policy(profile, c),
+                        s.max_num_seqs,
+                    )),
                 )
             }
         };
@@ -319,6 +307,20 @@ pub fn build_pipeline_with_progress(
             .any(|s| s.model.model_type == ModelType::PiperTalker),
     );
     Ok(pipeline)
+}
+
+/// A frame connector's chunk sizes (the profile's, or the defaults).
+fn chunk_policy(profile: &Profile, c: Option<&ConnectorSpec>) -> ChunkPolicy {
+    ChunkPolicy {
+        async_chunk: profile.async_chunk,
+        initial_frames: c
+            .and_then(|c| c.initial_codec_chunk_frames)
+            .unwrap_or(DEFAULT_INITIAL_FRAMES),
+        chunk_frames: c
+            .and_then(|c| c.codec_chunk_frames)
+            .unwrap_or(DEFAULT_CHUNK_FRAMES),
+        left_context_frames: c.and_then(|c| c.codec_left_context_frames).unwrap_or(0),
+    }
 }
 
 /// The Qwen3-Omni checkpoint at `path`, loaded once for all its stages.

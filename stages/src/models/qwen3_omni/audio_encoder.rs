@@ -399,7 +399,6 @@ const HOP: usize = 160;
 /// rounding only.
 #[derive(Debug, Clone)]
 pub struct AudioFeatureExtractor {
-    n_mels: usize,
     /// `[N_FFT, 2 * n_bins]`: the Hann-windowed DFT basis, cos then -sin.
     basis: Tensor,
     /// `[n_bins, n_mels]`.
@@ -427,7 +426,6 @@ impl AudioFeatureExtractor {
             .t()?
             .contiguous()?;
         Ok(Self {
-            n_mels,
             basis: Tensor::from_vec(basis, (N_FFT, 2 * n_bins), &Device::Cpu)?,
             filters,
         })
@@ -482,10 +480,6 @@ impl AudioFeatureExtractor {
             .to_dtype(DType::F32)?
             .contiguous()?
             .to_device(device)
-    }
-
-    pub fn n_mels(&self) -> usize {
-        self.n_mels
     }
 }
 

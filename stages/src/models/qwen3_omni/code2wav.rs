@@ -58,6 +58,8 @@ use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Activation, LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
+use super::layers::Mlp;
+
 /// `rope_parameters` of transformers 5 (only the default RoPE is used by Code2Wav).
 #[derive(Debug, Clone, Deserialize)]
 pub struct RopeParameters {
@@ -502,34 +504,6 @@ fn repeat_kv(x: Tensor, rep: usize) -> Result<Tensor> {
     Tensor::cat(&vec![&x; rep], 2)?.reshape((b, h * rep, t, d))
 }
 
-/// `Qwen3OmniMoeCode2WavMlp`: down(act(gate(x)) * up(x)).
-#[derive(Debug, Clone)]
-struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
-    act: Activation,
-}
-
-impl Mlp {
-    fn new(cfg: &Code2WavConfig, vb: VarBuilder) -> Result<Self> {
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        Ok(Self {
-            gate_proj: candle_nn::linear_no_bias(h, i, vb.pp("gate_proj"))?,
-            up_proj: candle_nn::linear_no_bias(h, i, vb.pp("up_proj"))?,
-            down_proj: candle_nn::linear_no_bias(i, h, vb.pp("down_proj"))?,
-            act: cfg.hidden_act,
-        })
-    }
-}
-
-impl Module for Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = self.act.forward(&self.gate_proj.forward(x)?)?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
-    }
-}
-
 /// `Qwen3OmniMoeCode2WavTransformerLayer` (pre-norm, LayerScale on both residuals).
 #[derive(Debug, Clone)]
 struct TransformerLayer {
@@ -546,7 +520,12 @@ impl TransformerLayer {
         let h = cfg.hidden_size;
         Ok(Self {
             self_attn: Attention::new(cfg, vb.pp("self_attn"))?,
-            mlp: Mlp::new(cfg, vb.pp("mlp"))?,
+            mlp: Mlp::new(
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                cfg.hidden_act,
+                vb.pp("mlp"),
+            )?,
             input_layernorm: RmsNorm::new(h, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
             post_attention_layernorm: RmsNorm::new(
                 h,

@@ -206,9 +206,6 @@ impl Qwen3Omni {
     pub fn code2wav(&self) -> &Code2Wav {
         &self.code2wav
     }
-    pub fn audio_encoder(&self) -> &AudioEncoder {
-        &self.audio
-    }
 
     /// The audio encoder's embeddings of 16 kHz PCM, `(tokens, thinker_hidden)`, and
     /// the mel frame count.

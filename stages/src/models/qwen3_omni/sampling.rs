@@ -207,10 +207,6 @@ impl Sampler {
         }
     }
 
-    pub fn config(&self) -> &SamplingConfig {
-        &self.cfg
-    }
-
     /// The ids produced so far (those the repetition penalty applies to).
     pub fn history(&self) -> &[u32] {
         &self.history

@@ -230,8 +230,6 @@ pub struct TalkerStep {
     pub codes: Vec<Vec<u32>>,
     /// The next frame's code-0 logits, `(b, vocab)` f32.
     pub logits: Tensor,
-    /// The code predictor's raw logits per code 1..N-1, each `(b, codebook)` f32.
-    pub residual_logits: Vec<Tensor>,
 }
 
 /// `Qwen3OmniMoeTalkerForConditionalGeneration`.
@@ -525,11 +523,7 @@ impl Talker {
             .zip(cp.codes)
             .map(|(&c0, rest)| std::iter::once(c0).chain(rest).collect())
             .collect();
-        Ok(TalkerStep {
-            codes,
-            logits,
-            residual_logits: cp.logits,
-        })
+        Ok(TalkerStep { codes, logits })
     }
 
     fn codec_logits(&self, last_hidden: &Tensor) -> Result<Tensor> {

@@ -141,11 +141,6 @@ impl ThinkerCache {
         self.kv.first().map_or(0, |c| c.seq_len())
     }
 
-    /// Per batch row, the rope position the next token takes.
-    pub fn next_positions(&self) -> &[i64] {
-        &self.next_pos
-    }
-
     pub fn reset(&mut self) {
         self.kv.iter_mut().for_each(|c| c.reset());
         self.padding.clear();
@@ -208,10 +203,6 @@ impl Thinker {
     /// Decoder layers (the index of the final normed hidden state).
     pub fn device(&self) -> &Device {
         &self.device
-    }
-
-    pub fn num_layers(&self) -> usize {
-        self.layers.len()
     }
 
     pub fn new_cache(&self) -> ThinkerCache {

@@ -21,8 +21,8 @@ struct Cli {
     command: Command,
 }
 
-#[derive(clap::Args, Clone)]
-struct ProfileArg {
+#[derive(clap::Args, Clone, Debug)]
+pub struct ProfileArg {
     /// Deploy profile (YAML).
     #[arg(
         long,
@@ -97,6 +97,9 @@ enum Command {
     /// Drive a running server (or, with --compare, servers started per profile)
     /// with load sweeps; TTFT, TPOT, TTFP, RTF, throughput; JSON, Markdown, PNG plots.
     Bench(Box<bench::BenchArgs>),
+    /// Fixed-length workloads at set concurrencies, in-process (the GPU benchmark):
+    /// TTFT, TPOT, TTFP, RTF, audio-s/s, tok/s, and the decode step's bandwidth bound.
+    BenchEngine(Box<bench::EngineArgs>),
     /// Measure the pipeline in-process: TTFP with async_chunk on vs off (one run),
     /// Talker+Code2Wav RTF, Thinker tokens/s, peak memory.
     BenchPipeline {
@@ -187,5 +190,6 @@ fn main() -> Result<()> {
             out,
         } => bench::bench_pipeline(&profile.profile, requests, warmup, &out),
         Command::Bench(args) => bench::bench(*args),
+        Command::BenchEngine(args) => bench::bench_engine(*args),
     }
 }

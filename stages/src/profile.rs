@@ -164,6 +164,10 @@ pub struct StageSpec {
     /// prefix (0 turns prefix caching off).
     #[serde(default)]
     pub prefix_cache_entries: Option<usize>,
+    /// Qwen3-Omni `ar` stages: longest prompt + answer of one request, in positions
+    /// (sizes its KV slot; default 4096, at most the model's own context).
+    #[serde(default)]
+    pub max_model_len: Option<usize>,
     #[serde(default)]
     pub sampling: SamplingParams,
     /// Qwen3-Omni Talker: how the code predictor draws codes 1..15.
@@ -176,6 +180,33 @@ pub struct StageSpec {
 
 fn default_device() -> String {
     "cpu".to_string()
+}
+
+/// Where a stage runs: `cpu`, or `cuda` / `cuda:N` (GPU N) in a build with the
+/// `cuda` feature.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Cpu,
+    Cuda(usize),
+}
+
+/// Parses a stage's `device`.
+pub fn parse_device(s: &str) -> Result<DeviceSpec, String> {
+    let cuda = match s {
+        "cpu" => return Ok(DeviceSpec::Cpu),
+        "cuda" => 0,
+        _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => n,
+            _ => return Err(format!("unknown device {s:?} (cpu, cuda or cuda:N)")),
+        },
+    };
+    if cfg!(feature = "cuda") {
+        Ok(DeviceSpec::Cuda(cuda))
+    } else {
+        Err(format!(
+            "device {s:?}: this build has no CUDA support (build with `--features cuda`, see scripts/cuda/build.sh)"
+        ))
+    }
 }
 
 /// The knobs of the connector between stage `from` and stage `from + 1`.
@@ -465,16 +496,39 @@ impl Profile {
                 for (k, set) in [
                     ("max_prefill_tokens", s.max_prefill_tokens.is_some()),
                     ("prefix_cache_entries", s.prefix_cache_entries.is_some()),
+                    ("max_model_len", s.max_model_len.is_some()),
                 ] {
                     if set {
                         return Err(self.invalid(key(k), "applies to `ar` stages only"));
                     }
                 }
             }
-            if s.device != "cpu" {
+            if s.max_model_len.is_some_and(|n| n < 2) {
+                return Err(self.invalid(key("max_model_len"), "must be at least 2"));
+            }
+            match parse_device(&s.device) {
+                Err(msg) => return Err(self.invalid(key("device"), msg)),
+                Ok(DeviceSpec::Cuda(_)) if !s.model.model_type.is_qwen3_omni() => {
+                    return Err(self.invalid(
+                        key("device"),
+                        "only Qwen3-Omni stages run on a GPU; the others run on cpu",
+                    ))
+                }
+                Ok(_) => {}
+            }
+            // Stages sharing one checkpoint share its weights, so one device.
+            if let Some(other) = self.stages[..i].iter().find(|o| {
+                o.model.model_type.is_qwen3_omni()
+                    && s.model.model_type.is_qwen3_omni()
+                    && o.model.path == s.model.path
+                    && o.device != s.device
+            }) {
                 return Err(self.invalid(
                     key("device"),
-                    format!("unknown device {:?} (this build supports: cpu)", s.device),
+                    format!(
+                        "{:?} shares its checkpoint with stage {:?} on {:?}: stages of one checkpoint run on one device",
+                        s.device, other.name, other.device
+                    ),
                 ));
             }
             let expected_kind = match s.model.model_type {

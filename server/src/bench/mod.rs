@@ -5,6 +5,7 @@
 
 mod client;
 mod dataset;
+mod engine;
 pub mod metrics;
 mod pipeline;
 mod plot;
@@ -22,6 +23,7 @@ use rand_distr::Distribution;
 
 pub use client::Endpoint;
 use client::{Client, RequestShape};
+pub use engine::{bench_engine, EngineArgs};
 use metrics::{
     level_metrics, parse_gauge, parse_stage_counters, stage_loads, StageCounters, Timeline,
 };

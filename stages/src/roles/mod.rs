@@ -34,7 +34,9 @@ use crate::models::qwen3_omni::weights::Progress;
 use crate::models::tokenizer::ChatTokenizer;
 use crate::models::whisper::WhisperAsr;
 use crate::models::ModelError;
-use crate::profile::{ConnectorSpec, Dtype, ModelType, Profile, StageSpec, WeightsSource};
+use crate::profile::{
+    ConnectorSpec, DeviceSpec, Dtype, ModelType, Profile, StageSpec, WeightsSource,
+};
 
 /// Name clients use for the Piper voice.
 pub const PIPER_VOICE_NAME: &str = "joe";
@@ -45,6 +47,10 @@ const DEFAULT_MAX_SPAN_TOKENS: usize = 24;
 const DEFAULT_INITIAL_FRAMES: usize = 4;
 const DEFAULT_CHUNK_FRAMES: usize = 25;
 const DEFAULT_MAX_PREFILL: usize = 512;
+/// Qwen3-Omni: positions per request's KV slot, and padded prompt tokens prefilled
+/// together in one step.
+const DEFAULT_MAX_MODEL_LEN: usize = 4096;
+const DEFAULT_QWEN3_PREFILL: usize = 8192;
 const DEFAULT_PREFIX_CACHE_ENTRIES: usize = 16;
 
 /// Up to `max` requests of `order` that are ready, in order; they move to the
@@ -243,9 +249,15 @@ pub fn build_pipeline_with_progress(
                 let tok_dir = profile.resolve(s.model.tokenizer.as_ref().unwrap_or(&s.model.path));
                 let tok = ChatTokenizer::from_hf_dir(&tok_dir).map_err(model_err)?;
                 hears = true;
-                let thinker =
-                    Qwen3OmniThinker::new(model, Arc::new(tok), s.sampling.clone(), s.max_num_seqs)
-                        .map_err(model_err)?;
+                let thinker = Qwen3OmniThinker::new(
+                    model,
+                    Arc::new(tok),
+                    s.sampling.clone(),
+                    s.max_num_seqs,
+                    s.max_model_len.unwrap_or(DEFAULT_MAX_MODEL_LEN),
+                    s.max_prefill_tokens.unwrap_or(DEFAULT_QWEN3_PREFILL),
+                )
+                .map_err(model_err)?;
                 (StageRole::Thinker, Box::new(thinker))
             }
             ModelType::Qwen3OmniTalker => {
@@ -268,6 +280,7 @@ pub fn build_pipeline_with_progress(
                     s.code_predictor_sampling.clone(),
                     default,
                     s.max_num_seqs,
+                    s.max_model_len.unwrap_or(DEFAULT_MAX_MODEL_LEN),
                 )
                 .map_err(model_err)?;
                 (StageRole::Talker, Box::new(talker))
@@ -323,6 +336,20 @@ fn chunk_policy(profile: &Profile, c: Option<&ConnectorSpec>) -> ChunkPolicy {
     }
 }
 
+/// The device a stage's `device` names (validated with the profile).
+fn stage_device(s: &StageSpec) -> Result<Device, EngineError> {
+    let model_err = |msg: String| EngineError::Model {
+        stage: s.name.clone(),
+        source: ModelError::Invalid(msg),
+    };
+    match crate::profile::parse_device(&s.device).map_err(model_err)? {
+        DeviceSpec::Cpu => Ok(Device::Cpu),
+        DeviceSpec::Cuda(n) => {
+            Device::new_cuda(n).map_err(|e| model_err(format!("cannot open CUDA device {n}: {e}")))
+        }
+    }
+}
+
 /// The Qwen3-Omni checkpoint at `path`, loaded once for all its stages.
 fn load_omni(
     cache: &mut HashMap<PathBuf, Arc<Qwen3Omni>>,
@@ -341,7 +368,7 @@ fn load_omni(
         Dtype::F32 => candle_core::DType::F32,
         Dtype::Bf16 => candle_core::DType::BF16,
     };
-    let device = Device::Cpu;
+    let device = stage_device(s)?;
     let model = match s.model.weights {
         WeightsSource::Checkpoint => Qwen3Omni::load(path, dtype, &device, progress),
         WeightsSource::Random => {

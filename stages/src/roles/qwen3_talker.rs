@@ -13,13 +13,15 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 
 use super::qwen3_thinker::sampling_config;
-use super::Requests;
+use std::collections::HashMap;
+
 use crate::engine::{
     FrameChunk, Payload, PromptStates, RequestCtx, RequestId, StageModel, StepOutput,
 };
+use crate::models::qwen3_omni::layers::KvSlots;
 use crate::models::qwen3_omni::omni::{Qwen3Omni, ThinkerTrace};
 use crate::models::qwen3_omni::sampling::{Sampler, SamplingConfig};
-use crate::models::qwen3_omni::talker::TalkerState;
+use crate::models::qwen3_omni::talker::SlotRows;
 use crate::models::{ModelError, Result};
 use crate::profile::SamplingParams;
 
@@ -33,7 +35,8 @@ struct Req {
     /// Embeddings of the answer tokens the Thinker fed back, one row each.
     fed: Vec<Tensor>,
     upstream_done: bool,
-    state: Option<TalkerState>,
+    /// Once prefilled: cached positions, next rotary position, last hidden state.
+    decode: Option<(usize, u32, Tensor)>,
     /// The next frame's code-0 logits `(vocab,)`.
     logits: Option<Tensor>,
     /// Drawn but not yet spoken (its text vector has not arrived).
@@ -42,6 +45,8 @@ struct Req {
     sampler: Sampler,
     cp_sampler: Sampler,
     max_frames: usize,
+    /// The request ignores end tokens: one frame per text vector, then done.
+    ignore_eos: bool,
 }
 
 pub struct Qwen3OmniTalker {
@@ -50,7 +55,13 @@ pub struct Qwen3OmniTalker {
     cp_defaults: SamplingConfig,
     default_voice: String,
     max_num_seqs: usize,
-    reqs: Requests<Req>,
+    /// Frames per request's KV slot (prompt included).
+    max_len: usize,
+    reqs: HashMap<RequestId, Req>,
+    /// Prefilled requests: request `i` lives in KV slot `i`.
+    running: Vec<RequestId>,
+    /// Allocated at the first prefill.
+    slots: Option<Vec<KvSlots>>,
 }
 
 enum Text {
@@ -65,6 +76,7 @@ impl Qwen3OmniTalker {
         code_predictor: Option<SamplingParams>,
         default_voice: String,
         max_num_seqs: usize,
+        max_len: usize,
     ) -> Result<Self> {
         if model.config().talker.speaker(&default_voice).is_none() {
             return Err(ModelError::Invalid(format!(
@@ -81,12 +93,17 @@ impl Qwen3OmniTalker {
             }
         };
         Ok(Self {
-            model,
             defaults,
             cp_defaults,
             default_voice,
             max_num_seqs,
-            reqs: Requests::default(),
+            max_len: max_len
+                .min(model.config().talker.text_config.max_position_embeddings)
+                .max(2),
+            model,
+            reqs: HashMap::new(),
+            running: Vec::new(),
+            slots: None,
         })
     }
 
@@ -98,7 +115,7 @@ impl Qwen3OmniTalker {
     }
 
     fn is_ready(&self, r: &Req) -> bool {
-        if r.state.is_none() {
+        if r.decode.is_none() {
             return r.prompt.is_some() && (!r.fed.is_empty() || r.upstream_done);
         }
         // Frame f needs answer token f + 1, or the end of the answer.
@@ -121,15 +138,64 @@ impl Qwen3OmniTalker {
         })
     }
 
-    /// Advances `r` by what is possible now; returns whether it finished.
-    fn advance(&self, id: RequestId, r: &mut Req, out: &mut StepOutput) -> Result<bool> {
+    /// Prefills `r` into the next free KV slot, or finishes it when the Thinker
+    /// said nothing. Returns whether it finished.
+    fn prefill(&mut self, id: RequestId, r: &mut Req, out: &mut StepOutput) -> Result<bool> {
         let talker = self.model.talker();
-        if r.state.is_none() {
-            let Some(prompt) = r.prompt.clone() else {
-                return Ok(false);
-            };
-            if r.fed.is_empty() {
-                // The Thinker ended on its first token: nothing to say.
+        let Some(prompt) = r.prompt.clone() else {
+            return Ok(false);
+        };
+        if r.fed.is_empty() {
+            // The Thinker ended on its first token: nothing to say.
+            out.downstream.push((
+                id,
+                Payload::Frames(FrameChunk {
+                    frames: None,
+                    finished: true,
+                }),
+            ));
+            return Ok(true);
+        }
+        let embeds = Tensor::cat(&[&prompt.embeds, &r.fed[0]], 0)?;
+        let inputs = self.model.talker_prompt(
+            &ThinkerTrace {
+                prompt: &prompt.ids,
+                embeds: &embeds,
+                hidden: &prompt.hidden,
+            },
+            r.speaker,
+        )?;
+        let (state, o) = talker.prefill(&inputs, None, None)?;
+        if self.slots.is_none() {
+            self.slots = Some(talker.new_slots(self.max_num_seqs, self.max_len)?);
+        }
+        let slots = self
+            .slots
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("no KV slots".into()))?;
+        let (len, pos, hidden) = talker.load_slot(slots, self.running.len(), &state)?;
+        r.decode = Some((len, pos, hidden));
+        r.logits = Some(o.logits.get(0)?);
+        r.max_frames = r.max_frames.min(self.max_len.saturating_sub(len));
+        self.running.push(id);
+        Ok(false)
+    }
+
+    /// Draws `r`'s next code 0 if it has none; returns whether the request is done
+    /// (the codec's end, or its frame budget).
+    fn draw_code0(&self, id: RequestId, r: &mut Req, out: &mut StepOutput) -> Result<bool> {
+        if r.code0.is_some() {
+            return Ok(false);
+        }
+        let logits = r
+            .logits
+            .take()
+            .ok_or_else(|| ModelError::Invalid("talker: no logits".into()))?;
+        let eos = self.model.config().talker.codec_eos_token_id;
+        let mut logits = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        if r.ignore_eos {
+            // Fixed-length answers (benchmarks): speak every text vector, then stop.
+            if r.upstream_done && r.frames + 1 > r.fed.len() {
                 out.downstream.push((
                     id,
                     Payload::Frames(FrameChunk {
@@ -139,72 +205,145 @@ impl Qwen3OmniTalker {
                 ));
                 return Ok(true);
             }
-            let embeds = Tensor::cat(&[&prompt.embeds, &r.fed[0]], 0)?;
-            let inputs = self.model.talker_prompt(
-                &ThinkerTrace {
-                    prompt: &prompt.ids,
-                    embeds: &embeds,
-                    hidden: &prompt.hidden,
-                },
-                r.speaker,
-            )?;
-            let (state, o) = talker.prefill(&inputs, None, None)?;
-            r.logits = Some(o.logits.get(0)?);
-            r.state = Some(state);
-            return Ok(false);
-        }
-        let eos = self.model.config().talker.codec_eos_token_id;
-        let code0 = match r.code0 {
-            Some(c) => c,
-            None => {
-                let logits = r
-                    .logits
-                    .take()
-                    .ok_or_else(|| ModelError::Invalid("talker: no logits".into()))?;
-                let c = r.sampler.sample_tensor(&logits)?;
-                // As `talker_max_new_tokens`: the budget's last code 0 is not spoken.
-                if c == eos || r.frames + 1 >= r.max_frames {
-                    out.downstream.push((
-                        id,
-                        Payload::Frames(FrameChunk {
-                            frames: None,
-                            finished: true,
-                        }),
-                    ));
-                    return Ok(true);
-                }
-                r.code0 = Some(c);
-                c
+            if let Some(l) = logits.get_mut(eos as usize) {
+                *l = f32::NEG_INFINITY;
             }
-        };
-        let Text::Ready(text) = self.text_for(r, r.frames)? else {
-            return Ok(false);
-        };
-        let state = r
-            .state
-            .as_mut()
-            .ok_or_else(|| ModelError::Invalid("talker: no state".into()))?;
-        let step = talker.step(
-            state,
-            &[code0],
-            &text.unsqueeze(0)?,
-            std::slice::from_mut(&mut r.cp_sampler),
-        )?;
-        r.code0 = None;
-        r.frames += 1;
-        r.logits = Some(step.logits.get(0)?);
-        let codes = step.codes.into_iter().next().unwrap_or_default();
-        let g = codes.len();
-        let frame =
-            Tensor::from_vec(codes, (g, 1), &candle_core::Device::Cpu)?.to_dtype(DType::U32)?;
-        out.downstream.push((
-            id,
-            Payload::Frames(FrameChunk {
-                frames: Some(frame),
-                finished: false,
-            }),
-        ));
+        }
+        let c = r.sampler.sample(&logits)?;
+        // As `talker_max_new_tokens`: the budget's last code 0 is not spoken.
+        if c == eos || r.frames + 1 >= r.max_frames {
+            out.downstream.push((
+                id,
+                Payload::Frames(FrameChunk {
+                    frames: None,
+                    finished: true,
+                }),
+            ));
+            return Ok(true);
+        }
+        r.code0 = Some(c);
         Ok(false)
+    }
+
+    /// One frame for every running request whose next text vector is there, in one
+    /// batched Talker step (code predictor included).
+    fn step_running(
+        &self,
+        reqs: &mut HashMap<RequestId, Req>,
+        out: &mut StepOutput,
+    ) -> Result<Vec<RequestId>> {
+        let mut ids = Vec::new();
+        let mut finished = Vec::new();
+        let (mut slots_of, mut lens, mut pos, mut code0, mut texts, mut hidden) = (
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+        );
+        for (slot, &id) in self.running.iter().enumerate() {
+            let Some(r) = reqs.get_mut(&id) else {
+                continue;
+            };
+            if self.draw_code0(id, r, out)? {
+                finished.push(id);
+                continue;
+            }
+            let Text::Ready(text) = self.text_for(r, r.frames)? else {
+                continue;
+            };
+            let (Some(c), Some((len, p, h))) = (r.code0, &r.decode) else {
+                continue;
+            };
+            ids.push(id);
+            slots_of.push(slot);
+            lens.push(*len);
+            pos.push(*p);
+            code0.push(c);
+            texts.push(text);
+            hidden.push(h.clone());
+        }
+        out.batch = ids.len();
+        if ids.is_empty() {
+            return Ok(finished);
+        }
+        let slots = self
+            .slots
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("no KV slots".into()))?;
+        let last_hidden = Tensor::cat(&hidden, 0)?;
+        let text = Tensor::stack(&texts, 0)?;
+        // The code predictor takes one sampler per row: borrow them for the step.
+        let mut samplers = Vec::with_capacity(ids.len());
+        for id in &ids {
+            if let Some(r) = reqs.get_mut(id) {
+                let stand_in = Sampler::new(SamplingConfig::greedy());
+                samplers.push(std::mem::replace(&mut r.cp_sampler, stand_in));
+            }
+        }
+        let rows = SlotRows {
+            slots: &slots_of,
+            lens: &lens,
+            pos: &pos,
+            last_hidden: &last_hidden,
+        };
+        let result = self
+            .model
+            .talker()
+            .step_slots(slots, &rows, &code0, &text, &mut samplers);
+        for (id, sampler) in ids.iter().zip(samplers) {
+            if let Some(r) = reqs.get_mut(id) {
+                r.cp_sampler = sampler;
+            }
+        }
+        let (step, new_hidden) = result?;
+        for (row, (id, codes)) in ids.iter().zip(step.codes).enumerate() {
+            let Some(r) = reqs.get_mut(id) else {
+                continue;
+            };
+            r.code0 = None;
+            r.frames += 1;
+            r.logits = Some(step.logits.get(row)?);
+            if let Some((len, p, h)) = &mut r.decode {
+                *len += 1;
+                *p += 1;
+                *h = new_hidden.narrow(0, row, 1)?;
+            }
+            let g = codes.len();
+            let frame =
+                Tensor::from_vec(codes, (g, 1), &candle_core::Device::Cpu)?.to_dtype(DType::U32)?;
+            out.downstream.push((
+                *id,
+                Payload::Frames(FrameChunk {
+                    frames: Some(frame),
+                    finished: false,
+                }),
+            ));
+        }
+        Ok(finished)
+    }
+
+    /// Frees `id`'s slot: the last running request moves into it.
+    fn leave(&mut self, id: RequestId) {
+        let Some(row) = self.running.iter().position(|r| *r == id) else {
+            return;
+        };
+        let last = self.running.len() - 1;
+        if let Some(slots) = &self.slots {
+            if let Err(e) = slots.iter().try_for_each(|s| s.move_slot(last, row)) {
+                // The moved request would read another's cache: drop it too.
+                tracing::error!("KV slot compaction failed: {e}");
+                let moved = self.running[last];
+                self.reqs.remove(&moved);
+                self.running.truncate(last);
+                if row < last {
+                    self.running.swap_remove(row);
+                }
+                return;
+            }
+        }
+        self.running.swap_remove(row);
     }
 }
 
@@ -228,7 +367,7 @@ impl StageModel for Qwen3OmniTalker {
                 prompt: None,
                 fed: Vec::new(),
                 upstream_done: false,
-                state: None,
+                decode: None,
                 logits: None,
                 code0: None,
                 frames: 0,
@@ -239,6 +378,7 @@ impl StageModel for Qwen3OmniTalker {
                     .max_tokens
                     .unwrap_or(DEFAULT_MAX_FRAMES)
                     .max(1),
+                ignore_eos: ctx.spec.sampling.ignore_eos,
             },
         );
         Ok(())
@@ -250,7 +390,7 @@ impl StageModel for Qwen3OmniTalker {
                 "the Talker takes the Thinker's output".into(),
             ));
         };
-        let Some(r) = self.reqs.get_mut(id) else {
+        let Some(r) = self.reqs.get_mut(&id) else {
             return Ok(());
         };
         if let Some(states) = chunk.states {
@@ -272,22 +412,56 @@ impl StageModel for Qwen3OmniTalker {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
+        // Prefill the requests whose prompt is complete, while slots are free.
+        let mut waiting: Vec<RequestId> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| r.decode.is_none() && self.is_ready(r))
+            .map(|(id, _)| *id)
+            .collect();
+        waiting.sort_unstable();
+        let free = self.max_num_seqs.saturating_sub(self.running.len());
+        for id in waiting.into_iter().take(free) {
+            let Some(mut r) = self.reqs.remove(&id) else {
+                continue;
+            };
+            match self.prefill(id, &mut r, out) {
+                Ok(false) => {
+                    self.reqs.insert(id, r);
+                }
+                Ok(true) => out.finished.push(id),
+                Err(e) => out.failed.push((id, e)),
+            }
+        }
         let mut reqs = std::mem::take(&mut self.reqs);
-        reqs.step(
-            self.max_num_seqs,
-            out,
-            |r| self.is_ready(r),
-            |id, r, out| self.advance(id, r, out),
-        );
+        let result = self.step_running(&mut reqs, out);
         self.reqs = reqs;
+        match result {
+            Ok(done) => {
+                for id in done {
+                    self.reqs.remove(&id);
+                    self.leave(id);
+                    out.finished.push(id);
+                }
+            }
+            Err(e) => {
+                // A batched step failed: every running request had a part in it.
+                for id in self.running.clone() {
+                    self.reqs.remove(&id);
+                    self.leave(id);
+                    out.failed.push((id, ModelError::Invalid(e.to_string())));
+                }
+            }
+        }
     }
 
     fn remove(&mut self, id: RequestId) {
-        self.reqs.remove(id);
+        self.reqs.remove(&id);
+        self.leave(id);
     }
 
     fn has_ready_work(&self) -> bool {
-        self.reqs.any(|r| self.is_ready(r))
+        self.reqs.values().any(|r| self.is_ready(r))
     }
 
     fn active(&self) -> usize {

@@ -4,21 +4,24 @@
 //! `accept_hidden_layer` states once, then each generated token's embedding as
 //! it is fed back.
 //!
-//! Requests are stepped one after another within a step (each with its own KV
-//! cache); batching them into one forward is the GPU engine's job.
+//! Continuous batching: new requests are prefilled together (typed prompts
+//! left-padded into one forward, a spoken one alone), then join the running batch
+//! in a KV slot; every step decodes the whole running batch in one forward, and a
+//! finished request leaves between steps (the last slot moves into its place).
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{IndexOp, Tensor};
 
-use super::Requests;
 use crate::engine::{
     Event, Payload, PromptStates, RequestCtx, RequestId, RequestInput, StageModel, StepOutput,
     TextChunk, ThinkerStates,
 };
+use crate::models::qwen3_omni::layers::KvSlots;
 use crate::models::qwen3_omni::omni::Qwen3Omni;
 use crate::models::qwen3_omni::sampling::{Sampler, SamplingConfig};
-use crate::models::qwen3_omni::thinker::{AudioEmbeds, ThinkerCache};
+use crate::models::qwen3_omni::thinker::AudioEmbeds;
 use crate::models::tokenizer::{ChatMessage, ChatTokenizer, IncrementalDecoder};
 use crate::models::{ModelError, Result};
 use crate::profile::SamplingParams;
@@ -33,7 +36,8 @@ struct Seq {
     prompt: Vec<u32>,
     /// A spoken turn's 16 kHz PCM, heard at prefill.
     audio: Option<Arc<[f32]>>,
-    cache: Option<ThinkerCache>,
+    /// Once prefilled: cached positions and the next token's rope position.
+    decode: Option<(usize, i64)>,
     sampler: Sampler,
     generated: Vec<u32>,
     max_tokens: usize,
@@ -48,7 +52,17 @@ pub struct Qwen3OmniThinker {
     tokenizer: Arc<ChatTokenizer>,
     defaults: SamplingParams,
     max_num_seqs: usize,
-    seqs: Requests<Seq>,
+    /// Longest prompt + answer (the KV slots' length).
+    max_len: usize,
+    /// Padded tokens prefilled together in one step (a longer prompt goes alone).
+    max_prefill_tokens: usize,
+    seqs: HashMap<RequestId, Seq>,
+    /// Admitted, not prefilled yet, oldest first.
+    waiting: VecDeque<RequestId>,
+    /// The running batch: request `i` lives in KV slot `i`.
+    running: Vec<RequestId>,
+    /// Allocated at the first prefill.
+    slots: Option<Vec<KvSlots>>,
 }
 
 /// A Qwen3-Omni sampling config from a stage's defaults and a request's overrides.
@@ -78,6 +92,8 @@ impl Qwen3OmniThinker {
         tokenizer: Arc<ChatTokenizer>,
         defaults: SamplingParams,
         max_num_seqs: usize,
+        max_len: usize,
+        max_prefill_tokens: usize,
     ) -> Result<Self> {
         // The tokenizer and the checkpoint must agree on the audio placeholder.
         let want = model.config().thinker.audio_token_id;
@@ -89,12 +105,18 @@ impl Qwen3OmniThinker {
                 )))
             }
         }
+        let max_ctx = model.config().thinker.text_config.max_position_embeddings;
         Ok(Self {
             model,
             tokenizer,
             defaults,
             max_num_seqs,
-            seqs: Requests::default(),
+            max_len: max_len.min(max_ctx).max(2),
+            max_prefill_tokens: max_prefill_tokens.max(1),
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            slots: None,
         })
     }
 
@@ -124,84 +146,153 @@ impl Qwen3OmniThinker {
         Ok(ids)
     }
 
-    /// Runs one step of `seq`: its prefill, or its last token fed back. Returns the
-    /// logits of the next token and what the Talker gets of this step.
-    fn forward(&self, seq: &mut Seq) -> Result<(Tensor, ThinkerStates)> {
+    /// Prefills `ids` together (typed prompts, left-padded; or one spoken prompt,
+    /// heard here) and moves each into a free KV slot. Returns each request's first
+    /// logits and what the Talker gets of its prompt.
+    fn prefill(&mut self, ids: &[RequestId]) -> Result<Vec<(Vec<f32>, ThinkerStates)>> {
         let thinker = self.model.thinker();
         let dev = thinker.device().clone();
         let accept = self.model.config().talker.accept_hidden_layer;
-        match &mut seq.cache {
-            None => {
-                let heard = match &seq.audio {
-                    Some(pcm) => Some(self.model.hear(pcm)?),
-                    None => None,
-                };
-                let lens;
-                let audio = match &heard {
-                    Some((embeds, frames)) => {
-                        lens = [*frames];
-                        Some(AudioEmbeds {
-                            embeds,
-                            feature_lengths: &lens,
-                        })
-                    }
-                    None => None,
-                };
-                let l = seq.prompt.len();
-                let ids = Tensor::from_vec(seq.prompt.clone(), (1, l), &dev)?;
-                let mut cache = thinker.new_cache();
-                let hidden: &[usize] = if seq.speak { &[0, accept] } else { &[] };
-                let out = thinker.prefill(&ids, None, audio, &mut cache, hidden)?;
-                seq.cache = Some(cache);
-                let states = if seq.speak {
-                    ThinkerStates {
-                        prompt: Some(Arc::new(PromptStates {
-                            ids: seq.prompt.clone(),
-                            embeds: out.hidden_states[0].squeeze(0)?,
-                            hidden: out.hidden_states[1].squeeze(0)?,
-                        })),
-                        embeds: None,
-                    }
-                } else {
-                    ThinkerStates::default()
-                };
-                Ok((out.logits.get(0)?.get(l - 1)?, states))
+        let seqs: Vec<&Seq> = ids.iter().filter_map(|id| self.seqs.get(id)).collect();
+        let (b, s) = (
+            seqs.len(),
+            seqs.iter().map(|q| q.prompt.len()).max().unwrap_or(0),
+        );
+        let heard = match seqs.as_slice() {
+            [one] => match &one.audio {
+                Some(pcm) => Some(self.model.hear(pcm)?),
+                None => None,
+            },
+            _ => None,
+        };
+        let lens;
+        let audio = match &heard {
+            Some((embeds, frames)) => {
+                lens = [*frames];
+                Some(AudioEmbeds {
+                    embeds,
+                    feature_lengths: &lens,
+                })
             }
-            Some(cache) => {
-                let last = *seq
-                    .generated
-                    .last()
-                    .ok_or_else(|| ModelError::Invalid("decode before any token".into()))?;
-                let ids = Tensor::from_vec(vec![last], (1, 1), &dev)?;
-                let hidden: &[usize] = if seq.speak { &[0] } else { &[] };
-                let out = thinker.step(&ids, cache, hidden)?;
-                let states = ThinkerStates {
-                    prompt: None,
-                    embeds: if seq.speak {
-                        Some(out.hidden_states[0].squeeze(0)?)
-                    } else {
-                        None
-                    },
-                };
-                Ok((out.logits.get(0)?.get(0)?, states))
-            }
+            None => None,
+        };
+        let mut flat = Vec::with_capacity(b * s);
+        let mut mask = Vec::with_capacity(b * s);
+        for q in &seqs {
+            let pad = s - q.prompt.len();
+            flat.extend(std::iter::repeat_n(0u32, pad).chain(q.prompt.iter().copied()));
+            mask.extend(
+                std::iter::repeat_n(0u8, pad).chain(std::iter::repeat_n(1, q.prompt.len())),
+            );
         }
+        let input = Tensor::from_vec(flat, (b, s), &dev)?;
+        let mask = Tensor::from_vec(mask, (b, s), &dev)?;
+        let speak = seqs.iter().any(|q| q.speak);
+        let hidden: &[usize] = if speak { &[0, accept] } else { &[] };
+        let mut cache = thinker.new_cache();
+        let out = thinker.prefill(&input, Some(&mask), audio, &mut cache, hidden)?;
+        if self.slots.is_none() {
+            self.slots = Some(thinker.new_slots(self.max_num_seqs, self.max_len)?);
+        }
+        let slots = self
+            .slots
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("no KV slots".into()))?;
+        let last = out.logits.i((.., s - 1))?.to_vec2::<f32>()?;
+        let mut results = Vec::with_capacity(b);
+        for (row, (id, logits)) in ids.iter().zip(last).enumerate() {
+            let slot = self.running.len();
+            let (len, pos) = thinker.load_slot(slots, slot, &cache, row)?;
+            let Some(seq) = self.seqs.get_mut(id) else {
+                continue;
+            };
+            seq.decode = Some((len, pos));
+            self.running.push(*id);
+            let states = if seq.speak {
+                let part = |t: &Tensor| t.i(row)?.narrow(0, s - len, len);
+                ThinkerStates {
+                    prompt: Some(Arc::new(PromptStates {
+                        ids: seq.prompt.clone(),
+                        embeds: part(&out.hidden_states[0])?,
+                        hidden: part(&out.hidden_states[1])?,
+                    })),
+                    embeds: None,
+                }
+            } else {
+                ThinkerStates::default()
+            };
+            results.push((logits, states));
+        }
+        Ok(results)
     }
 
-    /// One step of `seq`; returns whether it finished.
-    fn advance(&self, id: RequestId, seq: &mut Seq, out: &mut StepOutput) -> Result<bool> {
-        let (logits, states) = self.forward(seq)?;
-        let token = seq.sampler.sample_tensor(&logits)?;
+    /// One decode step of the whole running batch: each request's last token fed back.
+    fn decode(&mut self) -> Result<Vec<(Vec<f32>, ThinkerStates)>> {
+        let thinker = self.model.thinker();
+        let slots = self
+            .slots
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("no KV slots".into()))?;
+        let mut ids = Vec::with_capacity(self.running.len());
+        let mut pos = Vec::with_capacity(self.running.len());
+        let mut lens = Vec::with_capacity(self.running.len());
+        let mut speak = false;
+        for id in &self.running {
+            let seq = self
+                .seqs
+                .get(id)
+                .ok_or_else(|| ModelError::Invalid("lost a running request".into()))?;
+            let (Some(&last), Some((len, p))) = (seq.generated.last(), seq.decode) else {
+                return Err(ModelError::Invalid("decode before any token".into()));
+            };
+            ids.push(last);
+            pos.push(p);
+            lens.push(len);
+            speak |= seq.speak;
+        }
+        let hidden: &[usize] = if speak { &[0] } else { &[] };
+        let out = thinker.step_slots(&ids, &pos, &lens, slots, hidden)?;
+        let logits = out.logits.squeeze(1)?.to_vec2::<f32>()?;
+        let mut results = Vec::with_capacity(logits.len());
+        for (row, (id, logits)) in self.running.iter().zip(logits).enumerate() {
+            let seq = self
+                .seqs
+                .get_mut(id)
+                .ok_or_else(|| ModelError::Invalid("lost a running request".into()))?;
+            if let Some((len, p)) = &mut seq.decode {
+                *len += 1;
+                *p += 1;
+            }
+            let embeds = match seq.speak {
+                true => Some(out.hidden_states[0].i((row, 0))?.unsqueeze(0)?),
+                false => None,
+            };
+            results.push((
+                logits,
+                ThinkerStates {
+                    prompt: None,
+                    embeds,
+                },
+            ));
+        }
+        Ok(results)
+    }
+
+    /// Samples `seq`'s next token from `logits` and sends it on; returns whether the
+    /// request is finished.
+    fn advance(
+        &self,
+        id: RequestId,
+        seq: &mut Seq,
+        logits: &[f32],
+        states: ThinkerStates,
+        out: &mut StepOutput,
+    ) -> Result<bool> {
+        let token = seq.sampler.sample(logits)?;
         let states = seq.speak.then_some(states);
         let eos = self.tokenizer.is_eos(token) && !seq.ignore_eos;
         let at_limit = seq.generated.len() + 1 >= seq.max_tokens;
-        let max_ctx = self
-            .model
-            .config()
-            .thinker
-            .text_config
-            .max_position_embeddings;
-        let ctx_full = seq.prompt.len() + seq.generated.len() + 1 >= max_ctx;
+        let ctx_full = seq.prompt.len() + seq.generated.len() + 1 >= self.max_len;
         let mut text = String::new();
         if !eos {
             seq.generated.push(token);
@@ -233,6 +324,86 @@ impl Qwen3OmniThinker {
     }
 }
 
+impl Qwen3OmniThinker {
+    /// The next requests to prefill together: oldest first, as many as the free slots
+    /// and `max_prefill_tokens` (padded) allow; a spoken prompt goes alone.
+    fn next_prefill_group(&mut self) -> Vec<RequestId> {
+        let free = self.max_num_seqs.saturating_sub(self.running.len());
+        let mut group: Vec<RequestId> = Vec::new();
+        let mut longest = 0;
+        while group.len() < free {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let Some(seq) = self.seqs.get(&id) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            let l = longest.max(seq.prompt.len());
+            let spoken = seq.audio.is_some();
+            if !group.is_empty() && (spoken || l * (group.len() + 1) > self.max_prefill_tokens) {
+                break;
+            }
+            group.push(id);
+            longest = l;
+            self.waiting.pop_front();
+            if spoken {
+                break;
+            }
+        }
+        group
+    }
+
+    /// Samples and sends each row's token; finished and failed requests leave.
+    fn finish_rows(
+        &mut self,
+        ids: &[RequestId],
+        rows: Vec<(Vec<f32>, ThinkerStates)>,
+        out: &mut StepOutput,
+    ) {
+        for (&id, (logits, states)) in ids.iter().zip(rows) {
+            let Some(mut seq) = self.seqs.remove(&id) else {
+                continue;
+            };
+            match self.advance(id, &mut seq, &logits, states, out) {
+                Ok(false) => {
+                    self.seqs.insert(id, seq);
+                }
+                Ok(true) => {
+                    self.leave(id);
+                    out.finished.push(id);
+                }
+                Err(e) => {
+                    self.leave(id);
+                    out.failed.push((id, e));
+                }
+            }
+        }
+    }
+
+    /// Frees `id`'s slot: the last running request moves into it.
+    fn leave(&mut self, id: RequestId) {
+        let Some(row) = self.running.iter().position(|r| *r == id) else {
+            return;
+        };
+        let last = self.running.len() - 1;
+        if let Some(slots) = &self.slots {
+            // A failed move would leave the moved request reading another's cache.
+            if let Err(e) = slots.iter().try_for_each(|s| s.move_slot(last, row)) {
+                let moved = self.running[last];
+                tracing::error!("KV slot compaction failed: {e}");
+                self.seqs.remove(&moved);
+                self.running.truncate(last);
+                if row < last {
+                    self.running.swap_remove(row);
+                }
+                return;
+            }
+        }
+        self.running.swap_remove(row);
+    }
+}
+
 impl StageModel for Qwen3OmniThinker {
     fn admit(&mut self, ctx: Arc<RequestCtx>) -> Result<()> {
         let (messages, audio) = match &ctx.spec.input {
@@ -245,16 +416,11 @@ impl StageModel for Qwen3OmniThinker {
             }
         };
         let prompt = self.prompt(messages, audio.as_deref())?;
-        let max_ctx = self
-            .model
-            .config()
-            .thinker
-            .text_config
-            .max_position_embeddings;
-        if prompt.is_empty() || prompt.len() >= max_ctx {
+        if prompt.is_empty() || prompt.len() >= self.max_len {
             return Err(ModelError::Invalid(format!(
-                "prompt is {} tokens; the model's context is {max_ctx}",
-                prompt.len()
+                "prompt is {} tokens; this stage's context is {}",
+                prompt.len(),
+                self.max_len
             )));
         }
         ctx.set_prompt_tokens(prompt.len());
@@ -269,13 +435,14 @@ impl StageModel for Qwen3OmniThinker {
             speak: ctx.spec.modalities.audio,
             prompt,
             audio,
-            cache: None,
+            decode: None,
             generated: Vec::new(),
             max_tokens,
             ignore_eos: o.ignore_eos,
             detok: IncrementalDecoder::new(),
             ctx,
         };
+        self.waiting.push_back(seq.ctx.id);
         self.seqs.insert(seq.ctx.id, seq);
         Ok(())
     }
@@ -287,22 +454,48 @@ impl StageModel for Qwen3OmniThinker {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
-        let mut seqs = std::mem::take(&mut self.seqs);
-        seqs.step(
-            self.max_num_seqs,
-            out,
-            |_| true,
-            |id, seq, out| self.advance(id, seq, out),
-        );
-        self.seqs = seqs;
+        // Decode the running batch first, so new prompts never delay its next token.
+        if !self.running.is_empty() {
+            out.batch = self.running.len();
+            match self.decode() {
+                Ok(rows) => {
+                    let ids = self.running.clone();
+                    self.finish_rows(&ids, rows, out);
+                }
+                Err(e) => {
+                    for id in std::mem::take(&mut self.running) {
+                        self.seqs.remove(&id);
+                        out.failed.push((id, ModelError::Invalid(e.to_string())));
+                    }
+                }
+            }
+        }
+        // Then prefill what fits in the free slots and the prefill budget.
+        let group = self.next_prefill_group();
+        if group.is_empty() {
+            return;
+        }
+        out.batch += group.len();
+        match self.prefill(&group) {
+            Ok(rows) => self.finish_rows(&group, rows, out),
+            Err(e) => {
+                for id in group {
+                    self.running.retain(|r| *r != id);
+                    self.seqs.remove(&id);
+                    out.failed.push((id, ModelError::Invalid(e.to_string())));
+                }
+            }
+        }
     }
 
     fn remove(&mut self, id: RequestId) {
-        self.seqs.remove(id);
+        self.seqs.remove(&id);
+        self.waiting.retain(|w| *w != id);
+        self.leave(id);
     }
 
     fn has_ready_work(&self) -> bool {
-        self.seqs.len() > 0
+        !self.seqs.is_empty()
     }
 
     fn active(&self) -> usize {

@@ -347,6 +347,160 @@ impl KvCache {
     }
 }
 
+/// One layer's keys/values for a running batch of decoding requests, written in place:
+/// `(slots, kv_heads, max_len, head_dim)`. The requests of a batch occupy slots
+/// `0..b` in batch order (the caller compacts them when one leaves), so attention
+/// reads the slots through a strided view, with no gather and no copy.
+#[derive(Debug)]
+pub struct KvSlots {
+    k: Tensor,
+    v: Tensor,
+}
+
+/// Where each row of one batched decode step writes and what it sees: built once per
+/// step and shared by every layer of one decoder.
+#[derive(Debug)]
+pub struct SlotBatch {
+    /// `(b * kv_heads, head_dim)` u32: the flat row of `(slots * kv_heads * max_len,
+    /// head_dim)` that each new key/value goes to.
+    scatter: Tensor,
+    /// `(b, 1, 1, kv_len)` f32: 0 up to each row's own length, [`MASK_MIN`] after.
+    mask: Tensor,
+    /// The rows' slots when they are not `0..b` (then attention gathers them).
+    gather: Option<Tensor>,
+    batch: usize,
+    kv_len: usize,
+}
+
+impl SlotBatch {
+    /// Row `i` in slot `slots[i]` with `lens[i]` positions cached before this step's token.
+    pub fn new(
+        slots: &[usize],
+        lens: &[usize],
+        kv_heads: usize,
+        head_dim: usize,
+        max_len: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let b = lens.len();
+        if slots.len() != b {
+            candle_core::bail!("{} slots for {b} rows", slots.len());
+        }
+        let kv_len = lens.iter().map(|l| l + 1).max().unwrap_or(0);
+        if kv_len > max_len {
+            candle_core::bail!(
+                "a request needs {kv_len} cached positions, the slots hold {max_len}"
+            );
+        }
+        let mut scatter = Vec::with_capacity(b * kv_heads * head_dim);
+        for (&slot, &len) in slots.iter().zip(lens) {
+            for h in 0..kv_heads {
+                let dst = ((slot * kv_heads + h) * max_len + len) as u32;
+                scatter.extend(std::iter::repeat_n(dst, head_dim));
+            }
+        }
+        let mut mask = Vec::with_capacity(b * kv_len);
+        for &len in lens {
+            mask.extend((0..kv_len).map(|j| if j <= len { 0.0 } else { MASK_MIN }));
+        }
+        Ok(Self {
+            scatter: Tensor::from_vec(scatter, (b * kv_heads, head_dim), device)?,
+            mask: Tensor::from_vec(mask, (b, 1, 1, kv_len), device)?,
+            gather: if slots.iter().enumerate().all(|(i, &s)| i == s) {
+                None
+            } else {
+                let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+                Some(Tensor::from_vec(ids, b, device)?)
+            },
+            batch: b,
+            kv_len,
+        })
+    }
+
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+}
+
+impl KvSlots {
+    pub fn new(
+        slots: usize,
+        kv_heads: usize,
+        max_len: usize,
+        head_dim: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let shape = (slots, kv_heads, max_len, head_dim);
+        Ok(Self {
+            k: Tensor::zeros(shape, dtype, device)?,
+            v: Tensor::zeros(shape, dtype, device)?,
+        })
+    }
+
+    pub fn slots(&self) -> usize {
+        self.k.dims()[0]
+    }
+
+    pub fn max_len(&self) -> usize {
+        self.k.dims()[2]
+    }
+
+    /// Puts row `row` of a prefilled cache, from position `start` (after its left
+    /// padding), into `slot` from position 0.
+    pub fn load(&self, slot: usize, cache: &KvCache, row: usize, start: usize) -> Result<()> {
+        let (Some(k), Some(v)) = (&cache.k, &cache.v) else {
+            candle_core::bail!("load: the cache is empty");
+        };
+        let (b, _, len, _) = k.dims4()?;
+        if row >= b || start > len || len - start > self.max_len() || slot >= self.slots() {
+            candle_core::bail!(
+                "load: row {row} from {start} of cache {:?} does not fit slot {slot} of {:?}",
+                k.dims(),
+                self.k.dims()
+            );
+        }
+        let part = |t: &Tensor| {
+            t.narrow(0, row, 1)?
+                .narrow(2, start, len - start)?
+                .contiguous()
+        };
+        self.k.narrow(0, slot, 1)?.slice_set(&part(k)?, 2, 0)?;
+        self.v.narrow(0, slot, 1)?.slice_set(&part(v)?, 2, 0)
+    }
+
+    /// Moves slot `from`'s contents into slot `to` (compaction when a request leaves).
+    pub fn move_slot(&self, from: usize, to: usize) -> Result<()> {
+        if from != to {
+            for t in [&self.k, &self.v] {
+                let src = t.narrow(0, from, 1)?.copy()?;
+                t.narrow(0, to, 1)?.slice_set(&src, 0, 0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the batch's new `(b, kv_heads, 1, d)` keys/values and returns the rows'
+    /// keys/values over the batch's positions, `(b, kv_heads, kv_len, d)`: views when
+    /// the rows are slots `0..b`, else gathered copies.
+    pub fn append(&self, batch: &SlotBatch, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (slots, kvh, max_len, d) = self.k.dims4()?;
+        let flat = (slots * kvh * max_len, d);
+        let rows = (batch.batch * kvh, d);
+        self.k
+            .reshape(flat)?
+            .scatter_set(&batch.scatter, &k.contiguous()?.reshape(rows)?, 0)?;
+        self.v
+            .reshape(flat)?
+            .scatter_set(&batch.scatter, &v.contiguous()?.reshape(rows)?, 0)?;
+        let view = |t: &Tensor| match &batch.gather {
+            None => t.narrow(0, 0, batch.batch)?.narrow(2, 0, batch.kv_len),
+            Some(ids) => t.index_select(ids, 0)?.narrow(2, 0, batch.kv_len),
+        };
+        Ok((view(&self.k)?, view(&self.v)?))
+    }
+}
+
 /// The additive attention mask `(b, 1, q_len, kv_len)` (f32, 0 visible, [`MASK_MIN`] hidden)
 /// for `q_len` new queries after `kv_len - q_len` cached positions: causal, plus the
 /// 2-D `padding` mask `(b, kv_len)` (1 = token, 0 = padding; any dtype) when given.
@@ -500,6 +654,49 @@ impl Attention {
     }
 }
 
+impl Attention {
+    /// One decode step of a running batch: `x` `(b, 1, hidden)`, cos/sin `(b, 1, d / 2)` at
+    /// each row's own position; keys/values go into `slots` at the rows' lengths.
+    /// Grouped heads share their key/value head through a reshape of the queries, so
+    /// nothing is repeated.
+    pub fn forward_slots(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        slots: &KvSlots,
+        batch: &SlotBatch,
+    ) -> Result<Tensor> {
+        let (b, s, _) = x.dims3()?;
+        if s != 1 || b != batch.batch {
+            candle_core::bail!(
+                "forward_slots: x {:?} for a batch of {}",
+                x.dims(),
+                batch.batch
+            );
+        }
+        let (hd, kvh) = (self.head_dim, self.num_kv_heads);
+        let q = self
+            .q_proj
+            .forward(x)?
+            .reshape((b, 1, self.num_heads, hd))?;
+        let k = self.k_proj.forward(x)?.reshape((b, 1, kvh, hd))?;
+        let v = self.v_proj.forward(x)?.reshape((b, kvh, 1, hd))?;
+        let q = self.q_norm.forward(&q)?.transpose(1, 2)?;
+        let k = self.k_norm.forward(&k)?.transpose(1, 2)?;
+        let (q, k) = apply_rotary_pos_emb(&q, &k, cos, sin)?;
+        let (k, v) = slots.append(batch, &k, &v)?;
+        let n_rep = self.num_heads / kvh;
+        let q = q.reshape((b, kvh, n_rep, hd))?;
+        let dtype = q.dtype();
+        let scores = (q.matmul(&k.t()?)? * self.scaling)?.to_dtype(DType::F32)?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&batch.mask)?)?;
+        let out = probs.to_dtype(dtype)?.matmul(&v)?;
+        self.o_proj
+            .forward(&out.reshape((b, 1, self.num_heads * hd))?)
+    }
+}
+
 /// SwiGLU MLP: `down(act(gate(x)) * up(x))`.
 #[derive(Debug, Clone)]
 pub struct Mlp {
@@ -539,10 +736,15 @@ impl Module for Mlp {
 #[derive(Debug, Clone)]
 pub struct SparseMoe {
     gate: Linear,
+    /// Per-expert MLPs (CPU), or none when `fused` holds them.
     experts: Vec<Mlp>,
+    /// On a GPU in bf16/f16, the experts stacked for the grouped GEMM: gate and up
+    /// `(experts, 2 * intermediate, hidden)`, down `(experts, hidden, intermediate)`.
+    fused: Option<(Tensor, Tensor)>,
     shared_expert: Option<(Mlp, Linear)>,
     top_k: usize,
     norm_topk_prob: bool,
+    act: Activation,
 }
 
 impl SparseMoe {
@@ -557,9 +759,24 @@ impl SparseMoe {
         }
         let gate = linear(hs, cfg.num_experts, false, vb.pp("gate"))?;
         let vbe = vb.pp("experts");
-        let experts = (0..cfg.num_experts)
+        let mut experts = (0..cfg.num_experts)
             .map(|e| Mlp::new(hs, cfg.moe_intermediate_size, cfg.hidden_act, vbe.pp(e)))
             .collect::<Result<Vec<_>>>()?;
+        let fused = if use_fused_moe(vb.device(), vb.dtype()) {
+            // Stack per layer as loaded, so the per-expert copies are freed right away.
+            let gate_up = experts
+                .iter()
+                .map(|m| Tensor::cat(&[m.gate_proj.weight(), m.up_proj.weight()], 0))
+                .collect::<Result<Vec<_>>>()?;
+            let down: Vec<Tensor> = experts
+                .iter()
+                .map(|m| m.down_proj.weight().clone())
+                .collect();
+            experts.clear();
+            Some((Tensor::stack(&gate_up, 0)?, Tensor::stack(&down, 0)?))
+        } else {
+            None
+        };
         let shared_expert = match cfg.shared_expert_intermediate_size {
             Some(n) => Some((
                 Mlp::new(hs, n, cfg.hidden_act, vb.pp("shared_expert"))?,
@@ -570,21 +787,73 @@ impl SparseMoe {
         Ok(Self {
             gate,
             experts,
+            fused,
             shared_expert,
             top_k: cfg.num_experts_per_tok,
             norm_topk_prob: cfg.norm_topk_prob,
+            act: cfg.hidden_act,
         })
     }
 }
 
-impl Module for SparseMoe {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dims = x.dims().to_vec();
-        let hidden = *dims.last().unwrap_or(&0);
-        let xs = x.reshape(((), hidden))?;
+/// Whether MoE layers on `device` in `dtype` run candle's grouped-GEMM MoE kernel, which
+/// reads each routed expert once per step for the whole batch, with no host round-trip.
+fn use_fused_moe(device: &Device, dtype: DType) -> bool {
+    cfg!(feature = "cuda") && device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16)
+}
+
+impl SparseMoe {
+    /// The routed experts through the grouped GEMM (`candle_nn::moe::moe_gemm`): tokens
+    /// sorted by expert on the device; gate/up for every (token, choice), then down
+    /// weighted by the router and summed over the choices.
+    fn forward_fused(
+        &self,
+        xs: &Tensor,
+        probs: &Tensor,
+        gate_up: &Tensor,
+        down: &Tensor,
+    ) -> Result<Tensor> {
+        let (n, hidden) = xs.dims2()?;
+        let inter = down.dim(2)?;
+        let idx = probs
+            .arg_sort_last_dim(false)?
+            .narrow(1, 0, self.top_k)?
+            .contiguous()?;
+        let mut top = probs.gather(&idx, 1)?;
+        if self.norm_topk_prob {
+            top = top.broadcast_div(&top.sum_keepdim(D::Minus1)?)?;
+        }
+        let (expert_ids, sorted) = idx.flatten_all()?.sort_last_dim(true)?;
+        let prefill = n > 1;
+        let gu = candle_nn::moe::moe_gemm(
+            xs,
+            gate_up,
+            &None,
+            &sorted,
+            &expert_ids,
+            self.top_k,
+            prefill,
+        )?;
+        let g = gu.narrow(D::Minus1, 0, inter)?.contiguous()?;
+        let u = gu.narrow(D::Minus1, inter, inter)?.contiguous()?;
+        let h = (g.apply(&self.act)? * u)?;
+        let out = candle_nn::moe::moe_gemm(
+            &h,
+            down,
+            &Some(top.contiguous()?),
+            &sorted,
+            &expert_ids,
+            self.top_k,
+            prefill,
+        )?;
+        out.reshape((n, self.top_k, hidden))?.sum(1)
+    }
+}
+
+impl SparseMoe {
+    /// The routed experts one by one on the tokens routed to each (the CPU path).
+    fn forward_experts(&self, xs: &Tensor, probs: &Tensor) -> Result<Tensor> {
         let n = xs.dim(0)?;
-        let logits = self.gate.forward(&xs)?;
-        let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
         let idx = probs
             .arg_sort_last_dim(false)?
             .narrow(1, 0, self.top_k)?
@@ -592,7 +861,6 @@ impl Module for SparseMoe {
         let top = probs.gather(&idx, 1)?;
         let idx = idx.to_vec2::<u32>()?;
         let top = top.to_vec2::<f32>()?;
-        // Per expert: its tokens and their routing weights.
         let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
         let mut weights: Vec<Vec<f32>> = vec![Vec::new(); self.experts.len()];
         for t in 0..n {
@@ -621,14 +889,25 @@ impl Module for SparseMoe {
             outs.push(h.broadcast_mul(&w)?);
             rows.push(ids);
         }
-        // One index_add in expert order: each token sums its experts in ascending index
-        // order, as the reference's loop does.
-        let mut out = xs.zeros_like()?;
-        if !outs.is_empty() {
-            let rows = Tensor::cat(&rows, 0)?;
-            let outs = Tensor::cat(&outs, 0)?;
-            out = out.index_add(&rows, &outs, 0)?;
+        let out = xs.zeros_like()?;
+        if outs.is_empty() {
+            return Ok(out);
         }
+        out.index_add(&Tensor::cat(&rows, 0)?, &Tensor::cat(&outs, 0)?, 0)
+    }
+}
+
+impl Module for SparseMoe {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let hidden = *dims.last().unwrap_or(&0);
+        let xs = x.reshape(((), hidden))?.contiguous()?;
+        let logits = self.gate.forward(&xs)?;
+        let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+        let mut out = match &self.fused {
+            Some((gate_up, down)) => self.forward_fused(&xs, &probs, gate_up, down)?,
+            None => self.forward_experts(&xs, &probs)?,
+        };
         if let Some((mlp, gate)) = &self.shared_expert {
             let shared = mlp.forward(&xs)?;
             let g = candle_nn::ops::sigmoid(&gate.forward(&xs)?)?;
@@ -638,7 +917,6 @@ impl Module for SparseMoe {
     }
 }
 
-/// A decoder layer's feed-forward part.
 #[derive(Debug, Clone)]
 pub enum FeedForward {
     Dense(Mlp),
@@ -717,6 +995,39 @@ impl DecoderLayer {
             .mlp
             .forward(&self.post_attention_layernorm.forward(&x)?)?;
         x + h
+    }
+}
+
+impl DecoderLayer {
+    /// [`Self::forward`] for one decode step of a running batch over [`KvSlots`].
+    pub fn forward_slots(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        slots: &KvSlots,
+        batch: &SlotBatch,
+    ) -> Result<Tensor> {
+        let h = self.self_attn.forward_slots(
+            &self.input_layernorm.forward(x)?,
+            cos,
+            sin,
+            slots,
+            batch,
+        )?;
+        let x = (x + h)?;
+        let h = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&x)?)?;
+        x + h
+    }
+
+    pub fn kv_heads(&self) -> usize {
+        self.self_attn.num_kv_heads
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.self_attn.head_dim
     }
 }
 

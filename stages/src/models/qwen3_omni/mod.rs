@@ -15,6 +15,9 @@ pub mod talker;
 pub mod thinker;
 pub mod weights;
 
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests;
+
 #[cfg(test)]
 pub(crate) mod fixtures {
     //! Test access to the committed reference fixtures.

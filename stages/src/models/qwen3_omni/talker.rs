@@ -25,7 +25,8 @@
 
 use super::code_predictor::{CodePredictor, CodePredictorConfig};
 use super::layers::{
-    self, DecoderConfig, DecoderLayer, FeedForward, KvCache, RmsNorm, RotaryEmbedding, SparseMoe,
+    self, DecoderConfig, DecoderLayer, FeedForward, KvCache, KvSlots, RmsNorm, RotaryEmbedding,
+    SlotBatch, SparseMoe,
 };
 use super::sampling::Sampler;
 #[cfg(doc)]
@@ -176,6 +177,36 @@ impl TalkerModel {
         }
         self.norm.forward(&h)
     }
+}
+
+impl TalkerModel {
+    /// One decode step of a running batch over KV slots; `position_ids` `(3, b, 1)`.
+    fn forward_slots(
+        &self,
+        x: &Tensor,
+        position_ids: &Tensor,
+        slots: &[KvSlots],
+        batch: &SlotBatch,
+    ) -> Result<Tensor> {
+        let (cos, sin) = self.rotary_emb.forward(position_ids, x.dtype())?;
+        let mut h = x.clone();
+        for (layer, s) in self.layers.iter().zip(slots) {
+            h = layer.forward_slots(&h, &cos, &sin, s, batch)?;
+        }
+        self.norm.forward(&h)
+    }
+}
+
+/// A running batch's rows for [`Talker::step_slots`].
+pub struct SlotRows<'a> {
+    /// Each row's KV slot.
+    pub slots: &'a [usize],
+    /// Cached positions per row.
+    pub lens: &'a [usize],
+    /// Rotary position of each row's next input.
+    pub pos: &'a [u32],
+    /// Each row's last final-normed hidden state, `(b, 1, hidden)`.
+    pub last_hidden: &'a Tensor,
 }
 
 /// The Thinker's tts special tokens through `text_projection`, each `(hidden,)`.
@@ -524,6 +555,87 @@ impl Talker {
             .map(|(&c0, rest)| std::iter::once(c0).chain(rest).collect())
             .collect();
         Ok(TalkerStep { codes, logits })
+    }
+
+    /// KV slots for a running batch of up to `slots` requests of `max_len` positions.
+    pub fn new_slots(&self, slots: usize, max_len: usize) -> Result<Vec<KvSlots>> {
+        let dtype = self.model.codec_embedding.embeddings().dtype();
+        let dev = self.model.codec_embedding.embeddings().device().clone();
+        self.model
+            .layers
+            .iter()
+            .map(|l| KvSlots::new(slots, l.kv_heads(), max_len, l.head_dim(), dtype, &dev))
+            .collect()
+    }
+
+    /// Moves a prefilled batch-1 `state` into `slot`; returns its cached length, its
+    /// next rotary position and its last hidden state `(1, 1, hidden)`.
+    pub fn load_slot(
+        &self,
+        slots: &[KvSlots],
+        slot: usize,
+        state: &TalkerState,
+    ) -> Result<(usize, u32, Tensor)> {
+        if state.batch_size() != 1 || state.padding.is_some() {
+            candle_core::bail!("load_slot takes one unpadded request");
+        }
+        for (s, kv) in slots.iter().zip(&state.caches) {
+            s.load(slot, kv, 0, 0)?;
+        }
+        Ok((
+            state.seq_len(),
+            state.next_pos[0],
+            state.last_hidden.clone(),
+        ))
+    }
+
+    /// [`Self::step`] for a running batch over KV slots: finishes each row's frame from
+    /// `code0` and feeds it with `text` `(b, 1, hidden)`. Returns the step and the rows'
+    /// new last hidden states `(b, 1, hidden)`.
+    pub fn step_slots(
+        &self,
+        slots: &[KvSlots],
+        rows: &SlotRows,
+        code0: &[u32],
+        text: &Tensor,
+        cp_samplers: &mut [Sampler],
+    ) -> Result<(TalkerStep, Tensor)> {
+        let b = code0.len();
+        let Some(first) = slots.first() else {
+            candle_core::bail!("step_slots: no slots");
+        };
+        if rows.slots.len() != b || rows.lens.len() != b || rows.pos.len() != b {
+            candle_core::bail!("step_slots: rows do not match {b} code-0s");
+        }
+        let dev = rows.last_hidden.device().clone();
+        let ids = Tensor::from_vec(code0.to_vec(), (b, 1), &dev)?;
+        let e0 = self.embed_codec(&ids)?;
+        let cp = self
+            .code_predictor
+            .generate(rows.last_hidden, &e0, cp_samplers)?;
+        let dtype = rows.last_hidden.dtype();
+        let text = text.reshape((b, 1, ()))?.to_dtype(dtype)?;
+        let input = ((e0.to_dtype(dtype)? + cp.embed_sum.to_dtype(dtype)?)? + text)?;
+        let pos = Tensor::from_vec(rows.pos.to_vec(), (1, b, 1), &dev)?
+            .broadcast_as((3, b, 1))?
+            .contiguous()?;
+        let l0 = &self.model.layers[0];
+        let batch = SlotBatch::new(
+            rows.slots,
+            rows.lens,
+            l0.kv_heads(),
+            l0.head_dim(),
+            first.max_len(),
+            &dev,
+        )?;
+        let hidden = self.model.forward_slots(&input, &pos, slots, &batch)?;
+        let logits = self.codec_logits(&hidden)?;
+        let codes = code0
+            .iter()
+            .zip(cp.codes)
+            .map(|(&c0, rest)| std::iter::once(c0).chain(rest).collect())
+            .collect();
+        Ok((TalkerStep { codes, logits }, hidden))
     }
 
     fn codec_logits(&self, last_hidden: &Tensor) -> Result<Tensor> {

@@ -18,7 +18,8 @@
 
 use super::audio_encoder::feat_extract_output_lengths;
 use super::layers::{
-    attention_mask, DecoderConfig, DecoderLayer, KvCache, RmsNorm, RotaryEmbedding,
+    attention_mask, DecoderConfig, DecoderLayer, KvCache, KvSlots, RmsNorm, RotaryEmbedding,
+    SlotBatch,
 };
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
@@ -348,10 +349,6 @@ impl Thinker {
         hidden: &[usize],
     ) -> Result<ThinkerOutput> {
         let (b, s, _) = embeds.dims3()?;
-        let n_layers = self.layers.len();
-        if let Some(&bad) = hidden.iter().find(|&&i| i > n_layers) {
-            candle_core::bail!("hidden state index {bad} > num_hidden_layers {n_layers}");
-        }
         let flat: Vec<f32> = pos.iter().flatten().map(|&p| p as f32).collect();
         let pos = Tensor::from_vec(flat, (1, b, s), &self.device)?.repeat((3, 1, 1))?;
         let (cos, sin) = self.rotary_emb.forward(&pos, embeds.dtype())?;
@@ -360,6 +357,24 @@ impl Thinker {
         let pad = Tensor::from_vec(pad_flat, (b, kv_len), &Device::Cpu)?;
         let mask = attention_mask(Some(&pad), b, s, kv_len, &self.device)?;
 
+        let kv = &mut cache.kv;
+        self.run_layers(embeds, hidden, |layer, i, x| {
+            layer.forward(x, &cos, &sin, mask.as_ref(), Some(&mut kv[i]))
+        })
+    }
+
+    /// The decoder layers (`layer(layer, index, x)` runs one), the final norm and the
+    /// head, recording the requested hidden states.
+    fn run_layers(
+        &self,
+        embeds: &Tensor,
+        hidden: &[usize],
+        mut layer: impl FnMut(&DecoderLayer, usize, &Tensor) -> Result<Tensor>,
+    ) -> Result<ThinkerOutput> {
+        let n_layers = self.layers.len();
+        if let Some(&bad) = hidden.iter().find(|&&i| i > n_layers) {
+            candle_core::bail!("hidden state index {bad} > num_hidden_layers {n_layers}");
+        }
         let mut out_hidden: Vec<Option<Tensor>> = vec![None; hidden.len()];
         let mut record = |i: usize, h: &Tensor| {
             for (slot, &want) in out_hidden.iter_mut().zip(hidden) {
@@ -370,8 +385,8 @@ impl Thinker {
         };
         let mut x = embeds.clone();
         record(0, &x);
-        for (i, (layer, kv)) in self.layers.iter().zip(cache.kv.iter_mut()).enumerate() {
-            x = layer.forward(&x, &cos, &sin, mask.as_ref(), Some(kv))?;
+        for (i, l) in self.layers.iter().enumerate() {
+            x = layer(l, i, &x)?;
             if i + 1 < n_layers {
                 record(i + 1, &x);
             }
@@ -386,6 +401,84 @@ impl Thinker {
         Ok(ThinkerOutput {
             logits,
             hidden_states,
+        })
+    }
+
+    /// KV slots for a running batch of up to `slots` requests of up to `max_len`
+    /// positions each, one per layer, in the embeddings' dtype.
+    pub fn new_slots(&self, slots: usize, max_len: usize) -> Result<Vec<KvSlots>> {
+        let dtype = self.embed_tokens.embeddings().dtype();
+        self.layers
+            .iter()
+            .map(|l| {
+                KvSlots::new(
+                    slots,
+                    l.kv_heads(),
+                    max_len,
+                    l.head_dim(),
+                    dtype,
+                    &self.device,
+                )
+            })
+            .collect()
+    }
+
+    /// Moves row `row` of a prefilled `cache` (its tokens, without the left padding)
+    /// into `slot`; the request then decodes with [`Self::step_slots`]. Returns the
+    /// row's cached length and the rope position of its next token.
+    pub fn load_slot(
+        &self,
+        slots: &[KvSlots],
+        slot: usize,
+        cache: &ThinkerCache,
+        row: usize,
+    ) -> Result<(usize, i64)> {
+        let (Some(pad), Some(&next)) = (cache.padding.get(row), cache.next_pos.get(row)) else {
+            candle_core::bail!("load_slot: the cache has no row {row}");
+        };
+        let start = pad.iter().take_while(|&&m| m == 0).count();
+        for (s, kv) in slots.iter().zip(&cache.kv) {
+            s.load(slot, kv, row, start)?;
+        }
+        Ok((pad.len() - start, next))
+    }
+
+    /// One decode step of a running batch: row `i` lives in slot `i` with `lens[i]` cached
+    /// positions, feeds `ids[i]` at rope position `pos[i]`. Same outputs as [`Self::step`]
+    /// with `s = 1`.
+    pub fn step_slots(
+        &self,
+        ids: &[u32],
+        pos: &[i64],
+        lens: &[usize],
+        slots: &[KvSlots],
+        hidden: &[usize],
+    ) -> Result<ThinkerOutput> {
+        let b = ids.len();
+        let (Some(first), true) = (slots.first(), pos.len() == b && lens.len() == b) else {
+            candle_core::bail!(
+                "step_slots: {b} ids, {} positions, {} lengths",
+                pos.len(),
+                lens.len()
+            );
+        };
+        let input = Tensor::from_vec(ids.to_vec(), (b, 1), &self.device)?;
+        let embeds = self.embed_tokens(&input)?;
+        let flat: Vec<f32> = pos.iter().map(|&p| p as f32).collect();
+        let pos = Tensor::from_vec(flat, (1, b, 1), &self.device)?.repeat((3, 1, 1))?;
+        let (cos, sin) = self.rotary_emb.forward(&pos, embeds.dtype())?;
+        let l0 = &self.layers[0];
+        let rows: Vec<usize> = (0..b).collect();
+        let batch = SlotBatch::new(
+            &rows,
+            lens,
+            l0.kv_heads(),
+            l0.head_dim(),
+            first.max_len(),
+            &self.device,
+        )?;
+        self.run_layers(&embeds, hidden, |layer, i, x| {
+            layer.forward_slots(x, &cos, &sin, &slots[i], &batch)
         })
     }
 
@@ -680,5 +773,116 @@ mod tests {
     #[test]
     fn generate_with_audio() {
         generate_case("audio", true);
+    }
+}
+
+#[cfg(test)]
+mod slot_tests {
+    use super::*;
+    use crate::models::qwen3_omni::fixtures;
+
+    /// Requests of different lengths decoded together over KV slots, joining and
+    /// leaving the batch (with compaction), give each request's own `step` results.
+    #[test]
+    fn batched_slots_match_single_steps() {
+        let cfg: ThinkerConfig =
+            serde_json::from_value(fixtures::config()["thinker_config"].clone()).unwrap();
+        let model = Thinker::new(&cfg, fixtures::weights().pp("thinker")).unwrap();
+        let dev = Device::Cpu;
+        let prompts: Vec<Vec<u32>> = vec![(1..9).collect(), (20..23).collect(), (40..57).collect()];
+        // Reference: each alone.
+        let steps = 6;
+        let mut want = Vec::new();
+        for p in &prompts {
+            let mut cache = model.new_cache();
+            let ids = Tensor::from_vec(p.clone(), (1, p.len()), &dev).unwrap();
+            let mut logits = model
+                .prefill(&ids, None, None, &mut cache, &[0])
+                .unwrap()
+                .logits;
+            let mut rows = Vec::new();
+            let mut tok = logits
+                .i((0, p.len() - 1))
+                .unwrap()
+                .argmax(0)
+                .unwrap()
+                .to_scalar::<u32>()
+                .unwrap();
+            for _ in 0..steps {
+                let ids = Tensor::from_vec(vec![tok], (1, 1), &dev).unwrap();
+                let out = model.step(&ids, &mut cache, &[0]).unwrap();
+                logits = out.logits.i((0, 0)).unwrap();
+                rows.push((tok, logits.clone(), out.hidden_states[0].i((0, 0)).unwrap()));
+                tok = logits.argmax(0).unwrap().to_scalar::<u32>().unwrap();
+            }
+            want.push(rows);
+        }
+        // Batched: request 1 joins at step 2; request 0 leaves after 4 steps.
+        let slots = model.new_slots(3, 64).unwrap();
+        struct Live {
+            req: usize,
+            step: usize,
+            len: usize,
+            pos: i64,
+        }
+        let mut live: Vec<Live> = Vec::new();
+        let join = |req: usize, slot: usize| -> Live {
+            let p = &prompts[req];
+            let mut cache = model.new_cache();
+            let ids = Tensor::from_vec(p.clone(), (1, p.len()), &dev).unwrap();
+            model.prefill(&ids, None, None, &mut cache, &[]).unwrap();
+            let (len, pos) = model.load_slot(&slots, slot, &cache, 0).unwrap();
+            Live {
+                req,
+                step: 0,
+                len,
+                pos,
+            }
+        };
+        live.push(join(0, 0));
+        live.push(join(2, 1));
+        let mut worst = 0f32;
+        for round in 0..20 {
+            if round == 2 {
+                live.push(join(1, live.len()));
+            }
+            if live.is_empty() {
+                break;
+            }
+            let ids: Vec<u32> = live.iter().map(|l| want[l.req][l.step].0).collect();
+            let pos: Vec<i64> = live.iter().map(|l| l.pos).collect();
+            let lens: Vec<usize> = live.iter().map(|l| l.len).collect();
+            let out = model.step_slots(&ids, &pos, &lens, &slots, &[0]).unwrap();
+            for (row, l) in live.iter_mut().enumerate() {
+                let (_, logits, embed) = &want[l.req][l.step];
+                worst = worst.max(fixtures::max_abs_diff(
+                    &out.logits.i((row, 0)).unwrap(),
+                    logits,
+                ));
+                assert_eq!(
+                    fixtures::max_abs_diff(&out.hidden_states[0].i((row, 0)).unwrap(), embed),
+                    0.0
+                );
+                l.step += 1;
+                l.len += 1;
+                l.pos += 1;
+            }
+            // Leave: request 0 after 4 steps, others when done; the last slot moves in.
+            let mut row = 0;
+            while row < live.len() {
+                let l = &live[row];
+                if (l.req == 0 && l.step == 4) || l.step == steps {
+                    let last = live.len() - 1;
+                    for s in &slots {
+                        s.move_slot(last, row).unwrap();
+                    }
+                    live.swap_remove(row);
+                } else {
+                    row += 1;
+                }
+            }
+        }
+        assert!(live.is_empty());
+        assert!(worst < 1e-4, "batched logits differ by {worst}");
     }
 }

@@ -1,0 +1,368 @@
+//! `bench-engine`: fixed-length workloads at set concurrencies, in-process, on
+//! whatever device the profile names (the GPU benchmark of Qwen3-Omni at its
+//! real shapes). Each level keeps `concurrency` requests in flight until
+//! `requests` have finished; every answer is forced to its full length
+//! (`ignore_eos`), so runs compare like for like. Reports TTFT, TPOT, TTFP,
+//! RTF, audio seconds per second and tokens per second, and, for a Qwen3-Omni
+//! Thinker, the memory-bandwidth bound on its decode step.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use omnistream_stages::engine::{Event, Modalities, Pipeline, SamplingOverrides};
+use omnistream_stages::models::qwen3_omni::omni::Qwen3OmniConfig;
+use omnistream_stages::models::tokenizer::{ChatMessage, ChatTokenizer};
+use omnistream_stages::profile::{ModelType, Profile};
+use serde::Serialize;
+
+use super::machine;
+use super::metrics::{summarize, Summary};
+use super::pipeline::peak_rss_mib;
+use crate::run::{chat_spec, load_profile};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    #[command(flatten)]
+    pub profile: crate::ProfileArg,
+    /// Workload name in the report (e.g. `long`, `chat`).
+    #[arg(long, default_value = "chat")]
+    pub name: String,
+    /// Prompt length in tokens (the chat template included).
+    #[arg(long, default_value_t = 100)]
+    pub prompt_tokens: usize,
+    /// Answer length in tokens (generated to the end; end-of-turn ignored).
+    #[arg(long, default_value_t = 200)]
+    pub output_tokens: usize,
+    /// Concurrency levels, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub concurrency: Vec<usize>,
+    /// Requests per level (default: the level's concurrency).
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Text out only (no Talker, no Code2Wav).
+    #[arg(long)]
+    pub text_only: bool,
+    /// H200 HBM3e bandwidth, bytes/s, for the decode-step bound.
+    #[arg(long, default_value_t = 4.8e12)]
+    pub bandwidth: f64,
+    /// Folder for `engine-<name>[-text].json` and `.md`.
+    #[arg(long, default_value = "bench-out")]
+    pub out: PathBuf,
+}
+
+#[derive(Debug, Serialize)]
+struct Level {
+    concurrency: usize,
+    requests: usize,
+    wall_s: f64,
+    ttft_ms: Summary,
+    tpot_ms: Summary,
+    ttfp_ms: Option<Summary>,
+    /// Request time over its audio length.
+    rtf: Option<Summary>,
+    audio_s_per_s: f64,
+    tok_s: f64,
+    /// The Thinker's decode-step lower bound at this batch (weights read once per
+    /// step at `bandwidth`), and mean TPOT over it.
+    thinker_step_bound_ms: Option<f64>,
+    tpot_over_bound: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    schema: &'static str,
+    profile: String,
+    machine: String,
+    workload: String,
+    prompt_tokens: usize,
+    output_tokens: usize,
+    text_only: bool,
+    levels: Vec<Level>,
+    peak_rss_mib: f64,
+}
+
+/// One finished request's timings.
+struct Timed {
+    ttft: Duration,
+    last_text: Duration,
+    ttfp: Option<Duration>,
+    total: Duration,
+    tokens: usize,
+    audio_s: f64,
+}
+
+pub fn bench_engine(args: EngineArgs) -> Result<()> {
+    let profile = Profile::load(&args.profile.profile)?;
+    let thinker = profile
+        .stages
+        .first()
+        .filter(|s| s.model.model_type == ModelType::Qwen3OmniThinker)
+        .context("bench-engine drives a Qwen3-Omni Thinker profile")?;
+    let tok_dir = profile.resolve(
+        thinker
+            .model
+            .tokenizer
+            .as_ref()
+            .unwrap_or(&thinker.model.path),
+    );
+    let tokenizer = ChatTokenizer::from_hf_dir(&tok_dir)
+        .with_context(|| format!("tokenizer in {}", tok_dir.display()))?;
+    let prompt = prompt_of_length(&tokenizer, args.prompt_tokens)?;
+    let cfg =
+        Qwen3OmniConfig::from_file(&profile.resolve(&thinker.model.path).join("config.json"))?;
+    let weight_bytes = if thinker.model.dtype == omnistream_stages::profile::Dtype::Bf16 {
+        2.0
+    } else {
+        4.0
+    };
+
+    eprintln!("loading {}", args.profile.profile.display());
+    let pipeline = load_profile(&profile)?;
+    let modalities = if args.text_only {
+        Modalities::TEXT
+    } else {
+        Modalities::TEXT_AUDIO
+    };
+    let sampling = SamplingOverrides {
+        max_tokens: Some(args.output_tokens),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    // Warm-up: every kernel is compiled (PTX JIT) and every path taken once.
+    eprintln!("warm-up");
+    run_level(&pipeline, &prompt, modalities, &sampling, 2, 2)?;
+
+    let mut levels = Vec::new();
+    for &c in &args.concurrency {
+        let n = args.requests.unwrap_or(c).max(c);
+        eprintln!("concurrency {c}: {n} requests");
+        let start = Instant::now();
+        let done = run_level(&pipeline, &prompt, modalities, &sampling, c, n)?;
+        let wall = start.elapsed().as_secs_f64();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let tpot: Vec<f64> = done
+            .iter()
+            .filter(|t| t.tokens > 1)
+            .map(|t| ms(t.last_text - t.ttft) / (t.tokens - 1) as f64)
+            .collect();
+        let audio: f64 = done.iter().map(|t| t.audio_s).sum();
+        let tokens: usize = done.iter().map(|t| t.tokens).sum();
+        let bound = thinker_step_bound(&cfg, c, weight_bytes, args.bandwidth);
+        let tpot = summarize(&tpot);
+        levels.push(Level {
+            concurrency: c,
+            requests: n,
+            wall_s: wall,
+            ttft_ms: summarize(&done.iter().map(|t| ms(t.ttft)).collect::<Vec<_>>()),
+            ttfp_ms: (!args.text_only).then(|| {
+                summarize(
+                    &done
+                        .iter()
+                        .filter_map(|t| t.ttfp.map(ms))
+                        .collect::<Vec<_>>(),
+                )
+            }),
+            rtf: (!args.text_only).then(|| {
+                summarize(
+                    &done
+                        .iter()
+                        .filter(|t| t.audio_s > 0.0)
+                        .map(|t| t.total.as_secs_f64() / t.audio_s)
+                        .collect::<Vec<_>>(),
+                )
+            }),
+            audio_s_per_s: audio / wall,
+            tok_s: tokens as f64 / wall,
+            thinker_step_bound_ms: Some(bound * 1e3),
+            tpot_over_bound: Some(tpot.mean / (bound * 1e3)),
+            tpot_ms: tpot,
+        });
+    }
+    let report = Report {
+        schema: "omnistream.bench-engine.v1",
+        profile: args.profile.profile.display().to_string(),
+        machine: machine(),
+        workload: args.name.clone(),
+        prompt_tokens: args.prompt_tokens,
+        output_tokens: args.output_tokens,
+        text_only: args.text_only,
+        levels,
+        peak_rss_mib: peak_rss_mib(),
+    };
+    write_report(&report, &args.out)
+}
+
+/// A user message whose templated prompt is `n` tokens (or the nearest below).
+fn prompt_of_length(tok: &ChatTokenizer, n: usize) -> Result<String> {
+    let len = |words: usize| -> Result<usize> {
+        let text = "hello ".repeat(words);
+        let t = tok.apply_chat_template(&[ChatMessage::new("user", text.trim_end())], true)?;
+        Ok(tok.encode(&t)?.len())
+    };
+    let (mut lo, mut hi) = (0usize, n.max(1));
+    while len(hi)? < n {
+        hi *= 2;
+    }
+    // The largest word count whose prompt is at most n tokens.
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if len(mid)? <= n {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Ok("hello ".repeat(lo).trim_end().to_string())
+}
+
+/// The Thinker's decode step at batch `b`, if it only read its weights once at
+/// `bandwidth`: attention, norms, the head and every dense layer; of each MoE
+/// layer the router and the experts that `b` tokens are expected to pick.
+fn thinker_step_bound(cfg: &Qwen3OmniConfig, b: usize, bytes: f64, bandwidth: f64) -> f64 {
+    let t = &cfg.thinker.text_config;
+    let (h, hd) = (t.hidden_size as f64, t.head_dim() as f64);
+    let attn = h * hd * (2.0 * t.num_attention_heads as f64 + 2.0 * t.num_key_value_heads as f64);
+    let expert = 3.0 * h * t.moe_intermediate_size as f64;
+    let (e, k) = (t.num_experts as f64, t.num_experts_per_tok as f64);
+    let touched = e * (1.0 - (1.0 - k / e).powi(b as i32));
+    let mut params = h * t.vocab_size as f64; // lm_head
+    for i in 0..t.num_hidden_layers {
+        params += attn;
+        params += if t.is_sparse_layer(i) {
+            h * e + touched * expert
+        } else {
+            3.0 * h * t.intermediate_size as f64
+        };
+    }
+    params * bytes / bandwidth
+}
+
+/// Keeps `c` requests in flight until `n` have finished.
+fn run_level(
+    pipeline: &Pipeline,
+    prompt: &str,
+    modalities: Modalities,
+    sampling: &SamplingOverrides,
+    c: usize,
+    n: usize,
+) -> Result<Vec<Timed>> {
+    let next = AtomicUsize::new(0);
+    let results = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..c)
+            .map(|_| {
+                s.spawn(|| -> Result<Vec<Timed>> {
+                    let mut mine = Vec::new();
+                    while next.fetch_add(1, Ordering::SeqCst) < n {
+                        mine.push(run_one(pipeline, prompt, modalities, sampling)?);
+                    }
+                    Ok(mine)
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join()
+                    .map_err(|_| anyhow::anyhow!("a bench thread panicked"))?
+            })
+            .collect::<Result<Vec<_>>>()
+    })?;
+    Ok(results.into_iter().flatten().collect())
+}
+
+fn run_one(
+    pipeline: &Pipeline,
+    prompt: &str,
+    modalities: Modalities,
+    sampling: &SamplingOverrides,
+) -> Result<Timed> {
+    let start = Instant::now();
+    let handle = pipeline.submit(chat_spec(prompt, modalities, sampling.clone()))?;
+    let (mut ttft, mut last_text, mut ttfp) = (None, Duration::ZERO, None);
+    let mut samples = 0usize;
+    let mut rate = 1u32;
+    loop {
+        let event = handle
+            .events()
+            .recv_timeout(Duration::from_secs(600))
+            .context("no event from the pipeline for 600 s")?;
+        match event {
+            Event::TextDelta(_) => {
+                let now = start.elapsed();
+                ttft.get_or_insert(now);
+                last_text = now;
+            }
+            Event::Audio {
+                samples: s,
+                sample_rate,
+                ..
+            } => {
+                ttfp.get_or_insert(start.elapsed());
+                samples += s.len();
+                rate = sample_rate.max(1);
+            }
+            Event::Done {
+                completion_tokens, ..
+            } => {
+                return Ok(Timed {
+                    ttft: ttft.unwrap_or_else(|| start.elapsed()),
+                    last_text,
+                    ttfp,
+                    total: start.elapsed(),
+                    tokens: completion_tokens,
+                    audio_s: samples as f64 / rate as f64,
+                });
+            }
+            Event::Error(e) => bail!("request failed: {e}"),
+        }
+    }
+}
+
+fn write_report(r: &Report, out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let stem = format!(
+        "engine-{}{}",
+        r.workload,
+        if r.text_only { "-text" } else { "" }
+    );
+    let json = out.join(format!("{stem}.json"));
+    std::fs::write(&json, serde_json::to_string_pretty(r)?)
+        .with_context(|| format!("writing {}", json.display()))?;
+    let opt = |s: &Option<Summary>| {
+        s.as_ref()
+            .map_or("-".to_string(), |s| format!("{:.0}", s.mean))
+    };
+    let mut md = format!(
+        "# {} (prompt {}, answer {} tokens{}) on {}\n\n\
+         | c | requests | TTFT mean ms | TPOT mean ms | TTFP mean ms | RTF mean | audio-s/s | tok/s | step bound ms | TPOT / bound |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
+        r.workload,
+        r.prompt_tokens,
+        r.output_tokens,
+        if r.text_only { ", text only" } else { ", audio on" },
+        r.machine
+    );
+    for l in &r.levels {
+        md.push_str(&format!(
+            "| {} | {} | {:.0} | {:.1} | {} | {} | {:.1} | {:.0} | {:.2} | {:.1} |\n",
+            l.concurrency,
+            l.requests,
+            l.ttft_ms.mean,
+            l.tpot_ms.mean,
+            opt(&l.ttfp_ms),
+            l.rtf
+                .as_ref()
+                .map_or("-".to_string(), |s| format!("{:.3}", s.mean)),
+            l.audio_s_per_s,
+            l.tok_s,
+            l.thinker_step_bound_ms.unwrap_or(0.0),
+            l.tpot_over_bound.unwrap_or(0.0),
+        ));
+    }
+    let path = out.join(format!("{stem}.md"));
+    std::fs::write(&path, &md).with_context(|| format!("writing {}", path.display()))?;
+    print!("{md}");
+    Ok(())
+}

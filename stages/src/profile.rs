@@ -906,6 +906,16 @@ connectors:
                 yaml.replace("max_num_seqs: 4", "max_num_seqs: 0"),
                 "stages[0].max_num_seqs",
             ),
+            // No CUDA in this build; with it, a Llama stage still runs on the CPU only.
+            (
+                yaml.replace("device: cpu", "")
+                    .replace("max_num_seqs: 4,", "max_num_seqs: 4, device: cuda,"),
+                "stages[0].device",
+            ),
+            (
+                yaml.replace("max_num_seqs: 4", "max_num_seqs: 4, max_model_len: 1"),
+                "stages[0].max_model_len",
+            ),
             (
                 yaml.replace("m.gguf", "missing.gguf"),
                 "stages[0].model.path",

@@ -106,35 +106,44 @@ impl<R> Requests<R> {
         self.reqs.values().any(f)
     }
 
-    /// One step: up to `max` ready requests (round-robin) each `advance` once;
-    /// `Ok(true)` finishes a request, an error fails it (both free its state).
+    /// One step: up to `max` ready requests (round-robin) advance together:
+    /// `advance` gets them all at once and returns, in order, whether each
+    /// finished (`true` frees its state) or its error (which fails it).
     pub(crate) fn step(
         &mut self,
         max: usize,
         out: &mut StepOutput,
         is_ready: impl Fn(&R) -> bool,
-        mut advance: impl FnMut(RequestId, &mut R, &mut StepOutput) -> Result<bool, ModelError>,
+        advance: impl FnOnce(&mut [(RequestId, R)], &mut StepOutput) -> Vec<Result<bool, ModelError>>,
     ) {
         let reqs = &self.reqs;
         let ready = take_ready(&mut self.order, max, |id| {
             reqs.get(id).is_some_and(&is_ready)
         });
-        out.batch = ready.len();
-        for id in ready {
-            let Some(mut r) = self.reqs.remove(&id) else {
-                continue;
-            };
-            match advance(id, &mut r, out) {
-                Ok(false) => {
+        let mut batch: Vec<(RequestId, R)> = ready
+            .into_iter()
+            .filter_map(|id| self.reqs.remove(&id).map(|r| (id, r)))
+            .collect();
+        out.batch = batch.len();
+        let results = advance(&mut batch, out);
+        let mut results = results.into_iter();
+        for (id, r) in batch {
+            match results.next() {
+                Some(Ok(false)) => {
                     self.reqs.insert(id, r);
                 }
-                Ok(true) => {
+                Some(Ok(true)) => {
                     self.order.retain(|x| *x != id);
                     out.finished.push(id);
                 }
-                Err(e) => {
+                Some(Err(e)) => {
                     self.order.retain(|x| *x != id);
                     out.failed.push((id, e));
+                }
+                None => {
+                    self.order.retain(|x| *x != id);
+                    out.failed
+                        .push((id, ModelError::Invalid("the step lost this request".into())));
                 }
             }
         }

@@ -60,9 +60,10 @@ impl Qwen3OmniCode2Wav {
         r.upstream_done || (self.policy.async_chunk && r.pending_frames >= self.chunk(r))
     }
 
-    /// Decodes the next chunk (everything left once upstream is done); returns
-    /// the samples and whether the request is complete.
-    fn decode(&self, r: &mut Req) -> Result<(Vec<f32>, bool)> {
+    /// Takes the next chunk's codes `(groups, n)` (everything left once upstream is
+    /// done); returns them (none when nothing is pending) and whether the request
+    /// is complete after them.
+    fn next_chunk(&self, r: &mut Req) -> Result<(Option<Tensor>, bool)> {
         let want = if r.upstream_done {
             r.pending_frames
         } else {
@@ -88,17 +89,79 @@ impl Qwen3OmniCode2Wav {
         r.pending_frames -= got;
         let done = r.upstream_done && r.pending_frames == 0;
         if parts.is_empty() {
-            return Ok((Vec::new(), done));
+            return Ok((None, done));
         }
-        let codes = Tensor::cat(&parts, 1)?.unsqueeze(0)?;
-        let pcm = self
-            .model
-            .code2wav()
-            .step(&mut r.state, &codes)?
-            .flatten_all()?
-            .to_dtype(DType::F32)?
-            .to_vec1::<f32>()?;
-        Ok((pcm, done))
+        Ok((Some(Tensor::cat(&parts, 1)?), done))
+    }
+
+    /// Decodes the ready requests' next chunks: requests with chunks of one length
+    /// share a forward (`Code2Wav::step_many`), each with its own exact state.
+    fn decode_all(&self, batch: &mut [(RequestId, Req)]) -> Vec<Result<bool>> {
+        let mut results: Vec<Option<Result<bool>>> = (0..batch.len()).map(|_| None).collect();
+        let mut chunks: Vec<(usize, Tensor, bool)> = Vec::new();
+        for (i, (_, r)) in batch.iter_mut().enumerate() {
+            match self.next_chunk(r) {
+                Ok((Some(codes), done)) => chunks.push((i, codes, done)),
+                Ok((None, done)) => results[i] = Some(Ok(done)),
+                Err(e) => results[i] = Some(Err(e)),
+            }
+        }
+        // Group by chunk length, longest group first.
+        let mut lens: Vec<usize> = chunks
+            .iter()
+            .filter_map(|(_, c, _)| c.dim(1).ok())
+            .collect();
+        lens.sort_unstable();
+        lens.dedup();
+        for n in lens {
+            let group: Vec<&(usize, Tensor, bool)> = chunks
+                .iter()
+                .filter(|(_, c, _)| c.dim(1).is_ok_and(|m| m == n))
+                .collect();
+            let mut states: Vec<_> = group
+                .iter()
+                .map(|(i, _, _)| {
+                    std::mem::replace(&mut batch[*i].1.state, self.model.code2wav().new_state())
+                })
+                .collect();
+            let codes: Vec<Tensor> = group.iter().map(|(_, c, _)| c.clone()).collect();
+            let decoded = self.model.code2wav().step_many(&mut states, &codes);
+            for ((i, _, done), state) in group.iter().zip(states) {
+                batch[*i].1.state = state;
+                results[*i] = Some(Ok(*done));
+            }
+            match decoded {
+                Ok(wavs) => {
+                    for ((i, _, _), wav) in group.iter().zip(wavs) {
+                        let r = &mut batch[*i].1;
+                        let pcm = wav
+                            .flatten_all()
+                            .and_then(|w| w.to_dtype(DType::F32))
+                            .and_then(|w| w.to_vec1::<f32>());
+                        match pcm {
+                            Ok(samples) => {
+                                r.ctx.emit(Event::Audio {
+                                    samples,
+                                    sample_rate: QWEN3_OMNI_SAMPLE_RATE,
+                                    seq: r.chunks,
+                                });
+                                r.chunks += 1;
+                            }
+                            Err(e) => results[*i] = Some(Err(e.into())),
+                        }
+                    }
+                }
+                Err(e) => {
+                    for (i, _, _) in &group {
+                        results[*i] = Some(Err(ModelError::Invalid(format!("code2wav: {e}"))));
+                    }
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(ModelError::Invalid("code2wav: chunk lost".into()))))
+            .collect()
     }
 }
 
@@ -146,18 +209,7 @@ impl StageModel for Qwen3OmniCode2Wav {
             self.max_num_seqs,
             out,
             |r| self.is_ready(r),
-            |_, r, _| {
-                let (pcm, done) = self.decode(r)?;
-                if !pcm.is_empty() {
-                    r.ctx.emit(Event::Audio {
-                        samples: pcm,
-                        sample_rate: QWEN3_OMNI_SAMPLE_RATE,
-                        seq: r.chunks,
-                    });
-                    r.chunks += 1;
-                }
-                Ok(done)
-            },
+            |batch, _| self.decode_all(batch),
         );
         self.reqs = reqs;
     }

@@ -37,8 +37,8 @@ struct Req {
     upstream_done: bool,
     /// Once prefilled: cached positions, next rotary position, last hidden state.
     decode: Option<(usize, u32, Tensor)>,
-    /// The next frame's code-0 logits `(vocab,)`.
-    logits: Option<Tensor>,
+    /// The next frame's code-0 logits.
+    logits: Option<Vec<f32>>,
     /// Drawn but not yet spoken (its text vector has not arrived).
     code0: Option<u32>,
     frames: usize,
@@ -175,7 +175,7 @@ impl Qwen3OmniTalker {
             .ok_or_else(|| ModelError::Invalid("no KV slots".into()))?;
         let (len, pos, hidden) = talker.load_slot(slots, self.running.len(), &state)?;
         r.decode = Some((len, pos, hidden));
-        r.logits = Some(o.logits.get(0)?);
+        r.logits = Some(o.logits.get(0)?.to_vec1::<f32>()?);
         r.max_frames = r.max_frames.min(self.max_len.saturating_sub(len));
         self.running.push(id);
         Ok(false)
@@ -187,12 +187,11 @@ impl Qwen3OmniTalker {
         if r.code0.is_some() {
             return Ok(false);
         }
-        let logits = r
+        let mut logits = r
             .logits
             .take()
             .ok_or_else(|| ModelError::Invalid("talker: no logits".into()))?;
         let eos = self.model.config().talker.codec_eos_token_id;
-        let mut logits = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         if r.ignore_eos {
             // Fixed-length answers (benchmarks): speak every text vector, then stop.
             if r.upstream_done && r.frames + 1 > r.fed.len() {
@@ -298,13 +297,15 @@ impl Qwen3OmniTalker {
             }
         }
         let (step, new_hidden) = result?;
-        for (row, (id, codes)) in ids.iter().zip(step.codes).enumerate() {
+        // One copy of the whole batch's logits to the host.
+        let logits = step.logits.to_vec2::<f32>()?;
+        for (row, ((id, codes), logits)) in ids.iter().zip(step.codes).zip(logits).enumerate() {
             let Some(r) = reqs.get_mut(id) else {
                 continue;
             };
             r.code0 = None;
             r.frames += 1;
-            r.logits = Some(step.logits.get(row)?);
+            r.logits = Some(logits);
             if let Some((len, p, h)) = &mut r.decode {
                 *len += 1;
                 *p += 1;

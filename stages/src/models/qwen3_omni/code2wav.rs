@@ -585,21 +585,34 @@ impl TransformerModel {
         })
     }
 
-    /// x: (batch, n, hidden), frames pos..pos+n.
-    fn step(&self, x: &Tensor, pos: usize, caches: &mut [KvCache]) -> Result<Tensor> {
-        let n = x.dim(1)?;
+    /// x: (batch, n, hidden); row r's frames are pos[r]..pos[r]+n (one entry serves
+    /// every row). Rows with different positions must have the same cached length
+    /// (see [`Code2Wav::step_many`]), so one mask serves them all.
+    fn step(&self, x: &Tensor, pos: &[usize], caches: &mut [KvCache]) -> Result<Tensor> {
+        let (b, n, _) = x.dims3()?;
         // Like the reference: float32 position times float32 frequency, then
         // cos/sin (absolute positions, as a full decode of the whole stream has).
         let dtype = compute_dtype(x.dtype());
-        let positions: Vec<f64> = (pos..pos + n).map(|p| p as f64).collect();
-        let positions = Tensor::from_vec(positions, (n, 1), x.device())?.to_dtype(dtype)?;
+        let rows = if pos.len() == b { b } else { 1 };
+        let positions: Vec<f64> = pos
+            .iter()
+            .take(rows)
+            .flat_map(|&p| (p..p + n).map(|q| q as f64))
+            .collect();
+        let positions = Tensor::from_vec(positions, (rows, n, 1), x.device())?.to_dtype(dtype)?;
         let inv_freq = self.inv_freq.to_device(x.device())?.to_dtype(dtype)?;
         let freqs = positions.broadcast_mul(&inv_freq)?;
         let cos = freqs.cos()?.to_dtype(x.dtype())?;
         let sin = freqs.sin()?.to_dtype(x.dtype())?;
+        let (cos, sin) = if rows == 1 {
+            (cos.squeeze(0)?, sin.squeeze(0)?)
+        } else {
+            (cos, sin)
+        };
+        let first = pos.first().copied().unwrap_or(0);
         let mut h = x.clone();
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.step(&h, &cos, &sin, pos, cache)?;
+            h = layer.step(&h, &cos, &sin, first, cache)?;
         }
         self.norm.forward(&h)
     }
@@ -696,6 +709,63 @@ impl Code2WavState {
     pub fn frames(&self) -> usize {
         self.frames
     }
+
+    /// Every convolution state (the K/V aside), in a fixed order.
+    fn tensors_mut(&mut self) -> Vec<&mut Pending> {
+        let mut all: Vec<&mut Pending> = self.upsample.iter_mut().collect();
+        all.push(&mut self.decoder_in);
+        for b in self.blocks.iter_mut() {
+            all.push(&mut b.upsample);
+            all.extend(b.units.iter_mut());
+        }
+        all.push(&mut self.decoder_out);
+        all
+    }
+
+    /// The states of several streams as one batch (row i = stream i); every state
+    /// must be past its first chunk, with K/V of one length.
+    fn stack(states: &mut [Code2WavState]) -> Result<Self> {
+        let mut out = states[0].clone();
+        out.kv = (0..out.kv.len())
+            .map(|l| {
+                let parts: Option<Vec<(Tensor, Tensor)>> =
+                    states.iter().map(|s| s.kv[l].clone()).collect();
+                let parts = parts
+                    .ok_or_else(|| candle_core::Error::Msg("code2wav: no K/V to batch".into()))?;
+                let k: Vec<&Tensor> = parts.iter().map(|(k, _)| k).collect();
+                let v: Vec<&Tensor> = parts.iter().map(|(_, v)| v).collect();
+                Ok(Some((Tensor::cat(&k, 0)?, Tensor::cat(&v, 0)?)))
+            })
+            .collect::<Result<_>>()?;
+        let n = out.tensors_mut().len();
+        for i in 0..n {
+            let parts: Option<Vec<Tensor>> = states
+                .iter_mut()
+                .map(|s| s.tensors_mut()[i].clone())
+                .collect();
+            let parts = parts
+                .ok_or_else(|| candle_core::Error::Msg("code2wav: no state to batch".into()))?;
+            *out.tensors_mut()[i] = Some(Tensor::cat(&parts, 0)?);
+        }
+        Ok(out)
+    }
+
+    /// Row `i` of a batched state, as its own (contiguous) state.
+    fn row(&mut self, i: usize) -> Result<Self> {
+        let take = |t: &Tensor| t.narrow(0, i, 1)?.contiguous();
+        let mut out = self.clone();
+        for kv in out.kv.iter_mut() {
+            if let Some((k, v)) = kv {
+                *kv = Some((take(k)?, take(v)?));
+            }
+        }
+        for t in out.tensors_mut() {
+            if let Some(x) = t {
+                *t = Some(take(x)?);
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// `Qwen3OmniMoeCode2Wav`.
@@ -712,6 +782,8 @@ pub struct Code2Wav {
     codebook_size: usize,
     delay: usize,
     samples_per_frame: usize,
+    /// The pre-transformer's sliding window.
+    window: usize,
 }
 
 impl Code2Wav {
@@ -760,6 +832,7 @@ impl Code2Wav {
             codebook_size: cfg.codebook_size,
             delay: cfg.delay_samples(),
             samples_per_frame: cfg.samples_per_frame(),
+            window: cfg.sliding_window,
         })
     }
 
@@ -795,11 +868,50 @@ impl Code2Wav {
     /// (batch, 1, n * 1920). The concatenated chunks equal [`Self::decode`] of the
     /// concatenated codes.
     pub fn step(&self, state: &mut Code2WavState, codes: &Tensor) -> Result<Tensor> {
-        self.step_unclamped(state, codes)?.clamp(-1f32, 1f32)
+        self.step_unclamped(state, codes, None)?.clamp(-1f32, 1f32)
+    }
+
+    /// Decodes the next chunk of several independent streams in one forward when
+    /// they can share it (the same chunk length; all past their first chunk; and the
+    /// same decoded frames or all with a full attention window), else one by one.
+    /// `codes[i]` is stream i's `(num_quantizers, n)`; returns its `(1, n * 1920)`.
+    pub fn step_many(&self, states: &mut [Code2WavState], codes: &[Tensor]) -> Result<Vec<Tensor>> {
+        if states.len() != codes.len() {
+            candle_core::bail!("{} states for {} chunks", states.len(), codes.len());
+        }
+        let n = codes.first().map(|c| c.dim(1)).transpose()?.unwrap_or(0);
+        let window = self.window.saturating_sub(1);
+        let same_n = codes.iter().all(|c| c.dim(1).is_ok_and(|m| m == n));
+        let started = states.iter().all(|s| s.frames > 0);
+        let aligned = states.iter().all(|s| s.frames == states[0].frames)
+            || states.iter().all(|s| s.frames >= window);
+        if states.len() < 2 || n == 0 || !same_n || !started || !aligned {
+            return states
+                .iter_mut()
+                .zip(codes)
+                .map(|(s, c)| self.step(s, &c.unsqueeze(0)?)?.squeeze(0))
+                .collect();
+        }
+        let pos: Vec<usize> = states.iter().map(|s| s.frames).collect();
+        let mut batch = Code2WavState::stack(states)?;
+        let codes = Tensor::stack(codes, 0)?;
+        let wav = self
+            .step_unclamped(&mut batch, &codes, Some(&pos))?
+            .clamp(-1f32, 1f32)?;
+        for (i, s) in states.iter_mut().enumerate() {
+            *s = batch.row(i)?;
+            s.frames = pos[i] + n;
+        }
+        (0..pos.len()).map(|i| wav.get(i)).collect()
     }
 
     /// [`Self::step`] before the final clamp (tests compare the signal itself).
-    fn step_unclamped(&self, state: &mut Code2WavState, codes: &Tensor) -> Result<Tensor> {
+    fn step_unclamped(
+        &self,
+        state: &mut Code2WavState,
+        codes: &Tensor,
+        positions: Option<&[usize]>,
+    ) -> Result<Tensor> {
         let (b, nq, n) = codes.dims3()?;
         if nq != self.num_quantizers {
             candle_core::bail!(
@@ -829,7 +941,11 @@ impl Code2Wav {
             .reshape((b, nq, n, ()))?
             .mean(1)?;
 
-        let h = self.pre_transformer.step(&h, state.frames, &mut state.kv)?;
+        let pos = match positions {
+            Some(p) => p.to_vec(),
+            None => vec![state.frames],
+        };
+        let h = self.pre_transformer.step(&h, &pos, &mut state.kv)?;
         let mut h = h.transpose(1, 2)?.contiguous()?;
         for ((up, convnext), s) in self.upsample.iter().zip(state.upsample.iter_mut()) {
             h = up.step(&h, &mut None)?;
@@ -926,7 +1042,7 @@ mod tests {
         while start < frames {
             let n = (if start == 0 { first } else { chunk }).min(frames - start);
             let codes = codes.narrow(2, start, n).unwrap();
-            let wav = m.step_unclamped(&mut state, &codes).unwrap();
+            let wav = m.step_unclamped(&mut state, &codes, None).unwrap();
             assert_eq!(wav.dim(2).unwrap(), n * SPF, "chunk at frame {start}");
             parts.push(wav);
             start += n;
@@ -936,7 +1052,7 @@ mod tests {
     }
 
     fn full(m: &Code2Wav, codes: &Tensor) -> Tensor {
-        m.step_unclamped(&mut m.new_state(), codes).unwrap()
+        m.step_unclamped(&mut m.new_state(), codes, None).unwrap()
     }
 
     fn clamp(t: &Tensor) -> Tensor {
@@ -1077,7 +1193,7 @@ mod tests {
             if ia < frames {
                 let n = 3.min(frames - ia);
                 pa.push(
-                    m.step_unclamped(&mut sa, &a.narrow(2, ia, n).unwrap())
+                    m.step_unclamped(&mut sa, &a.narrow(2, ia, n).unwrap(), None)
                         .unwrap(),
                 );
                 ia += n;
@@ -1085,7 +1201,7 @@ mod tests {
             if ib < frames {
                 let n = 7.min(frames - ib);
                 pb.push(
-                    m.step_unclamped(&mut sb, &b.narrow(2, ib, n).unwrap())
+                    m.step_unclamped(&mut sb, &b.narrow(2, ib, n).unwrap(), None)
                         .unwrap(),
                 );
                 ib += n;
@@ -1101,6 +1217,56 @@ mod tests {
         let eab = diff(&batched, &want);
         println!("interleaved a {ea:.2e} b {eb:.2e}, batched {eab:.2e}");
         assert!(ea < 1e-4 && eb < 1e-4 && eab < 1e-4);
+    }
+
+    /// Streams decoded together by `step_many` (batched where they can share a
+    /// forward: equal frames, or all past the attention window) give what each
+    /// gives alone, exactly the same length.
+    #[test]
+    fn step_many_matches_single_streams() {
+        let (m, cfg) = model(DType::F64);
+        let frames = 24;
+        let codes: Vec<Tensor> = (0..3)
+            .map(|i| random_codes(1, cfg.num_quantizers, frames, cfg.codebook_size, 10 + i))
+            .collect();
+        let want: Vec<Tensor> = codes.iter().map(|c| full(&m, c)).collect();
+        let mut states: Vec<Code2WavState> = (0..3).map(|_| m.new_state()).collect();
+        let mut got: Vec<Vec<Tensor>> = vec![vec![]; 3];
+        // Stream 2 starts a chunk late: frames differ while inside the window (8),
+        // then all three are past it.
+        let mut done = [0usize; 3];
+        for round in 0..12 {
+            let active: Vec<usize> = (0..3)
+                .filter(|&i| done[i] < frames && !(i == 2 && round == 0))
+                .collect();
+            if active.is_empty() {
+                break;
+            }
+            let n = if round == 0 { 1 } else { 3 };
+            let n = active
+                .iter()
+                .map(|&i| frames - done[i])
+                .min()
+                .unwrap()
+                .min(n);
+            let chunks: Vec<Tensor> = active
+                .iter()
+                .map(|&i| codes[i].narrow(2, done[i], n).unwrap().squeeze(0).unwrap())
+                .collect();
+            let mut st: Vec<Code2WavState> = active.iter().map(|&i| states[i].clone()).collect();
+            let out = m.step_many(&mut st, &chunks).unwrap();
+            for ((&i, s), o) in active.iter().zip(st).zip(out) {
+                states[i] = s;
+                assert_eq!(o.dims(), &[1, n * SPF]);
+                got[i].push(o.unsqueeze(0).unwrap());
+                done[i] += n;
+            }
+        }
+        for i in 0..3 {
+            let all = Tensor::cat(&got[i], 2).unwrap();
+            let e = diff(&all, &clamp(&want[i]));
+            assert!(e < 1e-9, "stream {i} differs by {e}");
+        }
     }
 
     /// The reference's `chunked_decode(codes, 5, 25)` on 20 frames drops the 555

@@ -18,7 +18,7 @@
 use super::layers::{
     attention_mask, DecoderConfig, DecoderLayer, KvCache, RmsNorm, RotaryEmbedding,
 };
-use super::sampling::Sampler;
+use super::sampling::{sample_on_device, samples_on_device, Sampler, SamplingConfig};
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::Deserialize;
@@ -152,6 +152,30 @@ impl CodePredictor {
         code0_embed: &Tensor,
         samplers: &mut [Sampler],
     ) -> Result<PredictedCodes> {
+        self.run(past_hidden, code0_embed, Draw::Host(samplers))
+    }
+
+    /// [`Self::generate`] with every code drawn on the device by
+    /// [`sample_on_device`] (for configs [`samples_on_device`] accepts): the 15
+    /// steps run without a host round-trip, and the codes come back once at the end.
+    pub fn generate_on_device(
+        &self,
+        past_hidden: &Tensor,
+        code0_embed: &Tensor,
+        cfg: &SamplingConfig,
+    ) -> Result<PredictedCodes> {
+        if !samples_on_device(cfg) {
+            candle_core::bail!("this sampling config needs the host sampler");
+        }
+        self.run(past_hidden, code0_embed, Draw::Device(cfg))
+    }
+
+    fn run(
+        &self,
+        past_hidden: &Tensor,
+        code0_embed: &Tensor,
+        mut draw: Draw,
+    ) -> Result<PredictedCodes> {
         let as3 = |t: &Tensor| -> Result<Tensor> {
             match t.rank() {
                 2 => t.unsqueeze(1),
@@ -166,30 +190,43 @@ impl CodePredictor {
             1,
         )?;
         let b = x.dim(0)?;
-        if samplers.len() != b {
-            candle_core::bail!("{} samplers for a batch of {b}", samplers.len());
+        if let Draw::Host(samplers) = &draw {
+            if samplers.len() != b {
+                candle_core::bail!("{} samplers for a batch of {b}", samplers.len());
+            }
         }
         let n = self.cfg.num_code_groups - 1;
         let mut caches = vec![KvCache::new(); self.model.layers.len()];
         let mut codes = vec![Vec::with_capacity(n); b];
         let mut all_logits = Vec::with_capacity(n);
         let mut embed_sum: Option<Tensor> = None;
+        let mut on_device = Vec::new();
         let mut input = x;
         for (g, head) in self.lm_head.iter().enumerate() {
             let h = self.model.forward(&input, &mut caches)?;
             let last = h.narrow(1, h.dim(1)? - 1, 1)?.squeeze(1)?;
             let logits = head.forward(&last)?.to_dtype(DType::F32)?;
-            let rows = logits.to_vec2::<f32>()?;
-            let mut ids = Vec::with_capacity(b);
-            for ((row, sampler), out) in rows.iter().zip(samplers.iter_mut()).zip(codes.iter_mut())
-            {
-                let id = sampler.sample(row)?;
-                out.push(id);
-                ids.push(id);
-            }
+            let ids = match &mut draw {
+                Draw::Host(samplers) => {
+                    let rows = logits.to_vec2::<f32>()?;
+                    let mut ids = Vec::with_capacity(b);
+                    for ((row, sampler), out) in
+                        rows.iter().zip(samplers.iter_mut()).zip(codes.iter_mut())
+                    {
+                        let id = sampler.sample(row)?;
+                        out.push(id);
+                        ids.push(id);
+                    }
+                    Tensor::from_vec(ids, (b, 1), input.device())?
+                }
+                Draw::Device(cfg) => {
+                    let ids = sample_on_device(&logits, cfg)?.reshape((b, 1))?;
+                    on_device.push(ids.clone());
+                    ids
+                }
+            };
             all_logits.push(logits);
             // Code g+1 is embedded by table g, both as the next input and for the Talker.
-            let ids = Tensor::from_vec(ids, (b, 1), input.device())?;
             let e = self.model.codec_embedding[g].forward(&ids)?;
             embed_sum = Some(match embed_sum {
                 Some(s) => (s + &e)?,
@@ -201,12 +238,23 @@ impl CodePredictor {
             Some(s) => s,
             None => candle_core::bail!("no residual code groups"),
         };
+        if !on_device.is_empty() {
+            codes = Tensor::cat(&on_device, 1)?.to_vec2::<u32>()?;
+        }
         Ok(PredictedCodes {
             codes,
             logits: all_logits,
             embed_sum,
         })
     }
+}
+
+/// Where [`CodePredictor`]'s codes are drawn.
+enum Draw<'a> {
+    /// Per row on the host, with the request's own sampler.
+    Host(&'a mut [Sampler]),
+    /// On the device, one config for all rows.
+    Device(&'a SamplingConfig),
 }
 
 #[cfg(test)]

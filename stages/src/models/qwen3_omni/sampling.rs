@@ -208,6 +208,10 @@ impl Sampler {
     }
 
     /// The ids produced so far (those the repetition penalty applies to).
+    pub fn config(&self) -> &SamplingConfig {
+        &self.cfg
+    }
+
     pub fn history(&self) -> &[u32] {
         &self.history
     }
@@ -255,6 +259,42 @@ impl Sampler {
         let l = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         self.sample(&l)
     }
+}
+
+/// Whether [`sample_on_device`] draws as `cfg` says: it has no history, so no
+/// repetition penalty, and suppresses nothing.
+pub fn samples_on_device(cfg: &SamplingConfig) -> bool {
+    cfg.repetition_penalty == 1.0 && cfg.suppress_tokens.is_empty()
+}
+
+/// One id per row of `logits` `(b, vocab)`, drawn where the logits are (the GPU),
+/// with no host round-trip: argmax, or temperature, top-k, top-p (the same
+/// transforms as [`Sampler`]) and a Gumbel-max draw from what is kept. The noise
+/// comes from the device's generator, not the request's seed. Returns `(b,)` u32.
+pub fn sample_on_device(logits: &Tensor, cfg: &SamplingConfig) -> Result<Tensor> {
+    let logits = logits.to_dtype(DType::F32)?;
+    if !cfg.do_sample {
+        return logits.argmax(candle_core::D::Minus1);
+    }
+    let (b, v) = logits.dims2()?;
+    let l = (logits / cfg.temperature.max(1e-6) as f64)?;
+    let k = if cfg.top_k == 0 { v } else { cfg.top_k.min(v) };
+    let idx = l.arg_sort_last_dim(false)?.narrow(1, 0, k)?.contiguous()?;
+    let probs = candle_nn::ops::softmax_last_dim(&l.gather(&idx, 1)?)?;
+    let logp = probs.log()?;
+    let logp = if cfg.top_p < 1.0 {
+        // HF's top-p: a token stays while the mass above it is below top_p (so the
+        // most likely one always stays).
+        let above = (probs.cumsum(1)? - &probs)?;
+        let keep = above.lt(cfg.top_p as f64)?;
+        keep.where_cond(&logp, &Tensor::full(f32::NEG_INFINITY, (b, k), l.device())?)?
+    } else {
+        logp
+    };
+    let u = Tensor::rand(1e-20f32, 1.0, (b, k), l.device())?;
+    let gumbel = u.log()?.neg()?.log()?.neg()?;
+    let choice = (logp + gumbel)?.argmax_keepdim(1)?;
+    idx.gather(&choice, 1)?.squeeze(1)
 }
 
 #[cfg(test)]
@@ -401,5 +441,54 @@ mod tests {
             Sampler::new(SamplingConfig::code_predictor()).process(&mut cp);
             assert_same(&cp, &rows(&io["sampling.cp_top_p"])[r], "code predictor");
         }
+    }
+}
+
+#[cfg(test)]
+mod device_tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Draws on the device keep to HF's transforms: greedy is the argmax, top-k and
+    /// top-p bound what can come out, and the frequencies follow the kept softmax.
+    #[test]
+    fn device_draws_follow_the_transforms() {
+        let row = [2.0f32, 1.5, 1.0, 0.2, -1.0, 0.0];
+        let n = 20_000;
+        let logits = Tensor::from_vec(row.repeat(n), (n, row.len()), &Device::Cpu).unwrap();
+        let draw = |cfg: &SamplingConfig| -> Vec<u32> {
+            sample_on_device(&logits, cfg).unwrap().to_vec1().unwrap()
+        };
+        assert!(draw(&SamplingConfig::greedy()).iter().all(|&i| i == 0));
+        let top1 = SamplingConfig {
+            do_sample: true,
+            top_k: 1,
+            ..SamplingConfig::greedy()
+        };
+        assert!(draw(&top1).iter().all(|&i| i == 0));
+        // top-k 3 at temperature 1: the softmax over the three largest.
+        let cfg = SamplingConfig {
+            do_sample: true,
+            top_k: 3,
+            ..SamplingConfig::greedy()
+        };
+        let ids = draw(&cfg);
+        let z: f32 = row[..3].iter().map(|x| x.exp()).sum();
+        for (id, &x) in row.iter().enumerate().take(3) {
+            let freq = ids.iter().filter(|&&i| i == id as u32).count() as f32 / n as f32;
+            assert!((freq - x.exp() / z).abs() < 0.02, "id {id}: {freq}");
+        }
+        assert!(ids.iter().all(|&i| i < 3));
+        // top-p 0.5: the first token holds ~0.45 of the mass, so the second stays too.
+        let cfg = SamplingConfig {
+            do_sample: true,
+            top_p: 0.5,
+            ..SamplingConfig::greedy()
+        };
+        let ids = draw(&cfg);
+        assert!(ids.iter().all(|&i| i < 2));
+        assert!(ids.contains(&0) && ids.contains(&1));
+        assert!(samples_on_device(&SamplingConfig::code_predictor()));
+        assert!(!samples_on_device(&SamplingConfig::talker(3072, 2150)));
     }
 }

@@ -28,9 +28,7 @@ use super::layers::{
     self, DecoderConfig, DecoderLayer, FeedForward, KvCache, KvSlots, RmsNorm, RotaryEmbedding,
     SlotBatch, SparseMoe,
 };
-use super::sampling::Sampler;
-#[cfg(doc)]
-use super::sampling::SamplingConfig;
+use super::sampling::{samples_on_device, Sampler, SamplingConfig};
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Activation, Embedding, Linear, VarBuilder};
 use serde::Deserialize;
@@ -195,6 +193,20 @@ impl TalkerModel {
         }
         self.norm.forward(&h)
     }
+}
+
+/// On a GPU, the code predictor draws on the device when every row samples alike
+/// (seeds aside) in a way the device sampler can: its 15 steps then need no host
+/// round-trip.
+fn device_draw(dev: &candle_core::Device, samplers: &[Sampler]) -> Option<SamplingConfig> {
+    let first = samplers.first()?.config();
+    let alike = |s: &Sampler| {
+        SamplingConfig {
+            seed: first.seed,
+            ..s.config().clone()
+        } == *first
+    };
+    (dev.is_cuda() && samples_on_device(first) && samplers.iter().all(alike)).then(|| first.clone())
 }
 
 /// A running batch's rows for [`Talker::step_slots`].
@@ -610,9 +622,14 @@ impl Talker {
         let dev = rows.last_hidden.device().clone();
         let ids = Tensor::from_vec(code0.to_vec(), (b, 1), &dev)?;
         let e0 = self.embed_codec(&ids)?;
-        let cp = self
-            .code_predictor
-            .generate(rows.last_hidden, &e0, cp_samplers)?;
+        let cp = match device_draw(&dev, cp_samplers) {
+            Some(cfg) => self
+                .code_predictor
+                .generate_on_device(rows.last_hidden, &e0, &cfg)?,
+            None => self
+                .code_predictor
+                .generate(rows.last_hidden, &e0, cp_samplers)?,
+        };
         let dtype = rows.last_hidden.dtype();
         let text = text.reshape((b, 1, ()))?.to_dtype(dtype)?;
         let input = ((e0.to_dtype(dtype)? + cp.embed_sum.to_dtype(dtype)?)? + text)?;

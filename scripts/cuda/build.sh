@@ -4,7 +4,7 @@
 # GPU host's driver is CUDA 13.0, which rejects PTX from newer toolkits), and
 # libcuda is a link-time stub (the real driver resolves the symbols at run time).
 #
-#   scripts/cuda/build.sh            # -> cuda-bin/omnistream (+ cuda-bin/omnistream.xz)
+#   scripts/cuda/build.sh            # -> cuda-bin/omnistream (+ .xz) and libopus.so.0
 #   WITH_TESTS=1 scripts/cuda/build.sh   # also cuda-bin/stages-tests: the engine's
 #                                        # unit tests, the GPU-only ones included
 #
@@ -47,9 +47,13 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
 cargo build --profile gpu --features cuda -p omnistream "$@"
 mkdir -p cuda-bin
 cp "$CARGO_TARGET_DIR/gpu/omnistream" cuda-bin/omnistream
+# The GPU host has no libopus: it travels beside the binary ($ORIGIN is on the rpath).
+cp -L "$(ldconfig -p | awk '/libopus.so.0 /{print $NF; exit}')" cuda-bin/libopus.so.0
 xz -T0 -6 -kf cuda-bin/omnistream
 if [ -n "${WITH_TESTS:-}" ]; then
-  exe=$(cargo test --profile gpu --features cuda -p omnistream-stages --lib --no-run --message-format json |
+  # With the binary's package in the same call, features resolve as for the
+  # binary and nothing is rebuilt but the engine's test harness.
+  exe=$(cargo test --profile gpu --features omnistream/cuda -p omnistream -p omnistream-stages --lib --no-run --message-format json |
     python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)

@@ -8,7 +8,7 @@ set -uo pipefail
 OUT=${OUT:-bench-out/gpu}
 mkdir -p "$OUT"
 export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/tmp/cuda-cache} CUDA_CACHE_MAXSIZE=4294967296
-for f in cuda-bin/*.xz; do [ -f "${f%.xz}" ] || xz -dk "$f"; done
+for f in cuda-bin/*.xz; do xz -dkf "$f"; done
 chmod +x cuda-bin/omnistream cuda-bin/stages-tests 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 # The test binary finds the fixtures where it was built.
@@ -16,7 +16,8 @@ if [ -x cuda-bin/stages-tests ]; then
   mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
   timeout 180 cuda-bin/stages-tests cuda_tests --test-threads 1 --nocapture 2>&1 | tee "$OUT/gpu-tests.txt"
 fi
-bench() { timeout "$1" cuda-bin/omnistream bench-engine --profile deploy/qwen3-omni-h200.yaml --out "$OUT" "${@:2}" 2>&1 | grep -v '^\s*$' | tail -15; }
+export RUST_BACKTRACE=0
+bench() { timeout "$1" cuda-bin/omnistream bench-engine --profile deploy/qwen3-omni-h200.yaml --out "$OUT" "${@:2}" 2>&1 | grep -v '^\s*$' | tail -12; }
 bench "${CHAT_S:-200}" --name chat --prompt-tokens 100 --output-tokens 200 --concurrency "${CHAT_C:-1,8,32}"
 bench "${TEXT_S:-120}" --name chat --prompt-tokens 100 --output-tokens 200 --concurrency "${TEXT_C:-1,32}" --text-only
 bench "${LONG_S:-200}" --name long --prompt-tokens 2500 --output-tokens 900 --concurrency "${LONG_C:-1,8}"

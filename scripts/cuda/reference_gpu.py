@@ -51,7 +51,7 @@ def main():
     out.update(thinker_tokens=n, thinker_s=dt, thinker_tok_s=n / dt)
     # Whole generate: text then speech, audio only at the end.
     t0 = time.perf_counter()
-    _, audio = model.generate(input_ids=x, speaker="Ethan", thinker_max_new_tokens=a.tokens,
+    _, audio = model.generate(input_ids=x, speaker="ethan", thinker_max_new_tokens=a.tokens,
                               thinker_do_sample=False, talker_max_new_tokens=a.frames)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0

@@ -190,7 +190,7 @@ impl Qwen3OmniThinker {
         let speak = seqs.iter().any(|q| q.speak);
         let hidden: &[usize] = if speak { &[0, accept] } else { &[] };
         let mut cache = thinker.new_cache();
-        let out = thinker.prefill(&input, Some(&mask), audio, &mut cache, hidden)?;
+        let out = thinker.prefill_last(&input, Some(&mask), audio, &mut cache, hidden)?;
         if self.slots.is_none() {
             self.slots = Some(thinker.new_slots(self.max_num_seqs, self.max_len)?);
         }
@@ -198,7 +198,7 @@ impl Qwen3OmniThinker {
             .slots
             .as_ref()
             .ok_or_else(|| ModelError::Invalid("no KV slots".into()))?;
-        let last = out.logits.i((.., s - 1))?.to_vec2::<f32>()?;
+        let last = out.logits.squeeze(1)?.to_vec2::<f32>()?;
         let mut results = Vec::with_capacity(b);
         for (row, (id, logits)) in ids.iter().zip(last).enumerate() {
             let slot = self.running.len();
@@ -288,7 +288,10 @@ impl Qwen3OmniThinker {
         states: ThinkerStates,
         out: &mut StepOutput,
     ) -> Result<bool> {
-        let token = seq.sampler.sample(logits)?;
+        // The checkpoint's embedding rows past the tokenizer's vocabulary are
+        // padding (152,064 rows for ~151,700 tokens): never drawn.
+        let vocab = self.tokenizer.vocab_size().min(logits.len());
+        let token = seq.sampler.sample(&logits[..vocab])?;
         let states = seq.speak.then_some(states);
         let eos = self.tokenizer.is_eos(token) && !seq.ignore_eos;
         let at_limit = seq.generated.len() + 1 >= seq.max_tokens;

@@ -204,7 +204,8 @@ impl CodePredictor {
         let mut input = x;
         for (g, head) in self.lm_head.iter().enumerate() {
             let h = self.model.forward(&input, &mut caches)?;
-            let last = h.narrow(1, h.dim(1)? - 1, 1)?.squeeze(1)?;
+            // Contiguous: cuBLAS takes no row stride other than the width.
+            let last = h.narrow(1, h.dim(1)? - 1, 1)?.squeeze(1)?.contiguous()?;
             let logits = head.forward(&last)?.to_dtype(DType::F32)?;
             let ids = match &mut draw {
                 Draw::Host(samplers) => {

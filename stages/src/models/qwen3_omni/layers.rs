@@ -163,20 +163,27 @@ pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Resu
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
     weight: Tensor,
+    /// The weight in the checkpoint's dtype, for the GPU's fused half-precision kernel.
+    weight_native: Tensor,
     eps: f32,
 }
 
 impl RmsNorm {
     pub fn new(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
-        let weight = vb.get(size, "weight")?.to_dtype(DType::F32)?;
+        let weight_native = vb.get(size, "weight")?;
         Ok(Self {
-            weight,
+            weight: weight_native.to_dtype(DType::F32)?,
+            weight_native,
             eps: eps as f32,
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
+        // On the GPU the bf16 kernel sums in f32 itself: one launch instead of three.
+        if x.device().is_cuda() && dtype != DType::F32 && dtype == self.weight_native.dtype() {
+            return candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight_native, self.eps);
+        }
         let x = x.to_dtype(DType::F32)?.contiguous()?;
         candle_nn::ops::rms_norm(&x, &self.weight, self.eps)?.to_dtype(dtype)
     }
@@ -196,6 +203,8 @@ pub struct RotaryEmbedding {
     inv_freq: Tensor,
     /// For each frequency index, which of the (t, h, w) position rows drives it.
     mrope_rows: Option<Vec<usize>>,
+    /// `mrope_rows` as three 0/1 masks `(head_dim / 2,)`.
+    mrope_select: Vec<Tensor>,
 }
 
 impl RotaryEmbedding {
@@ -233,9 +242,20 @@ impl RotaryEmbedding {
                 Some(rows)
             }
         };
+        // Per MRoPE row, a 0/1 mask of the frequencies it drives (made once, here).
+        let mrope_select = match &mrope_rows {
+            Some(rows) => (0..3)
+                .map(|r| {
+                    let m: Vec<f32> = rows.iter().map(|&x| f32::from(u8::from(x == r))).collect();
+                    Tensor::from_vec(m, half, device)
+                })
+                .collect::<Result<_>>()?,
+            None => Vec::new(),
+        };
         Ok(Self {
             inv_freq,
             mrope_rows,
+            mrope_select,
         })
     }
 
@@ -267,15 +287,7 @@ impl RotaryEmbedding {
                     Some(rows) => {
                         let half = rows.len();
                         // Pick, per frequency index, the row that drives it.
-                        let sel: Vec<Tensor> = (0..3)
-                            .map(|r| {
-                                let m: Vec<f32> = rows
-                                    .iter()
-                                    .map(|&x| if x == r { 1.0 } else { 0.0 })
-                                    .collect();
-                                Tensor::from_vec(m, half, pos.device())
-                            })
-                            .collect::<Result<_>>()?;
+                        let sel = &self.mrope_select;
                         let mut out = all.get(0)?.broadcast_mul(&sel[0])?;
                         for (r, m) in sel.iter().enumerate().skip(1) {
                             out = (out + all.get(r)?.broadcast_mul(m)?)?;
@@ -802,6 +814,24 @@ fn use_fused_moe(device: &Device, dtype: DType) -> bool {
     cfg!(feature = "cuda") && device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16)
 }
 
+/// The (token, choice) pairs `choices` (flat expert ids) ordered by expert: the
+/// sorted expert ids and, for each, its flat pair index. candle's device sort keeps
+/// a row in shared memory, which holds 8,192 u32s at most; longer prefills sort on
+/// the host (one copy each way, against a prefill's far larger work).
+fn sort_by_expert(choices: &Tensor) -> Result<(Tensor, Tensor)> {
+    const DEVICE_SORT_MAX: usize = 8192;
+    let n = choices.dim(0)?;
+    if n <= DEVICE_SORT_MAX {
+        return choices.sort_last_dim(true);
+    }
+    let ids = choices.to_vec1::<u32>()?;
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    order.sort_by_key(|&i| ids[i as usize]);
+    let sorted: Vec<u32> = order.iter().map(|&i| ids[i as usize]).collect();
+    let dev = choices.device();
+    Ok((Tensor::from_vec(sorted, n, dev)?, Tensor::from_vec(order, n, dev)?))
+}
+
 impl SparseMoe {
     /// The routed experts through the grouped GEMM (`candle_nn::moe::moe_gemm`): tokens
     /// sorted by expert on the device; gate/up for every (token, choice), then down
@@ -823,7 +853,7 @@ impl SparseMoe {
         if self.norm_topk_prob {
             top = top.broadcast_div(&top.sum_keepdim(D::Minus1)?)?;
         }
-        let (expert_ids, sorted) = idx.flatten_all()?.sort_last_dim(true)?;
+        let (expert_ids, sorted) = sort_by_expert(&idx.flatten_all()?)?;
         let prefill = n > 1;
         let gu = candle_nn::moe::moe_gemm(
             xs,
@@ -1035,6 +1065,20 @@ impl DecoderLayer {
 mod tests {
     use super::*;
     use crate::models::qwen3_omni::fixtures;
+
+    /// Long prefills sort their expert choices on the host, as the device would.
+    #[test]
+    fn expert_sort_on_host_matches_device_order() {
+        let ids: Vec<u32> = (0..20_000u32).map(|i| (i * 7919) % 128).collect();
+        let t = Tensor::from_vec(ids.clone(), ids.len(), &Device::Cpu).unwrap();
+        let (experts, order) = sort_by_expert(&t).unwrap();
+        let (experts, order) = (experts.to_vec1::<u32>().unwrap(), order.to_vec1::<u32>().unwrap());
+        assert!(experts.windows(2).all(|w| w[0] <= w[1]));
+        assert!(order.iter().zip(&experts).all(|(&o, &e)| ids[o as usize] == e));
+        let mut seen = order.clone();
+        seen.sort_unstable();
+        assert!(seen.iter().enumerate().all(|(i, &o)| o as usize == i));
+    }
 
     /// Interleaved MRoPE with distinct t/h/w rows against the reference's
     /// `Qwen3OmniMoeThinkerTextRotaryEmbedding` (full-width cos/sin = [half, half]).

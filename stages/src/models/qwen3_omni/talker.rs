@@ -657,7 +657,7 @@ impl Talker {
 
     fn codec_logits(&self, last_hidden: &Tensor) -> Result<Tensor> {
         self.codec_head
-            .forward(&last_hidden.squeeze(1)?)?
+            .forward(&last_hidden.squeeze(1)?.contiguous()?)?
             .to_dtype(DType::F32)
     }
 }

@@ -287,6 +287,32 @@ impl Thinker {
         cache: &mut ThinkerCache,
         hidden: &[usize],
     ) -> Result<ThinkerOutput> {
+        self.prefill_impl(input_ids, attention_mask, audio, cache, hidden, false)
+    }
+
+    /// [`Self::prefill`] with logits for the last position only, `(b, 1, vocab)` (and
+    /// the final normed state, when asked for, there only): what decoding needs, without
+    /// a head over every prompt position.
+    pub fn prefill_last(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        audio: Option<AudioEmbeds>,
+        cache: &mut ThinkerCache,
+        hidden: &[usize],
+    ) -> Result<ThinkerOutput> {
+        self.prefill_impl(input_ids, attention_mask, audio, cache, hidden, true)
+    }
+
+    fn prefill_impl(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        audio: Option<AudioEmbeds>,
+        cache: &mut ThinkerCache,
+        hidden: &[usize],
+        last_only: bool,
+    ) -> Result<ThinkerOutput> {
         let (b, s) = input_ids.dims2()?;
         let padding: Vec<Vec<u8>> = match attention_mask {
             Some(m) => m
@@ -308,7 +334,7 @@ impl Thinker {
         let (pos, next) = get_rope_index(&padding);
         cache.padding = padding;
         cache.next_pos = next;
-        self.forward_embeds(&embeds, &pos, cache, hidden)
+        self.forward_embeds(&embeds, &pos, cache, hidden, last_only)
     }
 
     /// Appends the next tokens `(b, s)` (usually `s = 1`) after a [`Self::prefill`].
@@ -335,7 +361,7 @@ impl Thinker {
             row.extend(std::iter::repeat_n(1u8, s));
             *n += s as i64;
         }
-        self.forward_embeds(&embeds, &pos, cache, hidden)
+        self.forward_embeds(&embeds, &pos, cache, hidden, false)
     }
 
     /// The decoder over `embeds` `(b, s, hidden)` at per-row positions `pos` (the same on
@@ -347,6 +373,7 @@ impl Thinker {
         pos: &[Vec<i64>],
         cache: &mut ThinkerCache,
         hidden: &[usize],
+        last_only: bool,
     ) -> Result<ThinkerOutput> {
         let (b, s, _) = embeds.dims3()?;
         let flat: Vec<f32> = pos.iter().flatten().map(|&p| p as f32).collect();
@@ -358,7 +385,7 @@ impl Thinker {
         let mask = attention_mask(Some(&pad), b, s, kv_len, &self.device)?;
 
         let kv = &mut cache.kv;
-        self.run_layers(embeds, hidden, |layer, i, x| {
+        self.run_layers(embeds, hidden, last_only, |layer, i, x| {
             layer.forward(x, &cos, &sin, mask.as_ref(), Some(&mut kv[i]))
         })
     }
@@ -369,6 +396,7 @@ impl Thinker {
         &self,
         embeds: &Tensor,
         hidden: &[usize],
+        last_only: bool,
         mut layer: impl FnMut(&DecoderLayer, usize, &Tensor) -> Result<Tensor>,
     ) -> Result<ThinkerOutput> {
         let n_layers = self.layers.len();
@@ -391,6 +419,11 @@ impl Thinker {
                 record(i + 1, &x);
             }
         }
+        let x = if last_only {
+            x.narrow(1, x.dim(1)? - 1, 1)?
+        } else {
+            x
+        };
         let x = self.norm.forward(&x)?;
         record(n_layers, &x);
         let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
@@ -477,7 +510,7 @@ impl Thinker {
             first.max_len(),
             &self.device,
         )?;
-        self.run_layers(&embeds, hidden, |layer, i, x| {
+        self.run_layers(&embeds, hidden, false, |layer, i, x| {
             layer.forward_slots(x, &cos, &sin, &slots[i], &batch)
         })
     }

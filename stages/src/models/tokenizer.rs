@@ -484,7 +484,11 @@ impl IncrementalDecoder {
         };
         self.tokens.push(id);
         let text = tok.decode(&self.tokens[self.prev_index..])?;
-        if text.len() > prev_text.len() && !text.ends_with('\u{FFFD}') {
+        // A character is at most 4 bytes: past 4 held-back tokens the bytes are not
+        // one (a model can emit any byte), so they go out as U+FFFD rather than
+        // holding the rest of the answer back.
+        let stuck = self.tokens.len() - self.current_index >= 4;
+        if text.len() > prev_text.len() && (!text.ends_with('\u{FFFD}') || stuck) {
             let new = match text.get(prev_text.len()..) {
                 Some(s) => s.to_string(),
                 None => return Ok(None),
@@ -523,6 +527,36 @@ impl IncrementalDecoder {
 #[cfg(test)]
 mod hf_tests {
     use super::*;
+
+    /// Bytes that never complete a character are let out after 4 tokens as U+FFFD;
+    /// a character split over byte tokens still comes out whole.
+    #[test]
+    fn invalid_bytes_do_not_hold_the_answer_back() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/qwen3_omni/tokenizer");
+        let tok = ChatTokenizer::from_hf_dir(&dir).unwrap();
+        // A lone continuation byte (0x80) as its byte-level token.
+        let cont = tok.encode("\u{e9}").unwrap(); // é = C3 A9
+        let lone = (0..tok.vocab_size() as u32)
+            .find(|&id| tok.decode(&[id]).is_ok_and(|t| t == "\u{FFFD}") && !cont.contains(&id))
+            .expect("a byte token that is no character alone");
+        let mut d = IncrementalDecoder::new();
+        let mut out = Vec::new();
+        for _ in 0..4 {
+            out.push(d.push(&tok, lone).unwrap());
+        }
+        assert_eq!(out[..3], [None, None, None]);
+        assert!(out[3].as_deref().is_some_and(|t| t.contains('\u{FFFD}')), "{out:?}");
+        // A split character is still held until it is whole.
+        let mut d = IncrementalDecoder::new();
+        let mut text = String::new();
+        for &id in &cont {
+            if let Some(t) = d.push(&tok, id).unwrap() {
+                text.push_str(&t);
+            }
+        }
+        assert_eq!(text, "\u{e9}");
+    }
 
     /// A Qwen2-style tokenizer.json + tokenizer_config.json written by
     /// scripts/qwen3_omni/tokenizer.py, with transformers' own encodings.

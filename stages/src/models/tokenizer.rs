@@ -546,7 +546,10 @@ mod hf_tests {
             out.push(d.push(&tok, lone).unwrap());
         }
         assert_eq!(out[..3], [None, None, None]);
-        assert!(out[3].as_deref().is_some_and(|t| t.contains('\u{FFFD}')), "{out:?}");
+        assert!(
+            out[3].as_deref().is_some_and(|t| t.contains('\u{FFFD}')),
+            "{out:?}"
+        );
         // A split character is still held until it is whole.
         let mut d = IncrementalDecoder::new();
         let mut text = String::new();

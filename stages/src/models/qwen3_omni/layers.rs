@@ -814,6 +814,20 @@ fn use_fused_moe(device: &Device, dtype: DType) -> bool {
     cfg!(feature = "cuda") && device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16)
 }
 
+/// Past this many (token, choice) pairs, a GPU MoE layer runs one cuBLAS GEMM per
+/// expert instead of the grouped kernel, whose prefill path suits few tokens per
+/// expert (docs/bench/gpu.md measures both). `OMNISTREAM_MOE_GROUPED_MAX_PAIRS`
+/// overrides it, for that measurement.
+fn grouped_max_pairs() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("OMNISTREAM_MOE_GROUPED_MAX_PAIRS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(4096)
+    })
+}
+
 /// The (token, choice) pairs `choices` (flat expert ids) ordered by expert: the
 /// sorted expert ids and, for each, its flat pair index. candle's device sort keeps
 /// a row in shared memory, which holds 8,192 u32s at most; longer prefills sort on
@@ -829,7 +843,10 @@ fn sort_by_expert(choices: &Tensor) -> Result<(Tensor, Tensor)> {
     order.sort_by_key(|&i| ids[i as usize]);
     let sorted: Vec<u32> = order.iter().map(|&i| ids[i as usize]).collect();
     let dev = choices.device();
-    Ok((Tensor::from_vec(sorted, n, dev)?, Tensor::from_vec(order, n, dev)?))
+    Ok((
+        Tensor::from_vec(sorted, n, dev)?,
+        Tensor::from_vec(order, n, dev)?,
+    ))
 }
 
 impl SparseMoe {
@@ -881,7 +898,23 @@ impl SparseMoe {
 }
 
 impl SparseMoe {
-    /// The routed experts one by one on the tokens routed to each (the CPU path).
+    /// Expert `e`'s SwiGLU on `x`, from the per-expert MLPs or the stacked weights.
+    fn expert(&self, e: usize, x: &Tensor) -> Result<Tensor> {
+        match &self.fused {
+            None => self.experts[e].forward(x),
+            Some((gate_up, down)) => {
+                let inter = down.dim(2)?;
+                let gu = x.matmul(&gate_up.get(e)?.t()?)?;
+                let g = gu.narrow(1, 0, inter)?.apply(&self.act)?;
+                let h = (g * gu.narrow(1, inter, inter)?)?;
+                h.matmul(&down.get(e)?.t()?)
+            }
+        }
+    }
+
+    /// The routed experts one by one on the tokens routed to each: the CPU path, and
+    /// on the GPU the long prefills, where one cuBLAS GEMM per expert beats the
+    /// grouped kernel.
     fn forward_experts(&self, xs: &Tensor, probs: &Tensor) -> Result<Tensor> {
         let n = xs.dim(0)?;
         let idx = probs
@@ -891,8 +924,9 @@ impl SparseMoe {
         let top = probs.gather(&idx, 1)?;
         let idx = idx.to_vec2::<u32>()?;
         let top = top.to_vec2::<f32>()?;
-        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
-        let mut weights: Vec<Vec<f32>> = vec![Vec::new(); self.experts.len()];
+        let n_experts = probs.dim(1)?;
+        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n_experts];
+        let mut weights: Vec<Vec<f32>> = vec![Vec::new(); n_experts];
         for t in 0..n {
             let sum: f32 = top[t].iter().sum();
             for (j, &e) in idx[t].iter().enumerate() {
@@ -907,7 +941,7 @@ impl SparseMoe {
         }
         let mut rows = Vec::new();
         let mut outs = Vec::new();
-        for (e, expert) in self.experts.iter().enumerate() {
+        for e in 0..n_experts {
             if tokens[e].is_empty() {
                 continue;
             }
@@ -915,7 +949,7 @@ impl SparseMoe {
             let ids = Tensor::from_vec(tokens[e].clone(), m, xs.device())?;
             let w =
                 Tensor::from_vec(weights[e].clone(), (m, 1), xs.device())?.to_dtype(xs.dtype())?;
-            let h = expert.forward(&xs.index_select(&ids, 0)?)?;
+            let h = self.expert(e, &xs.index_select(&ids, 0)?)?;
             outs.push(h.broadcast_mul(&w)?);
             rows.push(ids);
         }
@@ -934,9 +968,12 @@ impl Module for SparseMoe {
         let xs = x.reshape(((), hidden))?.contiguous()?;
         let logits = self.gate.forward(&xs)?;
         let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+        let pairs = xs.dim(0)? * self.top_k;
         let mut out = match &self.fused {
-            Some((gate_up, down)) => self.forward_fused(&xs, &probs, gate_up, down)?,
-            None => self.forward_experts(&xs, &probs)?,
+            Some((gate_up, down)) if pairs <= grouped_max_pairs() => {
+                self.forward_fused(&xs, &probs, gate_up, down)?
+            }
+            _ => self.forward_experts(&xs, &probs)?,
         };
         if let Some((mlp, gate)) = &self.shared_expert {
             let shared = mlp.forward(&xs)?;
@@ -1072,9 +1109,15 @@ mod tests {
         let ids: Vec<u32> = (0..20_000u32).map(|i| (i * 7919) % 128).collect();
         let t = Tensor::from_vec(ids.clone(), ids.len(), &Device::Cpu).unwrap();
         let (experts, order) = sort_by_expert(&t).unwrap();
-        let (experts, order) = (experts.to_vec1::<u32>().unwrap(), order.to_vec1::<u32>().unwrap());
+        let (experts, order) = (
+            experts.to_vec1::<u32>().unwrap(),
+            order.to_vec1::<u32>().unwrap(),
+        );
         assert!(experts.windows(2).all(|w| w[0] <= w[1]));
-        assert!(order.iter().zip(&experts).all(|(&o, &e)| ids[o as usize] == e));
+        assert!(order
+            .iter()
+            .zip(&experts)
+            .all(|(&o, &e)| ids[o as usize] == e));
         let mut seen = order.clone();
         seen.sort_unstable();
         assert!(seen.iter().enumerate().all(|(i, &o)| o as usize == i));

@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 # The test binary finds the fixtures where it was built.
 if [ -x cuda-bin/stages-tests ]; then
   mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
-  timeout 180 cuda-bin/stages-tests cuda_tests --test-threads 1 --nocapture 2>&1 | tee "$OUT/gpu-tests.txt"
+  timeout 180 cuda-bin/stages-tests cuda_tests on_gpu --test-threads 1 --nocapture 2>&1 | tee "$OUT/gpu-tests.txt"
 fi
 export RUST_BACKTRACE=0
 bench() { timeout "$1" cuda-bin/omnistream bench-engine --profile deploy/qwen3-omni-h200.yaml --out "$OUT" "${@:2}" 2>&1 | grep -v '^\s*$' | tail -12; }

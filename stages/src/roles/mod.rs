@@ -29,6 +29,7 @@ use crate::engine::{
 };
 use crate::models::piper::{PiperVoice, Scales};
 use crate::models::quantized_llama::QuantizedLlama;
+use crate::models::qwen3_omni::layers::KvSlots;
 use crate::models::qwen3_omni::omni::Qwen3Omni;
 use crate::models::qwen3_omni::weights::Progress;
 use crate::models::tokenizer::ChatTokenizer;
@@ -148,6 +149,33 @@ impl<R> Requests<R> {
             }
         }
     }
+}
+
+/// Frees `id`'s KV slot in a running batch whose request `i` lives in slot `i`:
+/// the last request moves into the freed slot. If that copy fails, the requests
+/// from the freed slot on can no longer be trusted to read their own caches: they
+/// leave the batch too and are returned, for the caller to fail.
+pub(crate) fn leave_slot(
+    running: &mut Vec<RequestId>,
+    slots: Option<&[KvSlots]>,
+    id: RequestId,
+) -> Vec<RequestId> {
+    let Some(row) = running.iter().position(|r| *r == id) else {
+        return Vec::new();
+    };
+    let last = running.len() - 1;
+    if let Some(slots) = slots {
+        if let Err(e) = slots.iter().try_for_each(|s| s.move_slot(last, row)) {
+            tracing::error!("KV slot compaction failed: {e}");
+            return running
+                .split_off(row)
+                .into_iter()
+                .filter(|r| *r != id)
+                .collect();
+        }
+    }
+    running.swap_remove(row);
+    Vec::new()
 }
 
 /// Loads every model of `profile` and starts the pipeline.
@@ -389,4 +417,35 @@ fn load_omni(
     let model = Arc::new(model);
     cache.insert(path.to_path_buf(), model.clone());
     Ok(model)
+}
+
+#[cfg(test)]
+mod slot_tests {
+    use super::*;
+    use crate::models::qwen3_omni::layers::{KvCache, SlotBatch};
+    use candle_core::{DType, Tensor};
+
+    /// A request leaving the running batch: the last one moves into its slot,
+    /// caches and order together.
+    #[test]
+    fn leaving_moves_the_last_request_into_the_freed_slot() {
+        let slots = KvSlots::new(4, 1, 2, 1, DType::F32, &Device::Cpu).unwrap();
+        for s in 0..3 {
+            let mut c = KvCache::new();
+            let k = Tensor::full(s as f32 + 1.0, (1, 1, 2, 1), &Device::Cpu).unwrap();
+            c.append(&k, &k).unwrap();
+            slots.load(s, &c, 0, 0).unwrap();
+        }
+        let mut running = vec![10, 11, 12];
+        let lost = leave_slot(&mut running, Some(std::slice::from_ref(&slots)), 11);
+        assert!(lost.is_empty());
+        assert_eq!(running, vec![10, 12]);
+        let batch = SlotBatch::new(&[0, 1], &[1, 1], 1, 1, 2, &Device::Cpu).unwrap();
+        let k = Tensor::zeros((2, 1, 1, 1), DType::F32, &Device::Cpu).unwrap();
+        // Appending writes position 1; position 0 still holds what each request loaded.
+        let (all, _) = slots.append(&batch, &k, &k).unwrap();
+        let v: Vec<f32> = all.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(v, vec![1.0, 0.0, 3.0, 0.0]);
+        assert!(leave_slot(&mut running, None, 99).is_empty());
+    }
 }

@@ -62,6 +62,19 @@ pub struct Qwen3OmniTalker {
     running: Vec<RequestId>,
     /// Allocated at the first prefill.
     slots: Option<Vec<KvSlots>>,
+    /// Requests dropped from the batch by a failed slot copy, to fail next step.
+    lost: Vec<RequestId>,
+}
+
+/// Tells Code2Wav that `id`'s speech is over.
+fn end_of_speech(out: &mut StepOutput, id: RequestId) {
+    out.downstream.push((
+        id,
+        Payload::Frames(FrameChunk {
+            frames: None,
+            finished: true,
+        }),
+    ));
 }
 
 enum Text {
@@ -104,6 +117,7 @@ impl Qwen3OmniTalker {
             reqs: HashMap::new(),
             running: Vec::new(),
             slots: None,
+            lost: Vec::new(),
         })
     }
 
@@ -147,13 +161,7 @@ impl Qwen3OmniTalker {
         };
         if r.fed.is_empty() {
             // The Thinker ended on its first token: nothing to say.
-            out.downstream.push((
-                id,
-                Payload::Frames(FrameChunk {
-                    frames: None,
-                    finished: true,
-                }),
-            ));
+            end_of_speech(out, id);
             return Ok(true);
         }
         let embeds = Tensor::cat(&[&prompt.embeds, &r.fed[0]], 0)?;
@@ -195,13 +203,7 @@ impl Qwen3OmniTalker {
         if r.ignore_eos {
             // Fixed-length answers (benchmarks): speak every text vector, then stop.
             if r.upstream_done && r.frames + 1 > r.fed.len() {
-                out.downstream.push((
-                    id,
-                    Payload::Frames(FrameChunk {
-                        frames: None,
-                        finished: true,
-                    }),
-                ));
+                end_of_speech(out, id);
                 return Ok(true);
             }
             if let Some(l) = logits.get_mut(eos as usize) {
@@ -211,13 +213,7 @@ impl Qwen3OmniTalker {
         let c = r.sampler.sample(&logits)?;
         // As `talker_max_new_tokens`: the budget's last code 0 is not spoken.
         if c == eos || r.frames + 1 >= r.max_frames {
-            out.downstream.push((
-                id,
-                Payload::Frames(FrameChunk {
-                    frames: None,
-                    finished: true,
-                }),
-            ));
+            end_of_speech(out, id);
             return Ok(true);
         }
         r.code0 = Some(c);
@@ -325,26 +321,13 @@ impl Qwen3OmniTalker {
         Ok(finished)
     }
 
-    /// Frees `id`'s slot: the last running request moves into it.
+    /// Frees `id`'s slot (see [`super::leave_slot`]); requests that lost theirs
+    /// are failed at the next step.
     fn leave(&mut self, id: RequestId) {
-        let Some(row) = self.running.iter().position(|r| *r == id) else {
-            return;
-        };
-        let last = self.running.len() - 1;
-        if let Some(slots) = &self.slots {
-            if let Err(e) = slots.iter().try_for_each(|s| s.move_slot(last, row)) {
-                // The moved request would read another's cache: drop it too.
-                tracing::error!("KV slot compaction failed: {e}");
-                let moved = self.running[last];
-                self.reqs.remove(&moved);
-                self.running.truncate(last);
-                if row < last {
-                    self.running.swap_remove(row);
-                }
-                return;
-            }
+        for lost in super::leave_slot(&mut self.running, self.slots.as_deref(), id) {
+            self.reqs.remove(&lost);
+            self.lost.push(lost);
         }
-        self.running.swap_remove(row);
     }
 }
 
@@ -413,6 +396,10 @@ impl StageModel for Qwen3OmniTalker {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
+        for id in self.lost.drain(..) {
+            out.failed
+                .push((id, ModelError::Invalid("its KV slot was lost".into())));
+        }
         // Prefill the requests whose prompt is complete, while slots are free.
         let mut waiting: Vec<RequestId> = self
             .reqs
@@ -462,7 +449,7 @@ impl StageModel for Qwen3OmniTalker {
     }
 
     fn has_ready_work(&self) -> bool {
-        self.reqs.values().any(|r| self.is_ready(r))
+        self.reqs.values().any(|r| self.is_ready(r)) || !self.lost.is_empty()
     }
 
     fn active(&self) -> usize {

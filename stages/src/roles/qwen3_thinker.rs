@@ -63,6 +63,8 @@ pub struct Qwen3OmniThinker {
     running: Vec<RequestId>,
     /// Allocated at the first prefill.
     slots: Option<Vec<KvSlots>>,
+    /// Requests dropped from the batch by a failed slot copy, to fail next step.
+    lost: Vec<RequestId>,
 }
 
 /// A Qwen3-Omni sampling config from a stage's defaults and a request's overrides.
@@ -117,6 +119,7 @@ impl Qwen3OmniThinker {
             waiting: VecDeque::new(),
             running: Vec::new(),
             slots: None,
+            lost: Vec::new(),
         })
     }
 
@@ -384,26 +387,13 @@ impl Qwen3OmniThinker {
         }
     }
 
-    /// Frees `id`'s slot: the last running request moves into it.
+    /// Frees `id`'s slot (see [`super::leave_slot`]); requests that lost theirs
+    /// are failed at the next step.
     fn leave(&mut self, id: RequestId) {
-        let Some(row) = self.running.iter().position(|r| *r == id) else {
-            return;
-        };
-        let last = self.running.len() - 1;
-        if let Some(slots) = &self.slots {
-            // A failed move would leave the moved request reading another's cache.
-            if let Err(e) = slots.iter().try_for_each(|s| s.move_slot(last, row)) {
-                let moved = self.running[last];
-                tracing::error!("KV slot compaction failed: {e}");
-                self.seqs.remove(&moved);
-                self.running.truncate(last);
-                if row < last {
-                    self.running.swap_remove(row);
-                }
-                return;
-            }
+        for lost in super::leave_slot(&mut self.running, self.slots.as_deref(), id) {
+            self.seqs.remove(&lost);
+            self.lost.push(lost);
         }
-        self.running.swap_remove(row);
     }
 }
 
@@ -457,6 +447,10 @@ impl StageModel for Qwen3OmniThinker {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
+        for id in self.lost.drain(..) {
+            out.failed
+                .push((id, ModelError::Invalid("its KV slot was lost".into())));
+        }
         // Decode the running batch first, so new prompts never delay its next token.
         if !self.running.is_empty() {
             out.batch = self.running.len();
@@ -498,7 +492,7 @@ impl StageModel for Qwen3OmniThinker {
     }
 
     fn has_ready_work(&self) -> bool {
-        !self.seqs.is_empty()
+        !self.seqs.is_empty() || !self.lost.is_empty()
     }
 
     fn active(&self) -> usize {

@@ -21,8 +21,11 @@ fn thinker_cfg() -> ThinkerConfig {
     serde_json::from_value(fixtures::config()["thinker_config"].clone()).unwrap()
 }
 
-/// The GPU MoE (bf16: the grouped GEMM, or past its limit one GEMM per expert)
-/// equals the per-expert MoE (f32, CPU), for one token (decode) and for many (prefill).
+/// The grouped-GEMM MoE (bf16, GPU) equals the per-expert MoE (f32, CPU), for one
+/// token (decode) and for several (prefill). (Over thousands of tokens some bf16
+/// router scores tie where f32's do not, and a token takes another expert: the
+/// long-prefill path is checked against the grouped kernel on the GPU instead,
+/// in `layers.rs`.)
 #[test]
 fn fused_moe_matches_per_expert() {
     let cfg: DecoderConfig = thinker_cfg().text_config;
@@ -33,8 +36,7 @@ fn fused_moe_matches_per_expert() {
     let cpu = SparseMoe::new(&cfg, vb(DType::F32, &Device::Cpu).pp(&name)).unwrap();
     let dev = gpu();
     let fused = SparseMoe::new(&cfg, vb(DType::BF16, &dev).pp(&name)).unwrap();
-    // 2,500 tokens x top-2 pass the grouped kernel's limit: one GEMM per expert.
-    for n in [1usize, 3, 40, 2500] {
+    for n in [1usize, 3, 40] {
         let x = Tensor::randn(0f32, 1.0, (n, cfg.hidden_size), &Device::Cpu).unwrap();
         let want = cpu.forward(&x).unwrap();
         let got = fused

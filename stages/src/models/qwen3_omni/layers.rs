@@ -1098,6 +1098,41 @@ impl DecoderLayer {
     }
 }
 
+/// The GPU's two MoE paths on the same bf16 input (so the same routing): the
+/// per-expert GEMMs that long prefills take equal the grouped kernel.
+#[cfg(all(test, feature = "cuda"))]
+#[test]
+fn per_expert_gemm_matches_grouped_kernel_on_gpu() {
+    use crate::models::qwen3_omni::{fixtures, weights};
+    let dev = Device::new_cuda(0).expect("a CUDA device");
+    let cfg: DecoderConfig =
+        serde_json::from_value(fixtures::config()["thinker_config"]["text_config"].clone())
+            .unwrap();
+    let layer = (0..cfg.num_hidden_layers)
+        .find(|&i| cfg.is_sparse_layer(i))
+        .unwrap();
+    let vb =
+        weights::from_checkpoint(&fixtures::dir().join("model"), DType::BF16, &dev, None).unwrap();
+    let moe = SparseMoe::new(&cfg, vb.pp(format!("thinker.model.layers.{layer}.mlp"))).unwrap();
+    let Some((gate_up, down)) = &moe.fused else {
+        panic!("bf16 on a GPU stacks the experts");
+    };
+    let xs = Tensor::randn(0f32, 1.0, (2500, cfg.hidden_size), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let logits = moe.gate.forward(&xs).unwrap();
+    let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32).unwrap()).unwrap();
+    let grouped = moe.forward_fused(&xs, &probs, gate_up, down).unwrap();
+    let gemm = moe.forward_experts(&xs, &probs).unwrap();
+    let err = fixtures::max_abs_diff(&grouped, &gemm);
+    let scale = fixtures::max_abs_diff(&grouped, &grouped.zeros_like().unwrap());
+    eprintln!(
+        "2,500 tokens: per-expert GEMM vs grouped kernel {err:.2e} (max |value| {scale:.2e})"
+    );
+    assert!(err <= 0.02 * scale, "the MoE paths differ by {err}");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -848,6 +848,18 @@ connectors:
         let tiny = Profile::load(&root.join("qwen3-omni-tiny.yaml")).unwrap();
         assert_eq!(tiny.stages.len(), 3);
         assert_eq!(tiny.stages[1].voice.as_deref(), Some("ethan"));
+        // The GPU one: every stage on cuda, which only a CUDA build accepts.
+        let gpu = Profile::load(&root.join("qwen3-omni-h200.yaml"));
+        if cfg!(feature = "cuda") {
+            let gpu = gpu.unwrap();
+            assert!(gpu.stages.iter().all(|s| s.device == "cuda"));
+        } else {
+            let err = gpu.unwrap_err().to_string();
+            assert!(
+                err.contains("stages[0].device") && err.contains("no CUDA support"),
+                "{err}"
+            );
+        }
         // The real one, beside a checkpoint folder laid out as the download is.
         let dir = tempfile::tempdir().unwrap();
         let deploy = dir.path().join("deploy");

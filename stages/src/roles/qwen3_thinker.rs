@@ -31,6 +31,10 @@ const DEFAULT_MAX_TOKENS: usize = 256;
 /// expanded to one `<|audio_pad|>` per audio-encoder output).
 const AUDIO_PLACEHOLDER: &str = "<|audio_start|><|audio_pad|><|audio_end|>";
 
+/// One request's result of a forward: its next-token logits and what the Talker
+/// gets of it.
+type Row = (RequestId, Vec<f32>, ThinkerStates);
+
 struct Seq {
     ctx: Arc<RequestCtx>,
     prompt: Vec<u32>,
@@ -152,10 +156,15 @@ impl Qwen3OmniThinker {
     /// Prefills `ids` together (typed prompts, left-padded; or one spoken prompt,
     /// heard here) and moves each into a free KV slot. Returns each request's first
     /// logits and what the Talker gets of its prompt.
-    fn prefill(&mut self, ids: &[RequestId]) -> Result<Vec<(Vec<f32>, ThinkerStates)>> {
+    fn prefill(&mut self, ids: &[RequestId]) -> Result<Vec<Row>> {
         let thinker = self.model.thinker();
         let dev = thinker.device().clone();
         let accept = self.model.config().talker.accept_hidden_layer;
+        let ids: Vec<RequestId> = ids
+            .iter()
+            .copied()
+            .filter(|id| self.seqs.contains_key(id))
+            .collect();
         let seqs: Vec<&Seq> = ids.iter().filter_map(|id| self.seqs.get(id)).collect();
         let (b, s) = (
             seqs.len(),
@@ -224,13 +233,13 @@ impl Qwen3OmniThinker {
             } else {
                 ThinkerStates::default()
             };
-            results.push((logits, states));
+            results.push((*id, logits, states));
         }
         Ok(results)
     }
 
     /// One decode step of the whole running batch: each request's last token fed back.
-    fn decode(&mut self) -> Result<Vec<(Vec<f32>, ThinkerStates)>> {
+    fn decode(&mut self) -> Result<Vec<Row>> {
         let thinker = self.model.thinker();
         let slots = self
             .slots
@@ -271,6 +280,7 @@ impl Qwen3OmniThinker {
                 false => None,
             };
             results.push((
+                *id,
                 logits,
                 ThinkerStates {
                     prompt: None,
@@ -361,13 +371,8 @@ impl Qwen3OmniThinker {
     }
 
     /// Samples and sends each row's token; finished and failed requests leave.
-    fn finish_rows(
-        &mut self,
-        ids: &[RequestId],
-        rows: Vec<(Vec<f32>, ThinkerStates)>,
-        out: &mut StepOutput,
-    ) {
-        for (&id, (logits, states)) in ids.iter().zip(rows) {
+    fn finish_rows(&mut self, rows: Vec<Row>, out: &mut StepOutput) {
+        for (id, logits, states) in rows {
             let Some(mut seq) = self.seqs.remove(&id) else {
                 continue;
             };
@@ -455,10 +460,7 @@ impl StageModel for Qwen3OmniThinker {
         if !self.running.is_empty() {
             out.batch = self.running.len();
             match self.decode() {
-                Ok(rows) => {
-                    let ids = self.running.clone();
-                    self.finish_rows(&ids, rows, out);
-                }
+                Ok(rows) => self.finish_rows(rows, out),
                 Err(e) => {
                     for id in std::mem::take(&mut self.running) {
                         self.seqs.remove(&id);
@@ -474,7 +476,7 @@ impl StageModel for Qwen3OmniThinker {
         }
         out.batch += group.len();
         match self.prefill(&group) {
-            Ok(rows) => self.finish_rows(&group, rows, out),
+            Ok(rows) => self.finish_rows(rows, out),
             Err(e) => {
                 for id in group {
                     self.running.retain(|r| *r != id);

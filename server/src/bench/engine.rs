@@ -15,7 +15,7 @@ use omnistream_stages::engine::{Event, Modalities, Pipeline, SamplingOverrides};
 use omnistream_stages::models::qwen3_omni::omni::Qwen3OmniConfig;
 use omnistream_stages::models::tokenizer::{ChatMessage, ChatTokenizer};
 use omnistream_stages::profile::{ModelType, Profile};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::machine;
 use super::metrics::{summarize, Summary};
@@ -47,12 +47,15 @@ pub struct EngineArgs {
     /// H200 HBM3e bandwidth, bytes/s, for the decode-step bound.
     #[arg(long, default_value_t = 4.8e12)]
     pub bandwidth: f64,
-    /// Folder for `engine-<name>[-text].json` and `.md`.
+    /// Folder for `engine-<name>[-text].json`, `.md` and the PNG plots.
     #[arg(long, default_value = "bench-out")]
     pub out: PathBuf,
+    /// Run nothing: draw the plots of these earlier reports (JSON) into `--out`.
+    #[arg(long, num_args = 1..)]
+    pub plot: Vec<PathBuf>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 struct Level {
     concurrency: usize,
     requests: usize,
@@ -70,9 +73,9 @@ struct Level {
     tpot_over_bound: Option<f64>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 struct Report {
-    schema: &'static str,
+    schema: String,
     profile: String,
     machine: String,
     workload: String,
@@ -94,6 +97,23 @@ struct Timed {
 }
 
 pub fn bench_engine(args: EngineArgs) -> Result<()> {
+    if !args.plot.is_empty() {
+        let reports = args
+            .plot
+            .iter()
+            .map(|p| {
+                let label = p
+                    .file_stem()
+                    .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("reading {}", p.display()))?;
+                let r: Report = serde_json::from_str(&text)
+                    .with_context(|| format!("parsing {}", p.display()))?;
+                Ok((label, r))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        return plot(&reports, &args.out);
+    }
     let profile = Profile::load(&args.profile.profile)?;
     let thinker = profile
         .stages
@@ -181,7 +201,7 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
         });
     }
     let report = Report {
-        schema: "omnistream.bench-engine.v1",
+        schema: "omnistream.bench-engine.v1".into(),
         profile: args.profile.profile.display().to_string(),
         machine: machine(),
         workload: args.name.clone(),
@@ -191,7 +211,9 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
         levels,
         peak_rss_mib: peak_rss_mib(),
     };
-    write_report(&report, &args.out)
+    write_report(&report, &args.out)?;
+    let label = format!("{}{}", args.name, if args.text_only { " text" } else { "" });
+    plot(&[(label, report)], &args.out)
 }
 
 /// A user message whose templated prompt is `n` tokens (or the nearest below).
@@ -364,5 +386,75 @@ fn write_report(r: &Report, out: &Path) -> Result<()> {
     let path = out.join(format!("{stem}.md"));
     std::fs::write(&path, &md).with_context(|| format!("writing {}", path.display()))?;
     print!("{md}");
+    Ok(())
+}
+
+/// One plotted quantity of a report's levels.
+type Pick = fn(&Level) -> Option<f64>;
+
+/// TTFP, RTF, audio throughput and tokens per second against concurrency, one
+/// line per report, as `engine-*.png` in `out`.
+fn plot(reports: &[(String, Report)], out: &Path) -> Result<()> {
+    use super::plot::{line_chart, ChartSpec, Line};
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let charts: [(&str, &str, &str, Option<f64>, Pick); 4] = [
+        (
+            "engine-ttfp.png",
+            "Time to first audio (mean)",
+            "TTFP (ms)",
+            None,
+            |l| l.ttfp_ms.as_ref().map(|s| s.mean),
+        ),
+        (
+            "engine-rtf.png",
+            "Audio real-time factor (mean; below 1 keeps up)",
+            "RTF",
+            Some(1.0),
+            |l| l.rtf.as_ref().map(|s| s.mean),
+        ),
+        (
+            "engine-audio.png",
+            "Audio throughput",
+            "audio seconds per second",
+            None,
+            |l| (l.audio_s_per_s > 0.0).then_some(l.audio_s_per_s),
+        ),
+        (
+            "engine-tokens.png",
+            "Text throughput",
+            "tokens per second",
+            None,
+            |l| Some(l.tok_s),
+        ),
+    ];
+    for (file, title, y_label, reference, pick) in charts {
+        let lines: Vec<Line> = reports
+            .iter()
+            .enumerate()
+            .map(|(i, (label, r))| Line {
+                label: label.clone(),
+                points: r
+                    .levels
+                    .iter()
+                    .filter_map(|l| pick(l).map(|y| (l.concurrency as f64, y)))
+                    .collect(),
+                color: i,
+                bold: true,
+            })
+            .filter(|l| !l.points.is_empty())
+            .collect();
+        if lines.is_empty() {
+            continue;
+        }
+        let path = out.join(file);
+        let spec = ChartSpec {
+            title,
+            x_label: "concurrency",
+            y_label,
+            reference,
+        };
+        line_chart(&path, &spec, &lines).with_context(|| format!("drawing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
     Ok(())
 }

@@ -83,7 +83,6 @@ const CHARTS: &[Chart] = &[
 
 /// Draws every chart into `dir`; returns the files written.
 pub fn plot_runs(runs: &[Run], x_label: &str, dir: &Path) -> Result<Vec<PathBuf>> {
-    register_font()?;
     let mut written = Vec::new();
     for chart in CHARTS {
         let path = dir.join(chart.file);
@@ -102,9 +101,57 @@ fn draw(chart: &Chart, runs: &[Run], x_label: &str, path: &Path) -> Result<()> {
             .filter(|(_, y)| y.is_finite())
             .collect()
     };
-    let all: Vec<(f64, f64)> = runs
+    let mut lines = Vec::new();
+    for (i, run) in runs.iter().enumerate() {
+        for (k, (suffix, f)) in chart.series.iter().enumerate() {
+            lines.push(Line {
+                label: if suffix.is_empty() {
+                    run.label.clone()
+                } else {
+                    format!("{} {suffix}", run.label)
+                },
+                points: points(run, *f),
+                color: i,
+                // The first series of a chart (the median) is drawn bold.
+                bold: k == 0,
+            });
+        }
+    }
+    line_chart(
+        path,
+        &ChartSpec {
+            title: chart.title,
+            x_label,
+            y_label: chart.y_label,
+            reference: chart.reference,
+        },
+        &lines,
+    )
+}
+
+/// One line of a [`line_chart`].
+pub(super) struct Line {
+    pub label: String,
+    pub points: Vec<(f64, f64)>,
+    /// Palette index: lines of one run share it.
+    pub color: usize,
+    pub bold: bool,
+}
+
+/// A chart's titles and its optional horizontal reference line (RTF = 1).
+pub(super) struct ChartSpec<'a> {
+    pub title: &'a str,
+    pub x_label: &'a str,
+    pub y_label: &'a str,
+    pub reference: Option<f64>,
+}
+
+/// A PNG line chart over a log x axis ticked at the measured x values.
+pub(super) fn line_chart(path: &Path, spec: &ChartSpec, lines: &[Line]) -> Result<()> {
+    register_font()?;
+    let all: Vec<(f64, f64)> = lines
         .iter()
-        .flat_map(|r| chart.series.iter().flat_map(move |(_, f)| points(r, *f)))
+        .flat_map(|l| l.points.iter().copied())
         .collect();
     // Ticks at the measured loads only (a log axis's own ticks repeat labels).
     let mut xs: Vec<f64> = all.iter().map(|p| p.0).collect();
@@ -121,7 +168,7 @@ fn draw(chart: &Chart, runs: &[Run], x_label: &str, path: &Path) -> Result<()> {
     let y_max = all
         .iter()
         .map(|p| p.1)
-        .chain(chart.reference)
+        .chain(spec.reference)
         .fold(0.0, f64::max)
         .max(1e-3)
         * 1.15;
@@ -129,7 +176,7 @@ fn draw(chart: &Chart, runs: &[Run], x_label: &str, path: &Path) -> Result<()> {
     let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut ctx = ChartBuilder::on(&root)
-        .caption(chart.title, ("sans-serif", 26))
+        .caption(spec.title, ("sans-serif", 26))
         .margin(16)
         .x_label_area_size(48)
         .y_label_area_size(72)
@@ -138,8 +185,8 @@ fn draw(chart: &Chart, runs: &[Run], x_label: &str, path: &Path) -> Result<()> {
             0.0..y_max,
         )?;
     ctx.configure_mesh()
-        .x_desc(x_label)
-        .y_desc(chart.y_label)
+        .x_desc(spec.x_label)
+        .y_desc(spec.y_label)
         .x_label_formatter(&|x| format!("{x}"))
         .y_label_formatter(&|y| {
             if y_max > 20.0 {
@@ -151,32 +198,27 @@ fn draw(chart: &Chart, runs: &[Run], x_label: &str, path: &Path) -> Result<()> {
         .light_line_style(BLACK.mix(0.04))
         .label_style(("sans-serif", 16))
         .draw()?;
-    if let Some(r) = chart.reference {
+    if let Some(r) = spec.reference {
         ctx.draw_series(LineSeries::new(
             [(x_min, r), (x_max, r)],
             BLACK.mix(0.4).stroke_width(1),
         ))?;
     }
-    for (i, run) in runs.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        for (k, (suffix, f)) in chart.series.iter().enumerate() {
-            let pts = points(run, *f);
-            // The first series of a chart (the median) is drawn bold.
-            let style = if k == 0 {
-                color.stroke_width(3)
-            } else {
-                color.mix(0.6).stroke_width(1)
-            };
-            let label = if suffix.is_empty() {
-                run.label.clone()
-            } else {
-                format!("{} {suffix}", run.label)
-            };
-            ctx.draw_series(LineSeries::new(pts.clone(), style))?
-                .label(label)
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], style));
-            ctx.draw_series(pts.iter().map(|p| Circle::new(*p, 4, style.filled())))?;
-        }
+    for line in lines {
+        let color = Palette99::pick(line.color).to_rgba();
+        let style = if line.bold {
+            color.stroke_width(3)
+        } else {
+            color.mix(0.6).stroke_width(1)
+        };
+        ctx.draw_series(LineSeries::new(line.points.clone(), style))?
+            .label(line.label.clone())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], style));
+        ctx.draw_series(
+            line.points
+                .iter()
+                .map(|p| Circle::new(*p, 4, style.filled())),
+        )?;
     }
     ctx.configure_series_labels()
         .background_style(WHITE.mix(0.85))

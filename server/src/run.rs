@@ -23,6 +23,8 @@ pub struct Outcome {
     pub sample_rate: u32,
     /// Request start -> first text delta.
     pub ttft: Option<Duration>,
+    /// Request start -> last text delta.
+    pub last_text: Option<Duration>,
     /// Request start -> first audio.
     pub ttfp: Option<Duration>,
     /// Request start -> last audio chunk.
@@ -90,7 +92,9 @@ pub fn run_request(
             .context("no event from the pipeline for 300 s")?;
         match event {
             Event::TextDelta(t) => {
-                out.ttft.get_or_insert_with(|| start.elapsed());
+                let now = start.elapsed();
+                out.ttft.get_or_insert(now);
+                out.last_text = Some(now);
                 on_text(&t);
                 out.text.push_str(&t);
             }

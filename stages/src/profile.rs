@@ -521,7 +521,7 @@ impl Profile {
                 o.model.model_type.is_qwen3_omni()
                     && s.model.model_type.is_qwen3_omni()
                     && o.model.path == s.model.path
-                    && o.device != s.device
+                    && parse_device(&o.device) != parse_device(&s.device)
             }) {
                 return Err(self.invalid(
                     key("device"),

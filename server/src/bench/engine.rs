@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
-use omnistream_stages::engine::{Event, Modalities, Pipeline, SamplingOverrides};
+use anyhow::{Context, Result};
+use omnistream_stages::engine::{Modalities, Pipeline, SamplingOverrides};
 use omnistream_stages::models::qwen3_omni::omni::Qwen3OmniConfig;
 use omnistream_stages::models::tokenizer::{ChatMessage, ChatTokenizer};
 use omnistream_stages::profile::{ModelType, Profile};
@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use super::machine;
 use super::metrics::{summarize, Summary};
 use super::pipeline::peak_rss_mib;
-use crate::run::{chat_spec, load_profile};
+use crate::run::{chat_spec, load_profile, run_request, Outcome};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct EngineArgs {
@@ -84,16 +84,6 @@ struct Report {
     text_only: bool,
     levels: Vec<Level>,
     peak_rss_mib: f64,
-}
-
-/// One finished request's timings.
-struct Timed {
-    ttft: Duration,
-    last_text: Duration,
-    ttfp: Option<Duration>,
-    total: Duration,
-    tokens: usize,
-    audio_s: f64,
 }
 
 pub fn bench_engine(args: EngineArgs) -> Result<()> {
@@ -164,18 +154,23 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let tpot: Vec<f64> = done
             .iter()
-            .filter(|t| t.tokens > 1)
-            .map(|t| ms(t.last_text - t.ttft) / (t.tokens - 1) as f64)
+            .filter(|t| t.completion_tokens > 1)
+            .filter_map(|t| Some(ms(t.last_text? - t.ttft?) / (t.completion_tokens - 1) as f64))
             .collect();
-        let audio: f64 = done.iter().map(|t| t.audio_s).sum();
-        let tokens: usize = done.iter().map(|t| t.tokens).sum();
+        let audio: f64 = done.iter().map(Outcome::audio_seconds).sum();
+        let tokens: usize = done.iter().map(|t| t.completion_tokens).sum();
         let bound = thinker_step_bound(&cfg, c, weight_bytes, args.bandwidth);
         let tpot = summarize(&tpot);
         levels.push(Level {
             concurrency: c,
             requests: n,
             wall_s: wall,
-            ttft_ms: summarize(&done.iter().map(|t| ms(t.ttft)).collect::<Vec<_>>()),
+            ttft_ms: summarize(
+                &done
+                    .iter()
+                    .map(|t| ms(t.ttft.unwrap_or(t.total)))
+                    .collect::<Vec<_>>(),
+            ),
             ttfp_ms: (!args.text_only).then(|| {
                 summarize(
                     &done
@@ -188,8 +183,8 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
                 summarize(
                     &done
                         .iter()
-                        .filter(|t| t.audio_s > 0.0)
-                        .map(|t| t.total.as_secs_f64() / t.audio_s)
+                        .filter(|t| t.audio_seconds() > 0.0)
+                        .map(|t| t.total.as_secs_f64() / t.audio_seconds())
                         .collect::<Vec<_>>(),
                 )
             }),
@@ -269,15 +264,16 @@ fn run_level(
     sampling: &SamplingOverrides,
     c: usize,
     n: usize,
-) -> Result<Vec<Timed>> {
+) -> Result<Vec<Outcome>> {
     let next = AtomicUsize::new(0);
     let results = std::thread::scope(|s| {
         let workers: Vec<_> = (0..c)
             .map(|_| {
-                s.spawn(|| -> Result<Vec<Timed>> {
+                s.spawn(|| -> Result<Vec<Outcome>> {
                     let mut mine = Vec::new();
                     while next.fetch_add(1, Ordering::SeqCst) < n {
-                        mine.push(run_one(pipeline, prompt, modalities, sampling)?);
+                        let spec = chat_spec(prompt, modalities, sampling.clone());
+                        mine.push(run_request(pipeline, spec, |_| {})?);
                     }
                     Ok(mine)
                 })
@@ -292,54 +288,6 @@ fn run_level(
             .collect::<Result<Vec<_>>>()
     })?;
     Ok(results.into_iter().flatten().collect())
-}
-
-fn run_one(
-    pipeline: &Pipeline,
-    prompt: &str,
-    modalities: Modalities,
-    sampling: &SamplingOverrides,
-) -> Result<Timed> {
-    let start = Instant::now();
-    let handle = pipeline.submit(chat_spec(prompt, modalities, sampling.clone()))?;
-    let (mut ttft, mut last_text, mut ttfp) = (None, Duration::ZERO, None);
-    let mut samples = 0usize;
-    let mut rate = 1u32;
-    loop {
-        let event = handle
-            .events()
-            .recv_timeout(Duration::from_secs(600))
-            .context("no event from the pipeline for 600 s")?;
-        match event {
-            Event::TextDelta(_) => {
-                let now = start.elapsed();
-                ttft.get_or_insert(now);
-                last_text = now;
-            }
-            Event::Audio {
-                samples: s,
-                sample_rate,
-                ..
-            } => {
-                ttfp.get_or_insert(start.elapsed());
-                samples += s.len();
-                rate = sample_rate.max(1);
-            }
-            Event::Done {
-                completion_tokens, ..
-            } => {
-                return Ok(Timed {
-                    ttft: ttft.unwrap_or_else(|| start.elapsed()),
-                    last_text,
-                    ttfp,
-                    total: start.elapsed(),
-                    tokens: completion_tokens,
-                    audio_s: samples as f64 / rate as f64,
-                });
-            }
-            Event::Error(e) => bail!("request failed: {e}"),
-        }
-    }
 }
 
 fn write_report(r: &Report, out: &Path) -> Result<()> {

@@ -157,22 +157,20 @@ impl<R> Requests<R> {
 /// leave the batch too and are returned, for the caller to fail.
 pub(crate) fn leave_slot(
     running: &mut Vec<RequestId>,
-    slots: Option<&[KvSlots]>,
+    slots: &[KvSlots],
     id: RequestId,
 ) -> Vec<RequestId> {
     let Some(row) = running.iter().position(|r| *r == id) else {
         return Vec::new();
     };
     let last = running.len() - 1;
-    if let Some(slots) = slots {
-        if let Err(e) = slots.iter().try_for_each(|s| s.move_slot(last, row)) {
-            tracing::error!("KV slot compaction failed: {e}");
-            return running
-                .split_off(row)
-                .into_iter()
-                .filter(|r| *r != id)
-                .collect();
-        }
+    if let Err(e) = slots.iter().try_for_each(|s| s.move_slot(last, row)) {
+        tracing::error!("KV slot compaction failed: {e}");
+        return running
+            .split_off(row)
+            .into_iter()
+            .filter(|r| *r != id)
+            .collect();
     }
     running.swap_remove(row);
     Vec::new()
@@ -437,15 +435,15 @@ mod slot_tests {
             slots.load(s, &c, 0, 0).unwrap();
         }
         let mut running = vec![10, 11, 12];
-        let lost = leave_slot(&mut running, Some(std::slice::from_ref(&slots)), 11);
+        let lost = leave_slot(&mut running, std::slice::from_ref(&slots), 11);
         assert!(lost.is_empty());
         assert_eq!(running, vec![10, 12]);
-        let batch = SlotBatch::new(&[0, 1], &[1, 1], 1, 1, 2, &Device::Cpu).unwrap();
+        let batch = SlotBatch::new(&slots, &[0, 1], &[1, 1]).unwrap();
         let k = Tensor::zeros((2, 1, 1, 1), DType::F32, &Device::Cpu).unwrap();
         // Appending writes position 1; position 0 still holds what each request loaded.
         let (all, _) = slots.append(&batch, &k, &k).unwrap();
         let v: Vec<f32> = all.flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(v, vec![1.0, 0.0, 3.0, 0.0]);
-        assert!(leave_slot(&mut running, None, 99).is_empty());
+        assert!(leave_slot(&mut running, &[], 99).is_empty());
     }
 }

@@ -106,7 +106,7 @@ impl Qwen3OmniCode2Wav {
                 Err(e) => results[i] = Some(Err(e)),
             }
         }
-        // Group by chunk length, longest group first.
+        // One forward per chunk length.
         let mut lens: Vec<usize> = chunks
             .iter()
             .filter_map(|(_, c, _)| c.dim(1).ok())

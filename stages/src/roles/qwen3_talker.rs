@@ -60,8 +60,8 @@ pub struct Qwen3OmniTalker {
     reqs: HashMap<RequestId, Req>,
     /// Prefilled requests: request `i` lives in KV slot `i`.
     running: Vec<RequestId>,
-    /// Allocated at the first prefill.
-    slots: Option<Vec<KvSlots>>,
+    /// One per layer, allocated with the stage (like any server's KV pool).
+    slots: Vec<KvSlots>,
     /// Requests dropped from the batch by a failed slot copy, to fail next step.
     lost: Vec<RequestId>,
 }
@@ -105,18 +105,20 @@ impl Qwen3OmniTalker {
                 SamplingConfig::code_predictor().with_do_sample(sample)
             }
         };
+        let max_len = max_len
+            .min(model.config().talker.text_config.max_position_embeddings)
+            .max(2);
+        let slots = model.talker().new_slots(max_num_seqs, max_len)?;
         Ok(Self {
             defaults,
             cp_defaults,
             default_voice,
             max_num_seqs,
-            max_len: max_len
-                .min(model.config().talker.text_config.max_position_embeddings)
-                .max(2),
+            max_len,
             model,
             reqs: HashMap::new(),
             running: Vec::new(),
-            slots: None,
+            slots,
             lost: Vec::new(),
         })
     }
@@ -174,13 +176,7 @@ impl Qwen3OmniTalker {
             r.speaker,
         )?;
         let (state, o) = talker.prefill(&inputs, None, None)?;
-        if self.slots.is_none() {
-            self.slots = Some(talker.new_slots(self.max_num_seqs, self.max_len)?);
-        }
-        let slots = self
-            .slots
-            .as_ref()
-            .ok_or_else(|| ModelError::Invalid("no KV slots".into()))?;
+        let slots = &self.slots;
         let (len, pos, hidden) = talker.load_slot(slots, self.running.len(), &state)?;
         r.decode = Some((len, pos, hidden));
         r.logits = Some(o.logits.get(0)?.to_vec1::<f32>()?);
@@ -263,10 +259,7 @@ impl Qwen3OmniTalker {
         if ids.is_empty() {
             return Ok(finished);
         }
-        let slots = self
-            .slots
-            .as_ref()
-            .ok_or_else(|| ModelError::Invalid("no KV slots".into()))?;
+        let slots = &self.slots;
         let last_hidden = Tensor::cat(&hidden, 0)?;
         let text = Tensor::stack(&texts, 0)?;
         // The code predictor takes one sampler per row: borrow them for the step.
@@ -324,7 +317,7 @@ impl Qwen3OmniTalker {
     /// Frees `id`'s slot (see [`super::leave_slot`]); requests that lost theirs
     /// are failed at the next step.
     fn leave(&mut self, id: RequestId) {
-        for lost in super::leave_slot(&mut self.running, self.slots.as_deref(), id) {
+        for lost in super::leave_slot(&mut self.running, &self.slots, id) {
             self.reqs.remove(&lost);
             self.lost.push(lost);
         }

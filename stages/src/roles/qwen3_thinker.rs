@@ -65,8 +65,8 @@ pub struct Qwen3OmniThinker {
     waiting: VecDeque<RequestId>,
     /// The running batch: request `i` lives in KV slot `i`.
     running: Vec<RequestId>,
-    /// Allocated at the first prefill.
-    slots: Option<Vec<KvSlots>>,
+    /// One per layer, allocated with the stage (like any server's KV pool).
+    slots: Vec<KvSlots>,
     /// Requests dropped from the batch by a failed slot copy, to fail next step.
     lost: Vec<RequestId>,
 }
@@ -112,17 +112,19 @@ impl Qwen3OmniThinker {
             }
         }
         let max_ctx = model.config().thinker.text_config.max_position_embeddings;
+        let max_len = max_len.min(max_ctx).max(2);
+        let slots = model.thinker().new_slots(max_num_seqs, max_len)?;
         Ok(Self {
             model,
             tokenizer,
             defaults,
             max_num_seqs,
-            max_len: max_len.min(max_ctx).max(2),
+            max_len,
             max_prefill_tokens: max_prefill_tokens.max(1),
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
-            slots: None,
+            slots,
             lost: Vec::new(),
         })
     }
@@ -203,13 +205,7 @@ impl Qwen3OmniThinker {
         let hidden: &[usize] = if speak { &[0, accept] } else { &[] };
         let mut cache = thinker.new_cache();
         let out = thinker.prefill_last(&input, Some(&mask), audio, &mut cache, hidden)?;
-        if self.slots.is_none() {
-            self.slots = Some(thinker.new_slots(self.max_num_seqs, self.max_len)?);
-        }
-        let slots = self
-            .slots
-            .as_ref()
-            .ok_or_else(|| ModelError::Invalid("no KV slots".into()))?;
+        let slots = &self.slots;
         let last = out.logits.squeeze(1)?.to_vec2::<f32>()?;
         let mut results = Vec::with_capacity(b);
         for (row, (id, logits)) in ids.iter().zip(last).enumerate() {
@@ -241,10 +237,7 @@ impl Qwen3OmniThinker {
     /// One decode step of the whole running batch: each request's last token fed back.
     fn decode(&mut self) -> Result<Vec<Row>> {
         let thinker = self.model.thinker();
-        let slots = self
-            .slots
-            .as_ref()
-            .ok_or_else(|| ModelError::Invalid("no KV slots".into()))?;
+        let slots = &self.slots;
         let mut ids = Vec::with_capacity(self.running.len());
         let mut pos = Vec::with_capacity(self.running.len());
         let mut lens = Vec::with_capacity(self.running.len());
@@ -395,7 +388,7 @@ impl Qwen3OmniThinker {
     /// Frees `id`'s slot (see [`super::leave_slot`]); requests that lost theirs
     /// are failed at the next step.
     fn leave(&mut self, id: RequestId) {
-        for lost in super::leave_slot(&mut self.running, self.slots.as_deref(), id) {
+        for lost in super::leave_slot(&mut self.running, &self.slots, id) {
             self.seqs.remove(&lost);
             self.lost.push(lost);
         }

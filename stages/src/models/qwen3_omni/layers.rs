@@ -385,15 +385,11 @@ pub struct SlotBatch {
 }
 
 impl SlotBatch {
-    /// Row `i` in slot `slots[i]` with `lens[i]` positions cached before this step's token.
-    pub fn new(
-        slots: &[usize],
-        lens: &[usize],
-        kv_heads: usize,
-        head_dim: usize,
-        max_len: usize,
-        device: &Device,
-    ) -> Result<Self> {
+    /// Row `i` in slot `slots[i]` of `kv` (any layer's: all have one shape) with
+    /// `lens[i]` positions cached before this step's token.
+    pub fn new(kv: &KvSlots, slots: &[usize], lens: &[usize]) -> Result<Self> {
+        let (_, kv_heads, max_len, head_dim) = kv.k.dims4()?;
+        let device = kv.k.device();
         let b = lens.len();
         if slots.len() != b {
             candle_core::bail!("{} slots for {b} rows", slots.len());
@@ -427,10 +423,6 @@ impl SlotBatch {
             batch: b,
             kv_len,
         })
-    }
-
-    pub fn batch(&self) -> usize {
-        self.batch
     }
 }
 
@@ -850,6 +842,16 @@ fn sort_by_expert(choices: &Tensor) -> Result<(Tensor, Tensor)> {
 }
 
 impl SparseMoe {
+    /// Each token's top-k experts `(n, k)` u32 and their router probabilities `(n, k)`.
+    fn route(&self, probs: &Tensor) -> Result<(Tensor, Tensor)> {
+        let idx = probs
+            .arg_sort_last_dim(false)?
+            .narrow(1, 0, self.top_k)?
+            .contiguous()?;
+        let top = probs.gather(&idx, 1)?;
+        Ok((idx, top))
+    }
+
     /// The routed experts through the grouped GEMM (`candle_nn::moe::moe_gemm`): tokens
     /// sorted by expert on the device; gate/up for every (token, choice), then down
     /// weighted by the router and summed over the choices.
@@ -862,11 +864,7 @@ impl SparseMoe {
     ) -> Result<Tensor> {
         let (n, hidden) = xs.dims2()?;
         let inter = down.dim(2)?;
-        let idx = probs
-            .arg_sort_last_dim(false)?
-            .narrow(1, 0, self.top_k)?
-            .contiguous()?;
-        let mut top = probs.gather(&idx, 1)?;
+        let (idx, mut top) = self.route(probs)?;
         if self.norm_topk_prob {
             top = top.broadcast_div(&top.sum_keepdim(D::Minus1)?)?;
         }
@@ -895,9 +893,7 @@ impl SparseMoe {
         )?;
         out.reshape((n, self.top_k, hidden))?.sum(1)
     }
-}
 
-impl SparseMoe {
     /// Expert `e`'s SwiGLU on `x`, from the per-expert MLPs or the stacked weights.
     fn expert(&self, e: usize, x: &Tensor) -> Result<Tensor> {
         match &self.fused {
@@ -917,14 +913,11 @@ impl SparseMoe {
     /// grouped kernel.
     fn forward_experts(&self, xs: &Tensor, probs: &Tensor) -> Result<Tensor> {
         let n = xs.dim(0)?;
-        let idx = probs
-            .arg_sort_last_dim(false)?
-            .narrow(1, 0, self.top_k)?
-            .contiguous()?;
-        let top = probs.gather(&idx, 1)?;
+        let (idx, top) = self.route(probs)?;
         let idx = idx.to_vec2::<u32>()?;
         let top = top.to_vec2::<f32>()?;
         let n_experts = probs.dim(1)?;
+        // Per expert: its tokens and their routing weights.
         let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n_experts];
         let mut weights: Vec<Vec<f32>> = vec![Vec::new(); n_experts];
         for t in 0..n {
@@ -957,6 +950,8 @@ impl SparseMoe {
         if outs.is_empty() {
             return Ok(out);
         }
+        // One index_add in expert order: each token sums its experts in ascending index
+        // order, as the reference's loop does.
         out.index_add(&Tensor::cat(&rows, 0)?, &Tensor::cat(&outs, 0)?, 0)
     }
 }
@@ -984,6 +979,7 @@ impl Module for SparseMoe {
     }
 }
 
+/// A decoder layer's feed-forward part.
 #[derive(Debug, Clone)]
 pub enum FeedForward {
     Dense(Mlp),
@@ -1054,18 +1050,19 @@ impl DecoderLayer {
         mask: Option<&Tensor>,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
-        let h = self
-            .self_attn
-            .forward(&self.input_layernorm.forward(x)?, cos, sin, mask, cache)?;
+        self.block(x, |h| self.self_attn.forward(h, cos, sin, mask, cache))
+    }
+
+    /// The pre-norm residual block around `attn` (the attention on the normed input).
+    fn block(&self, x: &Tensor, attn: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        let h = attn(&self.input_layernorm.forward(x)?)?;
         let x = (x + h)?;
         let h = self
             .mlp
             .forward(&self.post_attention_layernorm.forward(&x)?)?;
         x + h
     }
-}
 
-impl DecoderLayer {
     /// [`Self::forward`] for one decode step of a running batch over [`KvSlots`].
     pub fn forward_slots(
         &self,
@@ -1075,27 +1072,28 @@ impl DecoderLayer {
         slots: &KvSlots,
         batch: &SlotBatch,
     ) -> Result<Tensor> {
-        let h = self.self_attn.forward_slots(
-            &self.input_layernorm.forward(x)?,
-            cos,
-            sin,
-            slots,
-            batch,
-        )?;
-        let x = (x + h)?;
-        let h = self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&x)?)?;
-        x + h
+        self.block(x, |h| {
+            self.self_attn.forward_slots(h, cos, sin, slots, batch)
+        })
     }
+}
 
-    pub fn kv_heads(&self) -> usize {
-        self.self_attn.num_kv_heads
-    }
-
-    pub fn head_dim(&self) -> usize {
-        self.self_attn.head_dim
-    }
+/// KV slots for `layers`: a running batch of up to `slots` requests of `max_len`
+/// positions each.
+pub fn new_slots(
+    layers: &[DecoderLayer],
+    slots: usize,
+    max_len: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<Vec<KvSlots>> {
+    layers
+        .iter()
+        .map(|l| {
+            let a = &l.self_attn;
+            KvSlots::new(slots, a.num_kv_heads, max_len, a.head_dim, dtype, device)
+        })
+        .collect()
 }
 
 /// The GPU's two MoE paths on the same bf16 input (so the same routing): the

@@ -207,11 +207,11 @@ impl Sampler {
         }
     }
 
-    /// The ids produced so far (those the repetition penalty applies to).
     pub fn config(&self) -> &SamplingConfig {
         &self.cfg
     }
 
+    /// The ids produced so far (those the repetition penalty applies to).
     pub fn history(&self) -> &[u32] {
         &self.history
     }

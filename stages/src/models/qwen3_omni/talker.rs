@@ -551,33 +551,56 @@ impl Talker {
         if code0.len() != b {
             candle_core::bail!("{} code-0s for a batch of {b}", code0.len());
         }
-        let dev = state.last_hidden.device().clone();
+        let (input, codes) = self.frame(&state.last_hidden, code0, text, cp_samplers, false)?;
+        let logits = self.decode(state, &input)?;
+        Ok(TalkerStep { codes, logits })
+    }
+
+    /// Finishes each row's frame: the code predictor gives codes 1..N-1 from the last
+    /// hidden state and `embed(code0)` (drawn on the device when `device_draws` and
+    /// [`device_draw`] allow); the next Talker input is the N code embeddings summed
+    /// plus `text`. Returns that input `(b, 1, hidden)` and the frames.
+    fn frame(
+        &self,
+        last_hidden: &Tensor,
+        code0: &[u32],
+        text: &Tensor,
+        cp_samplers: &mut [Sampler],
+        device_draws: bool,
+    ) -> Result<(Tensor, Vec<Vec<u32>>)> {
+        let b = code0.len();
+        let dev = last_hidden.device().clone();
         let ids = Tensor::from_vec(code0.to_vec(), (b, 1), &dev)?;
         let e0 = self.embed_codec(&ids)?;
-        let cp = self
-            .code_predictor
-            .generate(&state.last_hidden, &e0, cp_samplers)?;
-        let dtype = state.last_hidden.dtype();
+        let cp = match device_draw(&dev, cp_samplers).filter(|_| device_draws) {
+            Some(cfg) => self
+                .code_predictor
+                .generate_on_device(last_hidden, &e0, &cfg)?,
+            None => self
+                .code_predictor
+                .generate(last_hidden, &e0, cp_samplers)?,
+        };
+        let dtype = last_hidden.dtype();
         let text = text.reshape((b, 1, ()))?.to_dtype(dtype)?;
         let input = ((e0.to_dtype(dtype)? + cp.embed_sum.to_dtype(dtype)?)? + text)?;
-        let logits = self.decode(state, &input)?;
         let codes = code0
             .iter()
             .zip(cp.codes)
             .map(|(&c0, rest)| std::iter::once(c0).chain(rest).collect())
             .collect();
-        Ok(TalkerStep { codes, logits })
+        Ok((input, codes))
     }
 
     /// KV slots for a running batch of up to `slots` requests of `max_len` positions.
     pub fn new_slots(&self, slots: usize, max_len: usize) -> Result<Vec<KvSlots>> {
-        let dtype = self.model.codec_embedding.embeddings().dtype();
-        let dev = self.model.codec_embedding.embeddings().device().clone();
-        self.model
-            .layers
-            .iter()
-            .map(|l| KvSlots::new(slots, l.kv_heads(), max_len, l.head_dim(), dtype, &dev))
-            .collect()
+        let emb = self.model.codec_embedding.embeddings();
+        layers::new_slots(
+            &self.model.layers,
+            slots,
+            max_len,
+            emb.dtype(),
+            emb.device(),
+        )
     }
 
     /// Moves a prefilled batch-1 `state` into `slot`; returns its cached length, its
@@ -619,39 +642,14 @@ impl Talker {
         if rows.slots.len() != b || rows.lens.len() != b || rows.pos.len() != b {
             candle_core::bail!("step_slots: rows do not match {b} code-0s");
         }
-        let dev = rows.last_hidden.device().clone();
-        let ids = Tensor::from_vec(code0.to_vec(), (b, 1), &dev)?;
-        let e0 = self.embed_codec(&ids)?;
-        let cp = match device_draw(&dev, cp_samplers) {
-            Some(cfg) => self
-                .code_predictor
-                .generate_on_device(rows.last_hidden, &e0, &cfg)?,
-            None => self
-                .code_predictor
-                .generate(rows.last_hidden, &e0, cp_samplers)?,
-        };
-        let dtype = rows.last_hidden.dtype();
-        let text = text.reshape((b, 1, ()))?.to_dtype(dtype)?;
-        let input = ((e0.to_dtype(dtype)? + cp.embed_sum.to_dtype(dtype)?)? + text)?;
-        let pos = Tensor::from_vec(rows.pos.to_vec(), (1, b, 1), &dev)?
+        let (input, codes) = self.frame(rows.last_hidden, code0, text, cp_samplers, true)?;
+        let dev = rows.last_hidden.device();
+        let pos = Tensor::from_vec(rows.pos.to_vec(), (1, b, 1), dev)?
             .broadcast_as((3, b, 1))?
             .contiguous()?;
-        let l0 = &self.model.layers[0];
-        let batch = SlotBatch::new(
-            rows.slots,
-            rows.lens,
-            l0.kv_heads(),
-            l0.head_dim(),
-            first.max_len(),
-            &dev,
-        )?;
+        let batch = SlotBatch::new(first, rows.slots, rows.lens)?;
         let hidden = self.model.forward_slots(&input, &pos, slots, &batch)?;
         let logits = self.codec_logits(&hidden)?;
-        let codes = code0
-            .iter()
-            .zip(cp.codes)
-            .map(|(&c0, rest)| std::iter::once(c0).chain(rest).collect())
-            .collect();
         Ok((TalkerStep { codes, logits }, hidden))
     }
 

@@ -18,7 +18,7 @@
 
 use super::audio_encoder::feat_extract_output_lengths;
 use super::layers::{
-    attention_mask, DecoderConfig, DecoderLayer, KvCache, KvSlots, RmsNorm, RotaryEmbedding,
+    self, attention_mask, DecoderConfig, DecoderLayer, KvCache, KvSlots, RmsNorm, RotaryEmbedding,
     SlotBatch,
 };
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
@@ -441,19 +441,7 @@ impl Thinker {
     /// positions each, one per layer, in the embeddings' dtype.
     pub fn new_slots(&self, slots: usize, max_len: usize) -> Result<Vec<KvSlots>> {
         let dtype = self.embed_tokens.embeddings().dtype();
-        self.layers
-            .iter()
-            .map(|l| {
-                KvSlots::new(
-                    slots,
-                    l.kv_heads(),
-                    max_len,
-                    l.head_dim(),
-                    dtype,
-                    &self.device,
-                )
-            })
-            .collect()
+        layers::new_slots(&self.layers, slots, max_len, dtype, &self.device)
     }
 
     /// Moves row `row` of a prefilled `cache` (its tokens, without the left padding)
@@ -500,16 +488,8 @@ impl Thinker {
         let flat: Vec<f32> = pos.iter().map(|&p| p as f32).collect();
         let pos = Tensor::from_vec(flat, (1, b, 1), &self.device)?.repeat((3, 1, 1))?;
         let (cos, sin) = self.rotary_emb.forward(&pos, embeds.dtype())?;
-        let l0 = &self.layers[0];
         let rows: Vec<usize> = (0..b).collect();
-        let batch = SlotBatch::new(
-            &rows,
-            lens,
-            l0.kv_heads(),
-            l0.head_dim(),
-            first.max_len(),
-            &self.device,
-        )?;
+        let batch = SlotBatch::new(first, &rows, lens)?;
         self.run_layers(&embeds, hidden, false, |layer, i, x| {
             layer.forward_slots(x, &cos, &sin, &slots[i], &batch)
         })

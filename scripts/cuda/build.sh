@@ -14,6 +14,13 @@
 # libcuda.so.1 through the dynamic loader's usual paths; nothing needs setting.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+# As for the CPU build (scripts/setup.sh): the system libopus, found through
+# pkg-config, and protoc for candle-onnx.
+if ! pkg-config --exists opus 2>/dev/null || ! command -v protoc >/dev/null; then
+  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq pkg-config libopus-dev protobuf-compiler >/dev/null
+fi
 ROOT=$(realpath -m "${CUDA_TOOLCHAIN:-.cuda-toolchain}")
 CUDA_ROOT=$ROOT/nvidia/cu13
 if [ ! -x "$CUDA_ROOT/bin/nvcc" ]; then

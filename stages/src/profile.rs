@@ -168,6 +168,11 @@ pub struct StageSpec {
     /// (sizes its KV slot; default 4096, at most the model's own context).
     #[serde(default)]
     pub max_model_len: Option<usize>,
+    /// Qwen3-Omni `ar` stages on a GPU: decode without CUDA graphs (each step's
+    /// kernels launched one by one). Graphs are the default there; this is for
+    /// debugging and for measuring what they save.
+    #[serde(default)]
+    pub enforce_eager: bool,
     #[serde(default)]
     pub sampling: SamplingParams,
     /// Qwen3-Omni Talker: how the code predictor draws codes 1..15.
@@ -497,6 +502,7 @@ impl Profile {
                     ("max_prefill_tokens", s.max_prefill_tokens.is_some()),
                     ("prefix_cache_entries", s.prefix_cache_entries.is_some()),
                     ("max_model_len", s.max_model_len.is_some()),
+                    ("enforce_eager", s.enforce_eager),
                 ] {
                     if set {
                         return Err(self.invalid(key(k), "applies to `ar` stages only"));
@@ -848,17 +854,25 @@ connectors:
         let tiny = Profile::load(&root.join("qwen3-omni-tiny.yaml")).unwrap();
         assert_eq!(tiny.stages.len(), 3);
         assert_eq!(tiny.stages[1].voice.as_deref(), Some("ethan"));
-        // The GPU one: every stage on cuda, which only a CUDA build accepts.
-        let gpu = Profile::load(&root.join("qwen3-omni-h200.yaml"));
-        if cfg!(feature = "cuda") {
-            let gpu = gpu.unwrap();
-            assert!(gpu.stages.iter().all(|s| s.device == "cuda"));
-        } else {
-            let err = gpu.unwrap_err().to_string();
-            assert!(
-                err.contains("stages[0].device") && err.contains("no CUDA support"),
-                "{err}"
-            );
+        // The GPU ones: every stage on cuda, which only a CUDA build accepts; the
+        // voice one decodes eagerly in the Thinker only.
+        for (f, eager) in [
+            ("qwen3-omni-h200.yaml", [false, false, false]),
+            ("qwen3-omni-h200-voice.yaml", [true, false, false]),
+        ] {
+            let gpu = Profile::load(&root.join(f));
+            if cfg!(feature = "cuda") {
+                let gpu = gpu.unwrap();
+                assert!(gpu.stages.iter().all(|s| s.device == "cuda"));
+                let got: Vec<bool> = gpu.stages.iter().map(|s| s.enforce_eager).collect();
+                assert_eq!(got, eager, "{f}");
+            } else {
+                let err = gpu.unwrap_err().to_string();
+                assert!(
+                    err.contains("stages[0].device") && err.contains("no CUDA support"),
+                    "{f}: {err}"
+                );
+            }
         }
         // The real one, beside a checkpoint folder laid out as the download is.
         let dir = tempfile::tempdir().unwrap();
@@ -927,6 +941,14 @@ connectors:
             (
                 yaml.replace("max_num_seqs: 4", "max_num_seqs: 4, max_model_len: 1"),
                 "stages[0].max_model_len",
+            ),
+            // CUDA graphs are for decode steps: a generation stage has none.
+            (
+                yaml.replace(
+                    "max_num_seqs: 2 }\n  - { stage_id: 2",
+                    "max_num_seqs: 2, enforce_eager: true }\n  - { stage_id: 2",
+                ),
+                "stages[1].enforce_eager",
             ),
             (
                 yaml.replace("m.gguf", "missing.gguf"),

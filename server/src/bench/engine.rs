@@ -14,7 +14,7 @@ use anyhow::{Context, Result};
 use omnistream_stages::engine::{Modalities, Pipeline, SamplingOverrides};
 use omnistream_stages::models::qwen3_omni::omni::Qwen3OmniConfig;
 use omnistream_stages::models::tokenizer::{ChatMessage, ChatTokenizer};
-use omnistream_stages::profile::{ModelType, Profile};
+use omnistream_stages::profile::{ModelType, Profile, StageKind};
 use serde::{Deserialize, Serialize};
 
 use super::machine;
@@ -44,6 +44,10 @@ pub struct EngineArgs {
     /// Text out only (no Talker, no Code2Wav).
     #[arg(long)]
     pub text_only: bool,
+    /// Decode without CUDA graphs in every stage (the profile's `enforce_eager`),
+    /// to measure what the graphs save: name the workload apart (`--name chat-eager`).
+    #[arg(long)]
+    pub enforce_eager: bool,
     /// H200 HBM3e bandwidth, bytes/s, for the decode-step bound.
     #[arg(long, default_value_t = 4.8e12)]
     pub bandwidth: f64,
@@ -82,6 +86,9 @@ struct Report {
     prompt_tokens: usize,
     output_tokens: usize,
     text_only: bool,
+    /// Decode steps ran eagerly (no CUDA graphs).
+    #[serde(default)]
+    enforce_eager: bool,
     levels: Vec<Level>,
     peak_rss_mib: f64,
 }
@@ -104,7 +111,16 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
             .collect::<Result<Vec<_>>>()?;
         return plot(&reports, &args.out);
     }
-    let profile = Profile::load(&args.profile.profile)?;
+    let mut profile = Profile::load(&args.profile.profile)?;
+    if args.enforce_eager {
+        for s in profile
+            .stages
+            .iter_mut()
+            .filter(|s| s.kind == StageKind::Ar)
+        {
+            s.enforce_eager = true;
+        }
+    }
     let thinker = profile
         .stages
         .first()
@@ -203,6 +219,7 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
         prompt_tokens: args.prompt_tokens,
         output_tokens: args.output_tokens,
         text_only: args.text_only,
+        enforce_eager: args.enforce_eager,
         levels,
         peak_rss_mib: peak_rss_mib(),
     };
@@ -305,13 +322,14 @@ fn write_report(r: &Report, out: &Path) -> Result<()> {
             .map_or("-".to_string(), |s| format!("{:.0}", s.mean))
     };
     let mut md = format!(
-        "# {} (prompt {}, answer {} tokens{}) on {}\n\n\
+        "# {} (prompt {}, answer {} tokens{}{}) on {}\n\n\
          | c | requests | TTFT mean ms | TPOT mean ms | TTFP mean ms | RTF mean | audio-s/s | tok/s | step bound ms | TPOT / bound |\n\
          |---|---|---|---|---|---|---|---|---|---|\n",
         r.workload,
         r.prompt_tokens,
         r.output_tokens,
         if r.text_only { ", text only" } else { ", audio on" },
+        if r.enforce_eager { ", eager" } else { "" },
         r.machine
     );
     for l in &r.levels {

@@ -291,6 +291,7 @@ pub fn build_pipeline_with_progress(
                     s.max_num_seqs,
                     s.max_model_len.unwrap_or(DEFAULT_MAX_MODEL_LEN),
                     s.max_prefill_tokens.unwrap_or(DEFAULT_QWEN3_PREFILL),
+                    !s.enforce_eager,
                 )
                 .map_err(model_err)?;
                 (StageRole::Thinker, Box::new(thinker))
@@ -316,6 +317,7 @@ pub fn build_pipeline_with_progress(
                     default,
                     s.max_num_seqs,
                     s.max_model_len.unwrap_or(DEFAULT_MAX_MODEL_LEN),
+                    !s.enforce_eager,
                 )
                 .map_err(model_err)?;
                 (StageRole::Talker, Box::new(talker))

@@ -18,9 +18,11 @@ use std::collections::HashMap;
 use crate::engine::{
     FrameChunk, Payload, PromptStates, RequestCtx, RequestId, StageModel, StepOutput,
 };
+use crate::models::qwen3_omni::code_predictor::PredictorGraphs;
+use crate::models::qwen3_omni::graphs;
 use crate::models::qwen3_omni::layers::KvSlots;
 use crate::models::qwen3_omni::omni::{Qwen3Omni, ThinkerTrace};
-use crate::models::qwen3_omni::sampling::{Sampler, SamplingConfig};
+use crate::models::qwen3_omni::sampling::{samples_on_device, Sampler, SamplingConfig};
 use crate::models::qwen3_omni::talker::SlotRows;
 use crate::models::{ModelError, Result};
 use crate::profile::SamplingParams;
@@ -64,6 +66,8 @@ pub struct Qwen3OmniTalker {
     slots: Vec<KvSlots>,
     /// Requests dropped from the batch by a failed slot copy, to fail next step.
     lost: Vec<RequestId>,
+    /// The code predictor's captured frames (a GPU without `enforce_eager`).
+    graphs: Option<PredictorGraphs>,
 }
 
 /// Tells Code2Wav that `id`'s speech is over.
@@ -90,6 +94,7 @@ impl Qwen3OmniTalker {
         default_voice: String,
         max_num_seqs: usize,
         max_len: usize,
+        cuda_graphs: bool,
     ) -> Result<Self> {
         if model.config().talker.speaker(&default_voice).is_none() {
             return Err(ModelError::Invalid(format!(
@@ -109,6 +114,21 @@ impl Qwen3OmniTalker {
             .min(model.config().talker.text_config.max_position_embeddings)
             .max(2);
         let slots = model.talker().new_slots(max_num_seqs, max_len)?;
+        // The Talker shares the Thinker's device (one checkpoint, one device).
+        let mut graphs = (cuda_graphs && graphs::available(model.thinker().device()))
+            .then(PredictorGraphs::default);
+        if let (Some(g), true) = (&mut graphs, samples_on_device(&cp_defaults)) {
+            let t = std::time::Instant::now();
+            let n =
+                model
+                    .talker()
+                    .code_predictor()
+                    .warm_up_graphs(g, max_num_seqs, &cp_defaults)?;
+            tracing::info!(
+                "Talker: {n} code predictor graphs captured in {:?}",
+                t.elapsed()
+            );
+        }
         Ok(Self {
             defaults,
             cp_defaults,
@@ -120,6 +140,7 @@ impl Qwen3OmniTalker {
             running: Vec::new(),
             slots,
             lost: Vec::new(),
+            graphs,
         })
     }
 
@@ -221,6 +242,7 @@ impl Qwen3OmniTalker {
     fn step_running(
         &self,
         reqs: &mut HashMap<RequestId, Req>,
+        graphs: Option<&mut PredictorGraphs>,
         out: &mut StepOutput,
     ) -> Result<Vec<RequestId>> {
         let mut ids = Vec::new();
@@ -276,10 +298,10 @@ impl Qwen3OmniTalker {
             pos: &pos,
             last_hidden: &last_hidden,
         };
-        let result = self
-            .model
-            .talker()
-            .step_slots(slots, &rows, &code0, &text, &mut samplers);
+        let result =
+            self.model
+                .talker()
+                .step_slots(slots, &rows, &code0, &text, &mut samplers, graphs);
         for (id, sampler) in ids.iter().zip(samplers) {
             if let Some(r) = reqs.get_mut(id) {
                 r.cp_sampler = sampler;
@@ -415,8 +437,10 @@ impl StageModel for Qwen3OmniTalker {
             }
         }
         let mut reqs = std::mem::take(&mut self.reqs);
-        let result = self.step_running(&mut reqs, out);
+        let mut graphs = self.graphs.take();
+        let result = self.step_running(&mut reqs, graphs.as_mut(), out);
         self.reqs = reqs;
+        self.graphs = graphs;
         match result {
             Ok(done) => {
                 for id in done {

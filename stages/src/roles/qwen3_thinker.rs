@@ -18,10 +18,11 @@ use crate::engine::{
     Event, Payload, PromptStates, RequestCtx, RequestId, RequestInput, StageModel, StepOutput,
     TextChunk, ThinkerStates,
 };
+use crate::models::qwen3_omni::graphs;
 use crate::models::qwen3_omni::layers::KvSlots;
 use crate::models::qwen3_omni::omni::Qwen3Omni;
 use crate::models::qwen3_omni::sampling::{Sampler, SamplingConfig};
-use crate::models::qwen3_omni::thinker::AudioEmbeds;
+use crate::models::qwen3_omni::thinker::{AudioEmbeds, ThinkerGraphs};
 use crate::models::tokenizer::{ChatMessage, ChatTokenizer, IncrementalDecoder};
 use crate::models::{ModelError, Result};
 use crate::profile::SamplingParams;
@@ -69,6 +70,8 @@ pub struct Qwen3OmniThinker {
     slots: Vec<KvSlots>,
     /// Requests dropped from the batch by a failed slot copy, to fail next step.
     lost: Vec<RequestId>,
+    /// Captured decode steps (a GPU without `enforce_eager`).
+    graphs: Option<ThinkerGraphs>,
 }
 
 /// A Qwen3-Omni sampling config from a stage's defaults and a request's overrides.
@@ -100,6 +103,7 @@ impl Qwen3OmniThinker {
         max_num_seqs: usize,
         max_len: usize,
         max_prefill_tokens: usize,
+        cuda_graphs: bool,
     ) -> Result<Self> {
         // The tokenizer and the checkpoint must agree on the audio placeholder.
         let want = model.config().thinker.audio_token_id;
@@ -114,6 +118,13 @@ impl Qwen3OmniThinker {
         let max_ctx = model.config().thinker.text_config.max_position_embeddings;
         let max_len = max_len.min(max_ctx).max(2);
         let slots = model.thinker().new_slots(max_num_seqs, max_len)?;
+        let mut graphs = (cuda_graphs && graphs::available(model.thinker().device()))
+            .then(ThinkerGraphs::default);
+        if let Some(g) = &mut graphs {
+            let t = std::time::Instant::now();
+            let n = model.thinker().warm_up_graphs(g, &slots);
+            tracing::info!("Thinker: {n} decode graphs captured in {:?}", t.elapsed());
+        }
         Ok(Self {
             model,
             tokenizer,
@@ -124,6 +135,7 @@ impl Qwen3OmniThinker {
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            graphs,
             slots,
             lost: Vec::new(),
         })
@@ -256,7 +268,10 @@ impl Qwen3OmniThinker {
             speak |= seq.speak;
         }
         let hidden: &[usize] = if speak { &[0] } else { &[] };
-        let out = thinker.step_slots(&ids, &pos, &lens, slots, hidden)?;
+        let out = match &mut self.graphs {
+            Some(g) => thinker.step_slots_graphed(g, &ids, &pos, &lens, slots, hidden)?,
+            None => thinker.step_slots(&ids, &pos, &lens, slots, hidden)?,
+        };
         let logits = out.logits.squeeze(1)?.to_vec2::<f32>()?;
         let mut results = Vec::with_capacity(logits.len());
         for (row, (id, logits)) in self.running.iter().zip(logits).enumerate() {

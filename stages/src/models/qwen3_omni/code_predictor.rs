@@ -15,13 +15,16 @@
 //!   `generate(&past_hidden, &code0_embed, &mut samplers) -> PredictedCodes`,
 //!   `embed(group, &ids)`, `forward_hidden(&inputs_embeds)`, `num_code_groups()`.
 
+use super::graphs;
 use super::layers::{
     attention_mask, DecoderConfig, DecoderLayer, KvCache, RmsNorm, RotaryEmbedding,
 };
-use super::sampling::{sample_on_device, samples_on_device, Sampler, SamplingConfig};
+use super::sampling::{self, sample_on_device_with, samples_on_device, Sampler, SamplingConfig};
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::Deserialize;
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
 
 /// `Qwen3OmniMoeTalkerCodePredictorConfig`.
 #[derive(Debug, Clone, Deserialize)]
@@ -156,7 +159,7 @@ impl CodePredictor {
     }
 
     /// [`Self::generate`] with every code drawn on the device by
-    /// [`sample_on_device`] (for configs [`samples_on_device`] accepts): the 15
+    /// [`sampling::sample_on_device`] (for configs [`samples_on_device`] accepts): the 15
     /// steps run without a host round-trip, and the codes come back once at the end.
     pub fn generate_on_device(
         &self,
@@ -167,15 +170,148 @@ impl CodePredictor {
         if !samples_on_device(cfg) {
             candle_core::bail!("this sampling config needs the host sampler");
         }
-        self.run(past_hidden, code0_embed, Draw::Device(cfg))
+        self.run(past_hidden, code0_embed, Draw::Device(cfg, None))
+    }
+
+    /// [`Self::generate_on_device`] through a CUDA graph of the frame at the batch's
+    /// bucket (captured on first use, from this real frame): one launch for the 15
+    /// steps' kernels. The noise is drawn before the replay. Runs eagerly past the
+    /// largest bucket or where a capture failed (logged once). No logits come back.
+    pub fn generate_graphed(
+        &self,
+        graphs: &mut PredictorGraphs,
+        past_hidden: &Tensor,
+        code0_embed: &Tensor,
+        cfg: &SamplingConfig,
+    ) -> Result<PredictedCodes> {
+        if !samples_on_device(cfg) {
+            candle_core::bail!("this sampling config needs the host sampler");
+        }
+        let as3 = |t: &Tensor| -> Result<Tensor> {
+            match t.rank() {
+                2 => t.unsqueeze(1),
+                _ => Ok(t.clone()),
+            }
+        };
+        let (past_hidden, code0_embed) = (as3(past_hidden)?, as3(code0_embed)?);
+        let b = past_hidden.dim(0)?;
+        let bucket = graphs::BATCH_BUCKETS.iter().copied().find(|&n| n >= b);
+        let key = bucket.map(|n| {
+            let (t, p) = (cfg.temperature.to_bits(), cfg.top_p.to_bits());
+            (n, cfg.do_sample, cfg.top_k, t, p)
+        });
+        let Some(key @ (bb, ..)) = key.filter(|k| !graphs.failed.contains(k)) else {
+            return self.generate_on_device(&past_hidden, &code0_embed, cfg);
+        };
+        let dev = past_hidden.device();
+        let n = self.cfg.num_code_groups - 1;
+        let k = sampling::device_candidates(cfg, self.cfg.decoder.vocab_size);
+        let noise = cfg
+            .do_sample
+            .then(|| Tensor::rand(1e-20f32, 1.0, (n, bb, k), dev))
+            .transpose()?;
+        // Rows `b..bb` keep whatever the last frame left there: finite, and dropped.
+        let write = |dst: &Tensor, src: &Tensor| dst.slice_set(&src.contiguous()?, 0, 0);
+        let g = match graphs.frames.entry(key) {
+            Entry::Occupied(e) => {
+                let g = e.into_mut();
+                write(&g.past_hidden, &past_hidden)?;
+                write(&g.code0_embed, &code0_embed)?;
+                if let (Some(dst), Some(src)) = (&g.noise, &noise) {
+                    write(dst, src)?;
+                }
+                g.graph.launch()?;
+                g
+            }
+            Entry::Vacant(e) => {
+                let hidden = past_hidden.dim(2)?;
+                let padded = |t: &Tensor| -> Result<Tensor> {
+                    let p = Tensor::zeros((bb, 1, hidden), t.dtype(), dev)?;
+                    write(&p, t)?;
+                    Ok(p)
+                };
+                let (ph, ce) = (padded(&past_hidden)?, padded(&code0_embed)?);
+                let codes = Tensor::zeros((bb, n), DType::U32, dev)?;
+                let sum_dtype = self.model.codec_embedding[0].embeddings().dtype();
+                let embed_sum = Tensor::zeros((bb, 1, hidden), sum_dtype, dev)?;
+                // As the Thinker's graphs: the capture's warm-up run is this frame.
+                let captured = graphs::StepGraph::capture(dev, || {
+                    let f = self.run_frame(&ph, &ce, Draw::Device(cfg, noise.as_ref()))?;
+                    let c = f.device_codes.ok_or_else(|| {
+                        candle_core::Error::Msg("device draws gave no codes".into())
+                    })?;
+                    codes.slice_set(&c, 0, 0)?;
+                    embed_sum.slice_set(&f.embed_sum, 0, 0)
+                });
+                match captured {
+                    Ok(graph) => e.insert(FrameGraph {
+                        graph,
+                        past_hidden: ph,
+                        code0_embed: ce,
+                        noise,
+                        codes,
+                        embed_sum,
+                    }),
+                    Err(err) => {
+                        tracing::warn!(
+                            "code predictor graph for {bb} rows: {err}; that bucket runs eagerly"
+                        );
+                        graphs.failed.insert(key);
+                        return self.generate_on_device(&past_hidden, &code0_embed, cfg);
+                    }
+                }
+            }
+        };
+        Ok(PredictedCodes {
+            codes: g.codes.narrow(0, 0, b)?.to_vec2::<u32>()?,
+            logits: Vec::new(),
+            embed_sum: g.embed_sum.narrow(0, 0, b)?.copy()?,
+        })
+    }
+
+    /// Captures the frames of every batch bucket up to `max_batch` for `cfg` before
+    /// any request runs (on zero inputs: a frame has no state to disturb). Returns
+    /// how many graphs there are.
+    pub fn warm_up_graphs(
+        &self,
+        graphs: &mut PredictorGraphs,
+        max_batch: usize,
+        cfg: &SamplingConfig,
+    ) -> Result<usize> {
+        let hidden = self.cfg.decoder.hidden_size;
+        // The Talker's states come in the weights' dtype.
+        let emb = self.model.codec_embedding[0].embeddings();
+        for &b in graphs::BATCH_BUCKETS.iter().filter(|&&b| b <= max_batch) {
+            let x = Tensor::zeros((b, 1, hidden), emb.dtype(), emb.device())?;
+            self.generate_graphed(graphs, &x, &x, cfg)?;
+        }
+        Ok(graphs.frames.len())
     }
 
     fn run(
         &self,
         past_hidden: &Tensor,
         code0_embed: &Tensor,
-        mut draw: Draw,
+        draw: Draw,
     ) -> Result<PredictedCodes> {
+        let f = self.run_frame(past_hidden, code0_embed, draw)?;
+        let codes = match f.device_codes {
+            Some(c) => c.to_vec2::<u32>()?,
+            None => f.host_codes,
+        };
+        Ok(PredictedCodes {
+            codes,
+            logits: f.logits,
+            embed_sum: f.embed_sum,
+        })
+    }
+
+    fn run_frame(
+        &self,
+        past_hidden: &Tensor,
+        code0_embed: &Tensor,
+        mut draw: Draw,
+    ) -> Result<Frame> {
         let as3 = |t: &Tensor| -> Result<Tensor> {
             match t.rank() {
                 2 => t.unsqueeze(1),
@@ -220,8 +356,9 @@ impl CodePredictor {
                     }
                     Tensor::from_vec(ids, (b, 1), input.device())?
                 }
-                Draw::Device(cfg) => {
-                    let ids = sample_on_device(&logits, cfg)?.reshape((b, 1))?;
+                Draw::Device(cfg, noise) => {
+                    let u = noise.map(|n| n.get(g)).transpose()?;
+                    let ids = sample_on_device_with(&logits, cfg, u.as_ref())?.reshape((b, 1))?;
                     on_device.push(ids.clone());
                     ids
                 }
@@ -239,11 +376,13 @@ impl CodePredictor {
             Some(s) => s,
             None => candle_core::bail!("no residual code groups"),
         };
-        if !on_device.is_empty() {
-            codes = Tensor::cat(&on_device, 1)?.to_vec2::<u32>()?;
-        }
-        Ok(PredictedCodes {
-            codes,
+        let device_codes = match on_device.is_empty() {
+            true => None,
+            false => Some(Tensor::cat(&on_device, 1)?),
+        };
+        Ok(Frame {
+            host_codes: codes,
+            device_codes,
             logits: all_logits,
             embed_sum,
         })
@@ -254,9 +393,44 @@ impl CodePredictor {
 enum Draw<'a> {
     /// Per row on the host, with the request's own sampler.
     Host(&'a mut [Sampler]),
-    /// On the device, one config for all rows.
-    Device(&'a SamplingConfig),
+    /// On the device, one config for all rows; with the uniform noise of every
+    /// draw `(groups - 1, b, candidates)` given, or drawn at each.
+    Device(&'a SamplingConfig, Option<&'a Tensor>),
 }
+
+/// A frame as [`CodePredictor`] computes it, before the codes come to the host.
+struct Frame {
+    /// Host draws: the codes per row.
+    host_codes: Vec<Vec<u32>>,
+    /// Device draws: the codes `(b, groups - 1)` u32.
+    device_codes: Option<Tensor>,
+    logits: Vec<Tensor>,
+    embed_sum: Tensor,
+}
+
+/// One captured frame of device-drawn codes: its graph and the persistent tensors
+/// it reads (last hidden, code-0 embedding, noise) and writes (codes, embedding sum).
+#[derive(Debug)]
+struct FrameGraph {
+    graph: graphs::StepGraph,
+    past_hidden: Tensor,
+    code0_embed: Tensor,
+    noise: Option<Tensor>,
+    codes: Tensor,
+    embed_sum: Tensor,
+}
+
+/// The code predictor's captured frames, by batch bucket and sampling config (whose
+/// temperature, top-k and top-p are baked into a graph).
+#[derive(Debug, Default)]
+pub struct PredictorGraphs {
+    frames: HashMap<FrameKey, FrameGraph>,
+    /// Keys whose capture failed: they run eagerly.
+    failed: HashSet<FrameKey>,
+}
+
+/// Rows, then the config: do_sample, top-k, temperature and top-p bits.
+type FrameKey = (usize, bool, usize, u32, u32);
 
 #[cfg(test)]
 mod tests {

@@ -388,17 +388,51 @@ impl SlotBatch {
     /// Row `i` in slot `slots[i]` of `kv` (any layer's: all have one shape) with
     /// `lens[i]` positions cached before this step's token.
     pub fn new(kv: &KvSlots, slots: &[usize], lens: &[usize]) -> Result<Self> {
-        let (_, kv_heads, max_len, head_dim) = kv.k.dims4()?;
+        let kv_len = lens.iter().map(|l| l + 1).max().unwrap_or(0);
+        let (scatter, mask) = Self::host(kv, slots, lens, kv_len)?;
+        let (_, kv_heads, _, head_dim) = kv.k.dims4()?;
+        let b = lens.len();
         let device = kv.k.device();
+        Ok(Self {
+            scatter: Tensor::from_vec(scatter, (b * kv_heads, head_dim), device)?,
+            mask: Tensor::from_vec(mask, (b, 1, 1, kv_len), device)?,
+            gather: if slots.iter().enumerate().all(|(i, &s)| i == s) {
+                None
+            } else {
+                let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+                Some(Tensor::from_vec(ids, b, device)?)
+            },
+            batch: b,
+            kv_len,
+        })
+    }
+
+    /// The scatter rows `(b * kv_heads, head_dim)` and mask `(b, 1, 1, kv_len)` of
+    /// [`Self::new`] on the host, over `kv_len` positions (at least every row's
+    /// length + 1: a graphed step reads a bucketed length).
+    pub fn host(
+        kv: &KvSlots,
+        slots: &[usize],
+        lens: &[usize],
+        kv_len: usize,
+    ) -> Result<(Vec<u32>, Vec<f32>)> {
+        let (n_slots, kv_heads, max_len, head_dim) = kv.k.dims4()?;
         let b = lens.len();
         if slots.len() != b {
             candle_core::bail!("{} slots for {b} rows", slots.len());
         }
-        let kv_len = lens.iter().map(|l| l + 1).max().unwrap_or(0);
-        if kv_len > max_len {
+        if let Some(&s) = slots.iter().find(|&&s| s >= n_slots) {
+            candle_core::bail!("slot {s} of {n_slots}");
+        }
+        let need = lens.iter().map(|l| l + 1).max().unwrap_or(0);
+        if need > max_len || kv_len > max_len {
             candle_core::bail!(
-                "a request needs {kv_len} cached positions, the slots hold {max_len}"
+                "a request needs {} cached positions, the slots hold {max_len}",
+                need.max(kv_len)
             );
+        }
+        if need > kv_len {
+            candle_core::bail!("rows need {need} positions, the step reads {kv_len}");
         }
         let mut scatter = Vec::with_capacity(b * kv_heads * head_dim);
         for (&slot, &len) in slots.iter().zip(lens) {
@@ -411,16 +445,18 @@ impl SlotBatch {
         for &len in lens {
             mask.extend((0..kv_len).map(|j| if j <= len { 0.0 } else { MASK_MIN }));
         }
+        Ok((scatter, mask))
+    }
+
+    /// A batch of rows in slots `0..b` whose scatter rows and mask (as [`Self::host`]
+    /// makes them) are already on the device: a graphed step's persistent inputs.
+    pub fn from_device(scatter: Tensor, mask: Tensor) -> Result<Self> {
+        let (batch, _, _, kv_len) = mask.dims4()?;
         Ok(Self {
-            scatter: Tensor::from_vec(scatter, (b * kv_heads, head_dim), device)?,
-            mask: Tensor::from_vec(mask, (b, 1, 1, kv_len), device)?,
-            gather: if slots.iter().enumerate().all(|(i, &s)| i == s) {
-                None
-            } else {
-                let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
-                Some(Tensor::from_vec(ids, b, device)?)
-            },
-            batch: b,
+            scatter,
+            mask,
+            gather: None,
+            batch,
             kv_len,
         })
     }
@@ -448,6 +484,11 @@ impl KvSlots {
 
     pub fn max_len(&self) -> usize {
         self.k.dims()[2]
+    }
+
+    /// `(slots, kv_heads, max_len, head_dim)`.
+    pub fn shape(&self) -> Result<(usize, usize, usize, usize)> {
+        self.k.dims4()
     }
 
     /// Puts row `row` of a prefilled cache, from position `start` (after its left
@@ -820,6 +861,126 @@ fn grouped_max_pairs() -> usize {
     })
 }
 
+/// The engine's grouped GEMV (`kernels/moe_gemv.cu`) for decode steps, with the
+/// contract of `candle_nn::moe::moe_gemm`: `x` `(rows, k)`, `w` `(experts, n, k)`,
+/// pairs `sorted` by expert with their `experts`; returns `(pairs, n)`. bf16.
+#[cfg(feature = "cuda")]
+fn moe_gemv(
+    x: &Tensor,
+    w: &Tensor,
+    pair_weights: Option<&Tensor>,
+    sorted: &Tensor,
+    experts: &Tensor,
+    topk: usize,
+) -> Result<Tensor> {
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::Storage;
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe_gemv.ptx"));
+    const WARPS: u32 = 4;
+    const ROWS_PER_WARP: u32 = 4;
+    let (x, w, sorted, experts) = (
+        x.contiguous()?,
+        w.contiguous()?,
+        sorted.contiguous()?,
+        experts.contiguous()?,
+    );
+    let (n_experts, n, k) = w.dims3()?;
+    let (_, kx) = x.dims2()?;
+    let p = sorted.dim(0)?;
+    if kx != k || k % 8 != 0 || x.dtype() != DType::BF16 || w.dtype() != DType::BF16 {
+        candle_core::bail!(
+            "moe_gemv: bf16 x {:?} and w {:?}, k a multiple of 8",
+            x.dims(),
+            w.dims()
+        );
+    }
+    let dev = x.device().as_cuda_device()?;
+    let func = dev.get_or_load_custom_func("moe_gemv_bf16", "omnistream_moe_gemv", PTX)?;
+    let out = unsafe { dev.alloc::<half::bf16>(p * n) }?;
+    let pw = pair_weights
+        .map(|t| t.to_dtype(DType::F32)?.contiguous())
+        .transpose()?;
+    // Views at each tensor's offset (the storage guards outlive them); 16-byte
+    // loads need x and w rows aligned.
+    fn view<'a, T: candle_core::cuda_backend::CudaDType>(
+        st: &'a Storage,
+        l: &candle_core::Layout,
+    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+        match st {
+            Storage::Cuda(c) => Ok(c.as_cuda_slice::<T>()?.slice(l.start_offset()..)),
+            _ => candle_core::bail!("moe_gemv: not a CUDA tensor"),
+        }
+    }
+    let (x_st, x_l) = x.storage_and_layout();
+    let (w_st, w_l) = w.storage_and_layout();
+    let (s_st, s_l) = sorted.storage_and_layout();
+    let (e_st, e_l) = experts.storage_and_layout();
+    if x_l.start_offset() % 8 != 0 || w_l.start_offset() % 8 != 0 {
+        candle_core::bail!("moe_gemv: unaligned inputs");
+    }
+    let xs = view::<half::bf16>(&x_st, x_l)?;
+    let ws = view::<half::bf16>(&w_st, w_l)?;
+    let ss = view::<u32>(&s_st, s_l)?;
+    let es = view::<u32>(&e_st, e_l)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            n_experts as u32,
+            (n as u32).div_ceil(WARPS * ROWS_PER_WARP),
+            1,
+        ),
+        block_dim: (WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (p_i, n_i, k_i, topk_i) = (p as i32, n as i32, k as i32, topk as i32);
+    let mut b = func.builder();
+    b.arg(&xs).arg(&ws).arg(&ss).arg(&es);
+    let null = 0u64;
+    let pw_guard = pw.as_ref().map(|t| t.storage_and_layout());
+    let pw_view = match &pw_guard {
+        Some((st, l)) => Some(view::<f32>(st, l)?),
+        None => None,
+    };
+    match &pw_view {
+        Some(v) => b.arg(v),
+        None => b.arg(&null),
+    };
+    b.arg(&out).arg(&p_i).arg(&n_i).arg(&k_i).arg(&topk_i);
+    // SAFETY: the arguments match the kernel's signature; every index it forms is
+    // within the shapes checked above (pairs index rows of x by the contract).
+    unsafe { b.launch(cfg) }.w()?;
+    drop(b);
+    let out = candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone());
+    Ok(Tensor::from_storage(
+        Storage::Cuda(out),
+        (p, n),
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn moe_gemv(
+    _x: &Tensor,
+    _w: &Tensor,
+    _pair_weights: Option<&Tensor>,
+    _sorted: &Tensor,
+    _experts: &Tensor,
+    _topk: usize,
+) -> Result<Tensor> {
+    candle_core::bail!("moe_gemv needs the cuda build")
+}
+
+/// Up to this many tokens, the grouped MoE kernel runs its decode configuration:
+/// tiles for few rows per expert, and expert offsets from its own scan kernel. Its
+/// prefill configuration scans with thrust, which allocates and synchronizes, so
+/// only the decode one can be captured in a CUDA graph: every graphed batch fits.
+const GROUPED_DECODE_MAX_TOKENS: usize = 64;
+const _: () = assert!(
+    super::graphs::BATCH_BUCKETS[super::graphs::BATCH_BUCKETS.len() - 1]
+        <= GROUPED_DECODE_MAX_TOKENS
+);
+
 /// The (token, choice) pairs `choices` (flat expert ids) ordered by expert: the
 /// sorted expert ids and, for each, its flat pair index. candle's device sort keeps
 /// a row in shared memory, which holds 8,192 u32s at most; longer prefills sort on
@@ -861,6 +1022,7 @@ impl SparseMoe {
         probs: &Tensor,
         gate_up: &Tensor,
         down: &Tensor,
+        prefill: bool,
     ) -> Result<Tensor> {
         let (n, hidden) = xs.dims2()?;
         let inter = down.dim(2)?;
@@ -869,29 +1031,38 @@ impl SparseMoe {
             top = top.broadcast_div(&top.sum_keepdim(D::Minus1)?)?;
         }
         let (expert_ids, sorted) = sort_by_expert(&idx.flatten_all()?)?;
-        let prefill = n > 1;
-        let gu = candle_nn::moe::moe_gemm(
-            xs,
-            gate_up,
-            &None,
-            &sorted,
-            &expert_ids,
-            self.top_k,
-            prefill,
-        )?;
+        let top = top.contiguous()?;
+        // Decode steps in bf16: the engine's grouped GEMV (kernels/moe_gemv.cu),
+        // which streams each routed expert's weights at full width; else candle's
+        // grouped GEMM.
+        let gemv = !prefill && xs.dtype() == DType::BF16;
+        let grouped = |x: &Tensor, w: &Tensor, pair_weights: Option<&Tensor>| {
+            if gemv {
+                moe_gemv(x, w, pair_weights, &sorted, &expert_ids, self.top_k)
+            } else {
+                let pw = pair_weights.cloned();
+                candle_nn::moe::moe_gemm(x, w, &pw, &sorted, &expert_ids, self.top_k, prefill)
+            }
+        };
+        let gu = grouped(xs, gate_up, None)?;
         let g = gu.narrow(D::Minus1, 0, inter)?.contiguous()?;
         let u = gu.narrow(D::Minus1, inter, inter)?.contiguous()?;
         let h = (g.apply(&self.act)? * u)?;
-        let out = candle_nn::moe::moe_gemm(
-            &h,
-            down,
-            &Some(top.contiguous()?),
-            &sorted,
-            &expert_ids,
-            self.top_k,
-            prefill,
-        )?;
+        let out = grouped(&h, down, Some(&top))?;
         out.reshape((n, self.top_k, hidden))?.sum(1)
+    }
+
+    /// The routed experts of `x` `(n, hidden)` through the grouped kernel in its
+    /// prefill or decode configuration (tests compare and time the two).
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn forward_grouped(&self, x: &Tensor, prefill: bool) -> Result<Tensor> {
+        let Some((gate_up, down)) = &self.fused else {
+            candle_core::bail!("no stacked experts (a GPU in bf16/f16 has them)");
+        };
+        let xs = x.contiguous()?;
+        let probs =
+            candle_nn::ops::softmax_last_dim(&self.gate.forward(&xs)?.to_dtype(DType::F32)?)?;
+        self.forward_fused(&xs, &probs, gate_up, down, prefill)
     }
 
     /// Expert `e`'s SwiGLU on `x`, from the per-expert MLPs or the stacked weights.
@@ -966,7 +1137,8 @@ impl Module for SparseMoe {
         let pairs = xs.dim(0)? * self.top_k;
         let mut out = match &self.fused {
             Some((gate_up, down)) if pairs <= grouped_max_pairs() => {
-                self.forward_fused(&xs, &probs, gate_up, down)?
+                let n = xs.dim(0)?;
+                self.forward_fused(&xs, &probs, gate_up, down, n > GROUPED_DECODE_MAX_TOKENS)?
             }
             _ => self.forward_experts(&xs, &probs)?,
         };
@@ -1121,7 +1293,7 @@ fn per_expert_gemm_matches_grouped_kernel_on_gpu() {
         .unwrap();
     let logits = moe.gate.forward(&xs).unwrap();
     let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32).unwrap()).unwrap();
-    let grouped = moe.forward_fused(&xs, &probs, gate_up, down).unwrap();
+    let grouped = moe.forward_fused(&xs, &probs, gate_up, down, true).unwrap();
     let gemm = moe.forward_experts(&xs, &probs).unwrap();
     let err = fixtures::max_abs_diff(&grouped, &gemm);
     let scale = fixtures::max_abs_diff(&grouped, &grouped.zeros_like().unwrap());

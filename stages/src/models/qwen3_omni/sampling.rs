@@ -272,13 +272,33 @@ pub fn samples_on_device(cfg: &SamplingConfig) -> bool {
 /// transforms as [`Sampler`]) and a Gumbel-max draw from what is kept. The noise
 /// comes from the device's generator, not the request's seed. Returns `(b,)` u32.
 pub fn sample_on_device(logits: &Tensor, cfg: &SamplingConfig) -> Result<Tensor> {
+    sample_on_device_with(logits, cfg, None)
+}
+
+/// How many candidates [`sample_on_device`] draws among for logits `vocab` wide:
+/// the width of the uniform noise it takes.
+pub fn device_candidates(cfg: &SamplingConfig, vocab: usize) -> usize {
+    if cfg.top_k == 0 {
+        vocab
+    } else {
+        cfg.top_k.min(vocab)
+    }
+}
+
+/// [`sample_on_device`] with the uniform noise `(b, device_candidates)` in
+/// `[1e-20, 1)` given (a graphed step draws it before the replay), or drawn here.
+pub fn sample_on_device_with(
+    logits: &Tensor,
+    cfg: &SamplingConfig,
+    uniform: Option<&Tensor>,
+) -> Result<Tensor> {
     let logits = logits.to_dtype(DType::F32)?;
     if !cfg.do_sample {
         return logits.argmax(candle_core::D::Minus1);
     }
     let (b, v) = logits.dims2()?;
     let l = (logits / cfg.temperature.max(1e-6) as f64)?;
-    let k = if cfg.top_k == 0 { v } else { cfg.top_k.min(v) };
+    let k = device_candidates(cfg, v);
     let idx = l.arg_sort_last_dim(false)?.narrow(1, 0, k)?.contiguous()?;
     let probs = candle_nn::ops::softmax_last_dim(&l.gather(&idx, 1)?)?;
     let logp = probs.log()?;
@@ -291,7 +311,10 @@ pub fn sample_on_device(logits: &Tensor, cfg: &SamplingConfig) -> Result<Tensor>
     } else {
         logp
     };
-    let u = Tensor::rand(1e-20f32, 1.0, (b, k), l.device())?;
+    let u = match uniform {
+        Some(u) => u.clone(),
+        None => Tensor::rand(1e-20f32, 1.0, (b, k), l.device())?,
+    };
     let gumbel = u.log()?.neg()?.log()?.neg()?;
     let choice = (logp + gumbel)?.argmax_keepdim(1)?;
     idx.gather(&choice, 1)?.squeeze(1)

@@ -23,7 +23,7 @@
 //! - [`TalkerState`] (KV cache, padding mask, per-row next position, last hidden),
 //!   [`TalkerOutput`], [`TalkerStep`], [`TtsEmbeds`], [`ResizeMlp`].
 
-use super::code_predictor::{CodePredictor, CodePredictorConfig};
+use super::code_predictor::{CodePredictor, CodePredictorConfig, PredictorGraphs};
 use super::layers::{
     self, DecoderConfig, DecoderLayer, FeedForward, KvCache, KvSlots, RmsNorm, RotaryEmbedding,
     SlotBatch, SparseMoe,
@@ -551,7 +551,8 @@ impl Talker {
         if code0.len() != b {
             candle_core::bail!("{} code-0s for a batch of {b}", code0.len());
         }
-        let (input, codes) = self.frame(&state.last_hidden, code0, text, cp_samplers, false)?;
+        let (input, codes) =
+            self.frame(&state.last_hidden, code0, text, cp_samplers, false, None)?;
         let logits = self.decode(state, &input)?;
         Ok(TalkerStep { codes, logits })
     }
@@ -567,16 +568,24 @@ impl Talker {
         text: &Tensor,
         cp_samplers: &mut [Sampler],
         device_draws: bool,
+        graphs: Option<&mut PredictorGraphs>,
     ) -> Result<(Tensor, Vec<Vec<u32>>)> {
         let b = code0.len();
         let dev = last_hidden.device().clone();
         let ids = Tensor::from_vec(code0.to_vec(), (b, 1), &dev)?;
         let e0 = self.embed_codec(&ids)?;
-        let cp = match device_draw(&dev, cp_samplers).filter(|_| device_draws) {
-            Some(cfg) => self
+        let cp = match (
+            device_draw(&dev, cp_samplers).filter(|_| device_draws),
+            graphs,
+        ) {
+            (Some(cfg), Some(g)) => {
+                self.code_predictor
+                    .generate_graphed(g, last_hidden, &e0, &cfg)?
+            }
+            (Some(cfg), None) => self
                 .code_predictor
                 .generate_on_device(last_hidden, &e0, &cfg)?,
-            None => self
+            (None, _) => self
                 .code_predictor
                 .generate(last_hidden, &e0, cp_samplers)?,
         };
@@ -634,6 +643,7 @@ impl Talker {
         code0: &[u32],
         text: &Tensor,
         cp_samplers: &mut [Sampler],
+        graphs: Option<&mut PredictorGraphs>,
     ) -> Result<(TalkerStep, Tensor)> {
         let b = code0.len();
         let Some(first) = slots.first() else {
@@ -642,7 +652,8 @@ impl Talker {
         if rows.slots.len() != b || rows.lens.len() != b || rows.pos.len() != b {
             candle_core::bail!("step_slots: rows do not match {b} code-0s");
         }
-        let (input, codes) = self.frame(rows.last_hidden, code0, text, cp_samplers, true)?;
+        let (input, codes) =
+            self.frame(rows.last_hidden, code0, text, cp_samplers, true, graphs)?;
         let dev = rows.last_hidden.device();
         let pos = Tensor::from_vec(rows.pos.to_vec(), (1, b, 1), dev)?
             .broadcast_as((3, b, 1))?

@@ -17,6 +17,7 @@
 //! yields for audio segments (`arange(audio_len)` after the audio-start token).
 
 use super::audio_encoder::feat_extract_output_lengths;
+use super::graphs;
 use super::layers::{
     self, attention_mask, DecoderConfig, DecoderLayer, KvCache, KvSlots, RmsNorm, RotaryEmbedding,
     SlotBatch,
@@ -24,6 +25,8 @@ use super::layers::{
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::Deserialize;
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
 
 /// The Thinker's `text_config` (same fields as every Qwen3-Omni decoder).
 pub type ThinkerTextConfig = DecoderConfig;
@@ -146,6 +149,32 @@ impl ThinkerCache {
         self.kv.iter_mut().for_each(|c| c.reset());
         self.padding.clear();
         self.next_pos.clear();
+    }
+}
+
+/// One captured decode step: its graph and the persistent tensors it reads (ids,
+/// positions, scatter rows, mask) and writes (logits, embeddings).
+#[derive(Debug)]
+struct DecodeGraph {
+    graph: graphs::StepGraph,
+    inputs: [Tensor; 4],
+    logits: Tensor,
+    embeds: Tensor,
+}
+
+/// The Thinker's captured decode steps by bucket `(rows, kv_len)`, owned by the
+/// stage that decodes with them (graphs replay on its thread's stream).
+#[derive(Debug, Default)]
+pub struct ThinkerGraphs {
+    steps: HashMap<(usize, usize), DecodeGraph>,
+    /// Buckets whose capture failed: they run eagerly.
+    failed: HashSet<(usize, usize)>,
+}
+
+impl ThinkerGraphs {
+    /// Buckets captured so far.
+    pub fn captured(&self) -> usize {
+        self.steps.len()
     }
 }
 
@@ -484,14 +513,195 @@ impl Thinker {
             );
         };
         let input = Tensor::from_vec(ids.to_vec(), (b, 1), &self.device)?;
-        let embeds = self.embed_tokens(&input)?;
         let flat: Vec<f32> = pos.iter().map(|&p| p as f32).collect();
-        let pos = Tensor::from_vec(flat, (1, b, 1), &self.device)?.repeat((3, 1, 1))?;
-        let (cos, sin) = self.rotary_emb.forward(&pos, embeds.dtype())?;
+        let pos = Tensor::from_vec(flat, (1, b, 1), &self.device)?;
         let rows: Vec<usize> = (0..b).collect();
         let batch = SlotBatch::new(first, &rows, lens)?;
+        self.forward_slots(&input, &pos, &batch, slots, hidden)
+    }
+
+    /// The decoder over one token per row: ids `(b, 1)` u32 at rope positions
+    /// `(1, b, 1)` f32, keys/values through `batch` into `slots`.
+    fn forward_slots(
+        &self,
+        ids: &Tensor,
+        pos: &Tensor,
+        batch: &SlotBatch,
+        slots: &[KvSlots],
+        hidden: &[usize],
+    ) -> Result<ThinkerOutput> {
+        let embeds = self.embed_tokens(ids)?;
+        let (cos, sin) = self
+            .rotary_emb
+            .forward(&pos.repeat((3, 1, 1))?, embeds.dtype())?;
         self.run_layers(&embeds, hidden, false, |layer, i, x| {
-            layer.forward_slots(x, &cos, &sin, &slots[i], &batch)
+            layer.forward_slots(x, &cos, &sin, &slots[i], batch)
+        })
+    }
+
+    /// [`Self::step_slots`] through a CUDA graph of the step's bucket (captured on
+    /// first use, from this real step), so the step costs one launch instead of
+    /// thousands. Falls back to the eager step where no graph applies: hidden states
+    /// other than the embeddings (`[0]`), more rows than slots, or a bucket whose
+    /// capture failed (logged once).
+    pub fn step_slots_graphed(
+        &self,
+        graphs: &mut ThinkerGraphs,
+        ids: &[u32],
+        pos: &[i64],
+        lens: &[usize],
+        slots: &[KvSlots],
+        hidden: &[usize],
+    ) -> Result<ThinkerOutput> {
+        let b = ids.len();
+        let kv_len = lens.iter().map(|l| l + 1).max().unwrap_or(0);
+        let key = match slots.first() {
+            Some(s) if pos.len() == b && lens.len() == b && hidden.iter().all(|&h| h == 0) => {
+                graphs::bucket(b, kv_len, s.slots(), s.max_len())
+            }
+            _ => None,
+        };
+        let Some(key) = key.filter(|k| !graphs.failed.contains(k)) else {
+            return self.step_slots(ids, pos, lens, slots, hidden);
+        };
+        let inputs = self.graph_inputs(ids, pos, lens, slots, key)?;
+        let g = match graphs.steps.entry(key) {
+            Entry::Occupied(e) => {
+                let g = e.into_mut();
+                for (dst, src) in g.inputs.iter().zip(&inputs) {
+                    dst.slice_set(src, 0, 0)?;
+                }
+                g.graph.launch()?;
+                g
+            }
+            // The capture's warm-up run is this step itself: its outputs land in the
+            // persistent tensors, and the graph serves the bucket from the next step on.
+            Entry::Vacant(e) => match self.capture_decode(key, inputs, slots) {
+                Ok(g) => e.insert(g),
+                Err(err) => {
+                    tracing::warn!(
+                        "Thinker decode graph for {} rows, {} positions: {err}; \
+                         that bucket runs eagerly",
+                        key.0,
+                        key.1
+                    );
+                    graphs.failed.insert(key);
+                    // Rerunning writes the same keys/values again: harmless.
+                    return self.step_slots(ids, pos, lens, slots, hidden);
+                }
+            },
+        };
+        let hidden_states = match hidden {
+            [] => Vec::new(),
+            _ => vec![g.embeds.narrow(0, 0, b)?.copy()?; hidden.len()],
+        };
+        // Copies: the next replay overwrites the persistent outputs.
+        Ok(ThinkerOutput {
+            logits: g.logits.narrow(0, 0, b)?.copy()?,
+            hidden_states,
+        })
+    }
+
+    /// Captures, before any request runs, the decode steps of every batch bucket at
+    /// the first key/value bucket (longer ones are captured when a batch first
+    /// reaches them), so no request waits for those captures. Steps of empty rows
+    /// write only into free slots. Returns how many were captured.
+    pub fn warm_up_graphs(&self, graphs: &mut ThinkerGraphs, slots: &[KvSlots]) -> usize {
+        let Some(first) = slots.first() else {
+            return 0;
+        };
+        for &b in graphs::BATCH_BUCKETS.iter() {
+            let Some(key) = graphs::bucket(b, 1, first.slots(), first.max_len()) else {
+                continue;
+            };
+            if graphs.steps.contains_key(&key) || graphs.failed.contains(&key) {
+                continue;
+            }
+            let captured = self
+                .graph_inputs(&[], &[], &[], slots, key)
+                .and_then(|inputs| self.capture_decode(key, inputs, slots));
+            match captured {
+                Ok(g) => {
+                    graphs.steps.insert(key, g);
+                }
+                Err(err) => {
+                    tracing::warn!(
+                        "Thinker decode graph for {} rows: {err}; eager there",
+                        key.0
+                    );
+                    graphs.failed.insert(key);
+                }
+            }
+        }
+        graphs.steps.len()
+    }
+
+    /// A graphed step's inputs for rows `ids` at bucket `(rows, kv_len)`: ids, rope
+    /// positions, scatter rows and mask. Padded rows decode token 0 at position 0
+    /// into the free slots past the batch.
+    fn graph_inputs(
+        &self,
+        ids: &[u32],
+        pos: &[i64],
+        lens: &[usize],
+        slots: &[KvSlots],
+        (bb, ll): (usize, usize),
+    ) -> Result<[Tensor; 4]> {
+        let Some(first) = slots.first() else {
+            candle_core::bail!("no KV slots");
+        };
+        let pad = bb.saturating_sub(ids.len());
+        let ids_p: Vec<u32> = ids
+            .iter()
+            .copied()
+            .chain(std::iter::repeat_n(0, pad))
+            .collect();
+        let pos_p: Vec<f32> = pos
+            .iter()
+            .map(|&p| p as f32)
+            .chain(std::iter::repeat_n(0.0, pad))
+            .collect();
+        let lens_p: Vec<usize> = lens
+            .iter()
+            .copied()
+            .chain(std::iter::repeat_n(0, pad))
+            .collect();
+        let rows: Vec<usize> = (0..bb).collect();
+        let (scatter, mask) = SlotBatch::host(first, &rows, &lens_p, ll)?;
+        let (_, kvh, _, hd) = first.shape()?;
+        let dev = &self.device;
+        Ok([
+            Tensor::from_vec(ids_p, (bb, 1), dev)?,
+            Tensor::from_vec(pos_p, (1, bb, 1), dev)?,
+            Tensor::from_vec(scatter, (bb * kvh, hd), dev)?,
+            Tensor::from_vec(mask, (bb, 1, 1, ll), dev)?,
+        ])
+    }
+
+    /// Runs the step of `inputs` (from [`Self::graph_inputs`]) and captures it.
+    fn capture_decode(
+        &self,
+        (bb, _): (usize, usize),
+        inputs: [Tensor; 4],
+        slots: &[KvSlots],
+    ) -> Result<DecodeGraph> {
+        let tc = &self.cfg.text_config;
+        let dev = &self.device;
+        let logits = Tensor::zeros((bb, 1, tc.vocab_size), DType::F32, dev)?;
+        let dtype = self.embed_tokens.embeddings().dtype();
+        let embeds = Tensor::zeros((bb, 1, tc.hidden_size), dtype, dev)?;
+        let [ids, pos, scatter, mask] = &inputs;
+        let graph = graphs::StepGraph::capture(dev, || {
+            let batch = SlotBatch::from_device(scatter.clone(), mask.clone())?;
+            let out = self.forward_slots(ids, pos, &batch, slots, &[0])?;
+            logits.slice_set(&out.logits, 0, 0)?;
+            embeds.slice_set(&out.hidden_states[0], 0, 0)
+        })?;
+        Ok(DecodeGraph {
+            graph,
+            inputs,
+            logits,
+            embeds,
         })
     }
 

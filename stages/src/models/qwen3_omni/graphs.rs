@@ -1,0 +1,137 @@
+//! CUDA graphs for fixed-shape decode steps.
+//!
+//! An eager decode step is thousands of small kernel launches, each costing more
+//! host time than its GPU work at small batches. A captured graph replays them
+//! all with one launch. Capture needs every shape fixed and every input already on
+//! the device, so a graphed step runs at a bucketed batch size and key/value
+//! length, reads its inputs from persistent tensors written before each replay,
+//! and leaves its outputs in persistent tensors. Memory that the step allocates
+//! becomes part of the graph (stream-ordered allocation nodes), freed inside it.
+//!
+//! candle supports this from 0.11: with its host-to-device cache on, the small
+//! layout and parameter uploads its kernels make are cached by content during a
+//! warm-up run, and a capture reuses them instead of copying.
+
+use candle_core::{Device, Result};
+
+/// Batch sizes a graphed step is captured at; a batch runs at the next one up
+/// (padded rows compute into free slots and are dropped).
+pub const BATCH_BUCKETS: [usize; 9] = [1, 2, 4, 8, 12, 16, 24, 32, 48];
+
+/// Key/value lengths are rounded up to a multiple of this (at most the slot length).
+pub const KV_BUCKET: usize = 256;
+
+/// The bucket `(batch, kv_len)` a step of `batch` rows reading `kv_len` positions
+/// runs at, or `None` (eager then) past the largest bucket (whose MoE layers would
+/// take the grouped kernel's prefill path, which is not capturable), past the
+/// slots' length, or with no rows.
+pub fn bucket(batch: usize, kv_len: usize, slots: usize, max_len: usize) -> Option<(usize, usize)> {
+    let b = BATCH_BUCKETS
+        .iter()
+        .copied()
+        .find(|&b| b >= batch)?
+        .min(slots);
+    if b < batch || kv_len > max_len || batch == 0 {
+        return None;
+    }
+    let l = kv_len.div_ceil(KV_BUCKET).max(1) * KV_BUCKET;
+    Some((b, l.min(max_len)))
+}
+
+/// One captured graph, replayed on the stream of the thread that captured it (a
+/// stage's worker thread: candle's CUDA device uses per-thread streams).
+pub struct StepGraph {
+    #[cfg(feature = "cuda")]
+    graph: candle_core::cuda::cudarc::driver::CudaGraph,
+}
+
+// SAFETY: CUDA requires calls on one graph to be serialized, not made from one
+// thread; a `StepGraph` is owned by one stage, which steps on one thread at a time.
+unsafe impl Send for StepGraph {}
+
+impl std::fmt::Debug for StepGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepGraph")
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn driver_err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
+    candle_core::Error::Msg(format!("CUDA graph {what}: {e:?}"))
+}
+
+impl StepGraph {
+    /// Runs `step` once eagerly (kernels load, candle's caches fill, cuBLAS sets up),
+    /// then captures a second run of it. `step` must read and write only tensors
+    /// that outlive the graph, and drop everything else it makes before returning.
+    pub fn capture(device: &Device, mut step: impl FnMut() -> Result<()>) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        {
+            use candle_core::cuda::cudarc::driver::sys;
+            let dev = device.as_cuda_device()?;
+            let _cache = dev.enable_cuda_graph_htod_cache();
+            step()?;
+            let stream = dev.cuda_stream();
+            stream.synchronize().map_err(|e| driver_err("warm-up", e))?;
+            // Thread-local: another stage's thread may allocate meanwhile.
+            stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| driver_err("begin", e))?;
+            let ran = step();
+            // Always end the capture, so the stream is usable whatever happened.
+            let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+            ran?;
+            let graph = ended
+                .map_err(|e| driver_err("capture", e))?
+                .ok_or_else(|| driver_err("capture", "empty graph"))?;
+            graph.upload().map_err(|e| driver_err("upload", e))?;
+            // The stage may replay it from another thread's stream: finish here.
+            stream.synchronize().map_err(|e| driver_err("upload", e))?;
+            Ok(Self { graph })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (device, &mut step);
+            candle_core::bail!("CUDA graphs need the cuda build")
+        }
+    }
+
+    /// Replays the captured step (asynchronously, on the calling thread's stream).
+    pub fn launch(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            self.graph.launch().map_err(|e| driver_err("launch", e))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            candle_core::bail!("CUDA graphs need the cuda build")
+        }
+    }
+}
+
+/// Whether decode steps on `device` can run as graphs (a CUDA device in the cuda build).
+pub fn available(device: &Device) -> bool {
+    cfg!(feature = "cuda") && device.is_cuda()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_round_up_within_the_slots() {
+        assert_eq!(bucket(1, 10, 32, 4096), Some((1, 256)));
+        assert_eq!(bucket(3, 256, 32, 4096), Some((4, 256)));
+        assert_eq!(bucket(3, 257, 32, 4096), Some((4, 512)));
+        assert_eq!(bucket(20, 4000, 32, 4096), Some((24, 4096)));
+        // Fewer slots than the next bucket: the batch itself, capped by the slots.
+        assert_eq!(bucket(20, 100, 20, 4096), Some((20, 256)));
+        assert_eq!(bucket(5, 100, 6, 300), Some((6, 256)));
+        assert_eq!(bucket(5, 290, 6, 300), Some((6, 300)));
+        // Past the slots' length, or no rows: eager.
+        assert_eq!(bucket(5, 301, 6, 300), None);
+        assert_eq!(bucket(0, 1, 6, 300), None);
+        assert_eq!(bucket(48, 10, 64, 4096), Some((48, 256)));
+        assert_eq!(bucket(49, 10, 64, 4096), None);
+    }
+}

@@ -35,4 +35,8 @@ pub trait StageModel: Send {
     fn has_ready_work(&self) -> bool;
     /// Requests holding state in this stage.
     fn active(&self) -> usize;
+    /// Called once on the worker's thread before any request: set-up that must
+    /// happen on the thread that steps (capturing CUDA graphs, whose replays and
+    /// cached inputs belong to that thread).
+    fn start(&mut self) {}
 }

@@ -41,6 +41,7 @@ pub(crate) struct Worker {
 
 impl Worker {
     pub fn run(mut self) {
+        self.model.start();
         self.counters.alive.store(true, Ordering::Release);
         let mut requests: HashMap<RequestId, Arc<RequestCtx>> = HashMap::new();
         let mut input_closed = false;

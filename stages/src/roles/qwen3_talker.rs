@@ -115,20 +115,8 @@ impl Qwen3OmniTalker {
             .max(2);
         let slots = model.talker().new_slots(max_num_seqs, max_len)?;
         // The Talker shares the Thinker's device (one checkpoint, one device).
-        let mut graphs = (cuda_graphs && graphs::available(model.thinker().device()))
+        let graphs = (cuda_graphs && graphs::available(model.thinker().device()))
             .then(PredictorGraphs::default);
-        if let (Some(g), true) = (&mut graphs, samples_on_device(&cp_defaults)) {
-            let t = std::time::Instant::now();
-            let n =
-                model
-                    .talker()
-                    .code_predictor()
-                    .warm_up_graphs(g, max_num_seqs, &cp_defaults)?;
-            tracing::info!(
-                "Talker: {n} code predictor graphs captured in {:?}",
-                t.elapsed()
-            );
-        }
         Ok(Self {
             defaults,
             cp_defaults,
@@ -467,6 +455,25 @@ impl StageModel for Qwen3OmniTalker {
 
     fn has_ready_work(&self) -> bool {
         self.reqs.values().any(|r| self.is_ready(r)) || !self.lost.is_empty()
+    }
+
+    fn start(&mut self) {
+        let Some(g) = &mut self.graphs else {
+            return;
+        };
+        if !samples_on_device(&self.cp_defaults) {
+            return;
+        }
+        let t = std::time::Instant::now();
+        let cp = self.model.talker().code_predictor();
+        match cp.warm_up_graphs(g, self.max_num_seqs, &self.cp_defaults) {
+            Ok(n) => tracing::info!(
+                "Talker: {n} code predictor graphs captured in {:?}",
+                t.elapsed()
+            ),
+            // Buckets not captured are captured at their first frame, or run eagerly.
+            Err(e) => tracing::warn!("Talker: capturing code predictor graphs: {e}"),
+        }
     }
 
     fn active(&self) -> usize {

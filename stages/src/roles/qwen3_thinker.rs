@@ -118,13 +118,8 @@ impl Qwen3OmniThinker {
         let max_ctx = model.config().thinker.text_config.max_position_embeddings;
         let max_len = max_len.min(max_ctx).max(2);
         let slots = model.thinker().new_slots(max_num_seqs, max_len)?;
-        let mut graphs = (cuda_graphs && graphs::available(model.thinker().device()))
+        let graphs = (cuda_graphs && graphs::available(model.thinker().device()))
             .then(ThinkerGraphs::default);
-        if let Some(g) = &mut graphs {
-            let t = std::time::Instant::now();
-            let n = model.thinker().warm_up_graphs(g, &slots);
-            tracing::info!("Thinker: {n} decode graphs captured in {:?}", t.elapsed());
-        }
         Ok(Self {
             model,
             tokenizer,
@@ -503,6 +498,14 @@ impl StageModel for Qwen3OmniThinker {
 
     fn has_ready_work(&self) -> bool {
         !self.seqs.is_empty() || !self.lost.is_empty()
+    }
+
+    fn start(&mut self) {
+        if let Some(g) = &mut self.graphs {
+            let t = std::time::Instant::now();
+            let n = self.model.thinker().warm_up_graphs(g, &self.slots);
+            tracing::info!("Thinker: {n} decode graphs captured in {:?}", t.elapsed());
+        }
     }
 
     fn active(&self) -> usize {

@@ -174,7 +174,8 @@ impl CodePredictor {
     }
 
     /// [`Self::generate_on_device`] through a CUDA graph of the frame at the batch's
-    /// bucket (captured on first use, from this real frame): one launch for the 15
+    /// bucket (captured by [`Self::warm_up_graphs`], or on first use from this real
+    /// frame): one launch for the 15
     /// steps' kernels. The noise is drawn before the replay. Runs eagerly past the
     /// largest bucket or where a capture failed (logged once). No logits come back.
     pub fn generate_graphed(
@@ -187,13 +188,7 @@ impl CodePredictor {
         if !samples_on_device(cfg) {
             candle_core::bail!("this sampling config needs the host sampler");
         }
-        let as3 = |t: &Tensor| -> Result<Tensor> {
-            match t.rank() {
-                2 => t.unsqueeze(1),
-                _ => Ok(t.clone()),
-            }
-        };
-        let (past_hidden, code0_embed) = (as3(past_hidden)?, as3(code0_embed)?);
+        let (past_hidden, code0_embed) = (as_rows(past_hidden)?, as_rows(code0_embed)?);
         let b = past_hidden.dim(0)?;
         let bucket = graphs::BATCH_BUCKETS.iter().copied().find(|&n| n >= b);
         let key = bucket.map(|n| {
@@ -312,16 +307,10 @@ impl CodePredictor {
         code0_embed: &Tensor,
         mut draw: Draw,
     ) -> Result<Frame> {
-        let as3 = |t: &Tensor| -> Result<Tensor> {
-            match t.rank() {
-                2 => t.unsqueeze(1),
-                _ => Ok(t.clone()),
-            }
-        };
         let x = Tensor::cat(
             &[
-                as3(past_hidden)?,
-                as3(code0_embed)?.to_dtype(past_hidden.dtype())?,
+                as_rows(past_hidden)?,
+                as_rows(code0_embed)?.to_dtype(past_hidden.dtype())?,
             ],
             1,
         )?;
@@ -386,6 +375,14 @@ impl CodePredictor {
             logits: all_logits,
             embed_sum,
         })
+    }
+}
+
+/// A `(b, hidden)` state as `(b, 1, hidden)`; a `(b, 1, hidden)` one as it is.
+fn as_rows(t: &Tensor) -> Result<Tensor> {
+    match t.rank() {
+        2 => t.unsqueeze(1),
+        _ => Ok(t.clone()),
     }
 }
 

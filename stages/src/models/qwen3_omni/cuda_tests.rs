@@ -21,6 +21,18 @@ fn thinker_cfg() -> ThinkerConfig {
     serde_json::from_value(fixtures::config()["thinker_config"].clone()).unwrap()
 }
 
+/// The greedy next token after a batch-1 prefill's logits `(1, s, vocab)`.
+fn greedy_last(logits: &Tensor) -> u32 {
+    let s = logits.dim(1).unwrap();
+    logits
+        .i((0, s - 1))
+        .unwrap()
+        .argmax(0)
+        .unwrap()
+        .to_scalar::<u32>()
+        .unwrap()
+}
+
 /// Deterministic pseudo-random values in about [-1.7, 1.7], `(n, width)` f32 on the CPU.
 fn fixed_input(n: usize, width: usize) -> Tensor {
     let v: Vec<f32> = (0..n * width)
@@ -93,14 +105,7 @@ fn thinker_slots_on_gpu_match_cpu() {
             );
             assert!(err < tol, "{dtype:?} prefill differs by {err}");
             let (len, next) = model.load_slot(&slots, slot, &g, 0).unwrap();
-            ids.push(
-                want.i((0, p.len() - 1))
-                    .unwrap()
-                    .argmax(0)
-                    .unwrap()
-                    .to_scalar::<u32>()
-                    .unwrap(),
-            );
+            ids.push(greedy_last(&want));
             pos.push(next);
             lens.push(len);
             want_caches.push(c);
@@ -156,14 +161,7 @@ fn thinker_graphed_steps_match_eager() {
         let out = model.prefill(&x, None, None, &mut c, &[]).unwrap().logits;
         let (len, next) = model.load_slot(&eager, slot, &c, 0).unwrap();
         model.load_slot(&graphed, slot, &c, 0).unwrap();
-        ids.push(
-            out.i((0, p.len() - 1))
-                .unwrap()
-                .argmax(0)
-                .unwrap()
-                .to_scalar::<u32>()
-                .unwrap(),
-        );
+        ids.push(greedy_last(&out));
         pos.push(next);
         lens.push(len);
     }

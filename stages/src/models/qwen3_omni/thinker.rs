@@ -539,8 +539,9 @@ impl Thinker {
         })
     }
 
-    /// [`Self::step_slots`] through a CUDA graph of the step's bucket (captured on
-    /// first use, from this real step), so the step costs one launch instead of
+    /// [`Self::step_slots`] through a CUDA graph of the step's bucket (captured by
+    /// [`Self::warm_up_graphs`], or on first use from this real step), so the step
+    /// costs one launch instead of
     /// thousands. Falls back to the eager step where no graph applies: hidden states
     /// other than the embeddings (`[0]`), more rows than slots, or a bucket whose
     /// capture failed (logged once).

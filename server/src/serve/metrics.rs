@@ -37,6 +37,8 @@ pub struct Metrics {
     /// WebRTC frames of silence sent in the middle of an answer (generation
     /// slower than real time).
     pub webrtc_underrun_frames: IntCounter,
+    /// Connections dropped because the client stopped reading.
+    pub slow_clients: IntCounter,
     stage: GaugeVec,
 }
 
@@ -110,6 +112,11 @@ impl Metrics {
             "WebRTC 20 ms frames of silence sent mid-answer because its audio was late",
         )?;
         registry.register(Box::new(webrtc_underrun_frames.clone()))?;
+        let slow_clients = IntCounter::new(
+            "slow_clients_total",
+            "Connections dropped because the client stopped reading their output",
+        )?;
+        registry.register(Box::new(slow_clients.clone()))?;
         Ok(Self {
             registry,
             sessions_open,
@@ -123,6 +130,7 @@ impl Metrics {
             transcribe_seconds,
             bytes_out,
             webrtc_underrun_frames,
+            slow_clients,
             stage,
         })
     }

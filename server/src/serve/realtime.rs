@@ -1614,6 +1614,17 @@ pub(super) mod conn {
         acked: AtomicU64,
         /// The client was dropped for not reading.
         slow: AtomicBool,
+        /// `omnistream_slow_clients_total`.
+        slow_clients: prometheus::IntCounter,
+    }
+
+    impl Shared {
+        /// Marks the client as dropped for not reading (counted once).
+        fn mark_slow(&self) {
+            if !self.slow.swap(true, Ordering::AcqRel) {
+                self.slow_clients.inc();
+            }
+        }
     }
 
     /// The sending side of a connection: a queue bounded in bytes in front of
@@ -1644,6 +1655,7 @@ pub(super) mod conn {
                 closing: watch::channel(None).0,
                 acked: AtomicU64::new(0),
                 slow: AtomicBool::new(false),
+                slow_clients: metrics.slow_clients.clone(),
             });
             let task = TaskGuard::new(metrics);
             let reading = Reading {
@@ -1687,7 +1699,7 @@ pub(super) mod conn {
 
         /// Drops a client that cannot keep up: `last` tells it why.
         pub fn close_slow(&self, last: Message) {
-            self.0.slow.store(true, Ordering::Release);
+            self.0.mark_slow();
             self.close(Some(last), axum::extract::ws::close_code::POLICY);
         }
 
@@ -1738,6 +1750,13 @@ pub(super) mod conn {
                 }
                 None => false,
             }
+        }
+
+        /// When the unanswered ping makes the client slow even if no more
+        /// output comes: enough was written after it, so only time is missing.
+        fn slow_at(&self) -> Option<tokio::time::Instant> {
+            let (_, at, bytes) = self.outstanding?;
+            (self.written - bytes >= SLOW_BYTES).then(|| (at + SLOW_AFTER).into())
         }
 
         /// A ping to send now, if it is time.
@@ -1802,10 +1821,21 @@ pub(super) mod conn {
     ) {
         let mut closing = shared.closing.subscribe();
         let stop = loop {
+            let slow_at = reading.slow_at();
             let next = tokio::select! {
                 biased;
                 _ = closing.wait_for(Option::is_some) => break Stop::Closing,
                 m = rx.recv() => m,
+                // A client that stopped reading just before the output ended
+                // is found out too, not only while output keeps coming.
+                _ = tokio::time::sleep_until(slow_at.unwrap_or_else(tokio::time::Instant::now)),
+                    if slow_at.is_some() =>
+                {
+                    if reading.slow(shared.acked.load(Ordering::Acquire)) {
+                        break Stop::Slow;
+                    }
+                    continue;
+                }
             };
             let Some((msg, permit)) = next else {
                 break Stop::Closing;
@@ -1829,7 +1859,7 @@ pub(super) mod conn {
             }
         };
         if matches!(stop, Stop::Slow) {
-            shared.slow.store(true, Ordering::Release);
+            shared.mark_slow();
         }
         let ending = match stop {
             Stop::Slow => Some(Ending {

@@ -1740,16 +1740,11 @@ pub(super) mod conn {
 
     impl Reading {
         fn slow(&mut self, acked: u64) -> bool {
-            match self.outstanding {
-                Some((seq, _, _)) if acked >= seq => {
-                    self.outstanding = None;
-                    false
-                }
-                Some((_, at, bytes)) => {
-                    at.elapsed() > SLOW_AFTER && self.written - bytes >= SLOW_BYTES
-                }
-                None => false,
+            if self.outstanding.is_some_and(|(seq, _, _)| acked >= seq) {
+                self.outstanding = None;
             }
+            self.slow_at()
+                .is_some_and(|t| tokio::time::Instant::now() > t)
         }
 
         /// When the unanswered ping makes the client slow even if no more
@@ -1828,9 +1823,12 @@ pub(super) mod conn {
                 m = rx.recv() => m,
                 // A client that stopped reading just before the output ended
                 // is found out too, not only while output keeps coming.
-                _ = tokio::time::sleep_until(slow_at.unwrap_or_else(tokio::time::Instant::now)),
-                    if slow_at.is_some() =>
-                {
+                _ = async {
+                    match slow_at {
+                        Some(t) => tokio::time::sleep_until(t).await,
+                        None => std::future::pending().await,
+                    }
+                } => {
                     if reading.slow(shared.acked.load(Ordering::Acquire)) {
                         break Stop::Slow;
                     }

@@ -15,6 +15,7 @@ use candle_core::{DType, Tensor};
 use super::{ChunkPolicy, Requests};
 use crate::engine::{Event, Payload, RequestCtx, RequestId, StageModel, StepOutput};
 use crate::models::qwen3_omni::code2wav::Code2WavState;
+use crate::models::qwen3_omni::graphs;
 use crate::models::qwen3_omni::omni::Qwen3Omni;
 use crate::models::{ModelError, Result};
 
@@ -204,6 +205,13 @@ impl StageModel for Qwen3OmniCode2Wav {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
+        // Ahead of the Thinker's next step on a shared GPU (graphs::yield_to_urgent).
+        let _urgent = self
+            .model
+            .thinker()
+            .device()
+            .is_cuda()
+            .then(graphs::UrgentSection::enter);
         let mut reqs = std::mem::take(&mut self.reqs);
         reqs.step(
             self.max_num_seqs,

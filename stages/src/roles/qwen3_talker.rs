@@ -18,12 +18,11 @@ use std::collections::HashMap;
 use crate::engine::{
     FrameChunk, Payload, PromptStates, RequestCtx, RequestId, StageModel, StepOutput,
 };
-use crate::models::qwen3_omni::code_predictor::PredictorGraphs;
 use crate::models::qwen3_omni::graphs;
 use crate::models::qwen3_omni::layers::KvSlots;
 use crate::models::qwen3_omni::omni::{Qwen3Omni, ThinkerTrace};
 use crate::models::qwen3_omni::sampling::{samples_on_device, Sampler, SamplingConfig};
-use crate::models::qwen3_omni::talker::SlotRows;
+use crate::models::qwen3_omni::talker::{SlotRows, TalkerGraphs};
 use crate::models::{ModelError, Result};
 use crate::profile::SamplingParams;
 
@@ -62,12 +61,45 @@ pub struct Qwen3OmniTalker {
     reqs: HashMap<RequestId, Req>,
     /// Prefilled requests: request `i` lives in KV slot `i`.
     running: Vec<RequestId>,
-    /// One per layer, allocated with the stage (like any server's KV pool).
+    /// One per layer, allocated with the stage (like any server's KV pool); with
+    /// graphs, scratch slots past `max_num_seqs` for the padded rows of a bucket.
     slots: Vec<KvSlots>,
     /// Requests dropped from the batch by a failed slot copy, to fail next step.
     lost: Vec<RequestId>,
-    /// The code predictor's captured frames (a GPU without `enforce_eager`).
-    graphs: Option<PredictorGraphs>,
+    /// The captured decode steps and code predictor frames (a GPU without
+    /// `enforce_eager`).
+    graphs: Option<TalkerGraphs>,
+}
+
+/// Talker prompts `(1, s_i, hidden)` left-padded into `(b, max s, hidden)`, with their
+/// attention mask `(b, max s)` (1 = token, 0 = padding).
+fn left_padded(inputs: &[Tensor]) -> Result<(Tensor, Tensor)> {
+    let lens: Vec<usize> = inputs
+        .iter()
+        .map(|t| t.dim(1))
+        .collect::<candle_core::Result<_>>()?;
+    let s = lens.iter().copied().max().unwrap_or(0);
+    let mut rows = Vec::with_capacity(inputs.len());
+    let mut mask = Vec::with_capacity(inputs.len() * s);
+    for (t, &l) in inputs.iter().zip(&lens) {
+        let (_, _, h) = t.dims3()?;
+        rows.push(if l < s {
+            Tensor::cat(
+                &[&Tensor::zeros((1, s - l, h), t.dtype(), t.device())?, t],
+                1,
+            )?
+        } else {
+            t.clone()
+        });
+        mask.extend((0..s).map(|j| f32::from(u8::from(j >= s - l))));
+    }
+    let Some(dev) = inputs.first().map(|t| t.device()) else {
+        return Err(ModelError::Invalid("talker: an empty prefill".into()));
+    };
+    Ok((
+        Tensor::cat(&rows, 0)?,
+        Tensor::from_vec(mask, (inputs.len(), s), dev)?,
+    ))
 }
 
 /// Tells Code2Wav that `id`'s speech is over.
@@ -81,8 +113,12 @@ fn end_of_speech(out: &mut StepOutput, id: RequestId) {
     ));
 }
 
+/// The text vector a frame consumes: an answer token's embedding (projected in a
+/// batch with the step's others), `tts_eos`, `tts_pad`, or not there yet.
 enum Text {
-    Ready(Tensor),
+    Fed(Tensor),
+    Eos,
+    Pad,
     Wait,
 }
 
@@ -113,10 +149,14 @@ impl Qwen3OmniTalker {
         let max_len = max_len
             .min(model.config().talker.text_config.max_position_embeddings)
             .max(2);
-        let slots = model.talker().new_slots(max_num_seqs, max_len)?;
         // The Talker shares the Thinker's device (one checkpoint, one device).
         let graphs = (cuda_graphs && graphs::available(model.thinker().device()))
-            .then(PredictorGraphs::default);
+            .then(|| TalkerGraphs::new(max_num_seqs));
+        let scratch = match graphs {
+            Some(_) => TalkerGraphs::scratch_slots(max_num_seqs),
+            None => 0,
+        };
+        let slots = model.talker().new_slots(max_num_seqs + scratch, max_len)?;
         Ok(Self {
             defaults,
             cp_defaults,
@@ -149,49 +189,90 @@ impl Qwen3OmniTalker {
 
     /// The text vector frame `f` consumes: the answer token after the first one,
     /// `tts_eos` right after the last, then `tts_pad`.
-    fn text_for(&self, r: &Req, f: usize) -> Result<Text> {
-        let tts = self.model.tts();
+    fn text_for(&self, r: &Req, f: usize) -> Text {
         let n = r.fed.len();
-        Ok(if f + 1 < n {
-            Text::Ready(self.model.text_vectors(&r.fed[f + 1])?)
+        if f + 1 < n {
+            Text::Fed(r.fed[f + 1].clone())
         } else if !r.upstream_done {
             Text::Wait
         } else if f + 1 == n {
-            Text::Ready(tts.eos.unsqueeze(0)?)
+            Text::Eos
         } else {
-            Text::Ready(tts.pad.unsqueeze(0)?)
-        })
+            Text::Pad
+        }
     }
 
-    /// Prefills `r` into the next free KV slot, or finishes it when the Thinker
-    /// said nothing. Returns whether it finished.
-    fn prefill(&mut self, id: RequestId, r: &mut Req, out: &mut StepOutput) -> Result<bool> {
-        let talker = self.model.talker();
-        let Some(prompt) = r.prompt.clone() else {
-            return Ok(false);
+    /// The step's text vectors `(b, 1, hidden)`: the fed embeddings through the
+    /// Talker's text projection in one batch, the tts embeddings in their rows.
+    fn text_vectors(&self, texts: Vec<Text>) -> Result<Tensor> {
+        let b = texts.len();
+        let fed: Vec<&Tensor> = texts
+            .iter()
+            .filter_map(|t| match t {
+                Text::Fed(e) => Some(e),
+                _ => None,
+            })
+            .collect();
+        let projected = match fed.len() {
+            0 => None,
+            _ => Some(self.model.text_vectors(&Tensor::cat(&fed, 0)?)?),
         };
-        if r.fed.is_empty() {
-            // The Thinker ended on its first token: nothing to say.
-            end_of_speech(out, id);
-            return Ok(true);
+        if let (Some(p), true) = (&projected, fed.len() == b) {
+            return Ok(p.unsqueeze(1)?);
         }
-        let embeds = Tensor::cat(&[&prompt.embeds, &r.fed[0]], 0)?;
-        let inputs = self.model.talker_prompt(
-            &ThinkerTrace {
-                prompt: &prompt.ids,
-                embeds: &embeds,
-                hidden: &prompt.hidden,
-            },
-            r.speaker,
-        )?;
-        let (state, o) = talker.prefill(&inputs, None, None)?;
-        let slots = &self.slots;
-        let (len, pos, hidden) = talker.load_slot(slots, self.running.len(), &state)?;
-        r.decode = Some((len, pos, hidden));
-        r.logits = Some(o.logits.get(0)?.to_vec1::<f32>()?);
-        r.max_frames = r.max_frames.min(self.max_len.saturating_sub(len));
-        self.running.push(id);
-        Ok(false)
+        let tts = self.model.tts();
+        let mut next = 0;
+        let mut rows = Vec::with_capacity(b);
+        for t in &texts {
+            rows.push(match (t, &projected) {
+                (Text::Fed(_), Some(p)) => {
+                    next += 1;
+                    p.get(next - 1)?
+                }
+                (Text::Eos, _) => tts.eos.clone(),
+                _ => tts.pad.clone(),
+            });
+        }
+        Ok(Tensor::stack(&rows, 0)?.unsqueeze(1)?)
+    }
+
+    /// Prefills `batch` in one left-padded forward, each request into the next free
+    /// KV slot (the caller checked there are enough).
+    fn prefill(&mut self, batch: &mut [(RequestId, Req)]) -> Result<()> {
+        let talker = self.model.talker();
+        let mut inputs = Vec::with_capacity(batch.len());
+        for (_, r) in batch.iter() {
+            let (Some(prompt), Some(first)) = (&r.prompt, r.fed.first()) else {
+                return Err(ModelError::Invalid(
+                    "talker: prefill before the prompt".into(),
+                ));
+            };
+            let embeds = Tensor::cat(&[&prompt.embeds, first], 0)?;
+            inputs.push(self.model.talker_prompt(
+                &ThinkerTrace {
+                    prompt: &prompt.ids,
+                    embeds: &embeds,
+                    hidden: &prompt.hidden,
+                },
+                r.speaker,
+            )?);
+        }
+        let (state, o) = if inputs.len() == 1 {
+            talker.prefill(&inputs[0], None, None)?
+        } else {
+            let (x, mask) = left_padded(&inputs)?;
+            talker.prefill(&x, Some(&mask), None)?
+        };
+        let logits = o.logits.to_vec2::<f32>()?;
+        for (row, ((id, r), logits)) in batch.iter_mut().zip(logits).enumerate() {
+            let slot = self.running.len();
+            let (len, pos, hidden) = talker.load_slot_row(&self.slots, slot, &state, row)?;
+            r.decode = Some((len, pos, hidden));
+            r.logits = Some(logits);
+            r.max_frames = r.max_frames.min(self.max_len.saturating_sub(len));
+            self.running.push(*id);
+        }
+        Ok(())
     }
 
     /// Draws `r`'s next code 0 if it has none; returns whether the request is done
@@ -230,7 +311,7 @@ impl Qwen3OmniTalker {
     fn step_running(
         &self,
         reqs: &mut HashMap<RequestId, Req>,
-        graphs: Option<&mut PredictorGraphs>,
+        graphs: Option<&mut TalkerGraphs>,
         out: &mut StepOutput,
     ) -> Result<Vec<RequestId>> {
         let mut ids = Vec::new();
@@ -251,9 +332,10 @@ impl Qwen3OmniTalker {
                 finished.push(id);
                 continue;
             }
-            let Text::Ready(text) = self.text_for(r, r.frames)? else {
+            let text = self.text_for(r, r.frames);
+            if matches!(text, Text::Wait) {
                 continue;
-            };
+            }
             let (Some(c), Some((len, p, h))) = (r.code0, &r.decode) else {
                 continue;
             };
@@ -271,7 +353,7 @@ impl Qwen3OmniTalker {
         }
         let slots = &self.slots;
         let last_hidden = Tensor::cat(&hidden, 0)?;
-        let text = Tensor::stack(&texts, 0)?;
+        let text = self.text_vectors(texts)?;
         // The code predictor takes one sampler per row: borrow them for the step.
         let mut samplers = Vec::with_capacity(ids.len());
         for id in &ids {
@@ -399,6 +481,13 @@ impl StageModel for Qwen3OmniTalker {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
+        // Ahead of the Thinker's next step on a shared GPU (graphs::yield_to_urgent).
+        let _urgent = self
+            .model
+            .thinker()
+            .device()
+            .is_cuda()
+            .then(graphs::UrgentSection::enter);
         for id in self.lost.drain(..) {
             out.failed
                 .push((id, ModelError::Invalid("its KV slot was lost".into())));
@@ -412,16 +501,31 @@ impl StageModel for Qwen3OmniTalker {
             .collect();
         waiting.sort_unstable();
         let free = self.max_num_seqs.saturating_sub(self.running.len());
+        let mut batch = Vec::new();
         for id in waiting.into_iter().take(free) {
-            let Some(mut r) = self.reqs.remove(&id) else {
+            let Some(r) = self.reqs.remove(&id) else {
                 continue;
             };
-            match self.prefill(id, &mut r, out) {
-                Ok(false) => {
-                    self.reqs.insert(id, r);
+            if r.fed.is_empty() {
+                // The Thinker ended on its first token: nothing to say.
+                end_of_speech(out, id);
+                out.finished.push(id);
+            } else {
+                batch.push((id, r));
+            }
+        }
+        if !batch.is_empty() {
+            let running = self.running.len();
+            let result = self.prefill(&mut batch);
+            if let Err(e) = result {
+                // A batched prefill failed: none of its requests got a slot.
+                self.running.truncate(running);
+                for (id, _) in batch.drain(..) {
+                    out.failed.push((id, ModelError::Invalid(e.to_string())));
                 }
-                Ok(true) => out.finished.push(id),
-                Err(e) => out.failed.push((id, e)),
+            }
+            for (id, r) in batch {
+                self.reqs.insert(id, r);
             }
         }
         let mut reqs = std::mem::take(&mut self.reqs);
@@ -461,12 +565,21 @@ impl StageModel for Qwen3OmniTalker {
         let Some(g) = &mut self.graphs else {
             return;
         };
+        let t = std::time::Instant::now();
+        match self
+            .model
+            .talker()
+            .warm_up_graphs(g, &self.slots, self.max_num_seqs)
+        {
+            Ok(n) => tracing::info!("Talker: {n} decode graphs captured in {:?}", t.elapsed()),
+            Err(e) => tracing::warn!("Talker: capturing decode graphs: {e}"),
+        }
         if !samples_on_device(&self.cp_defaults) {
             return;
         }
         let t = std::time::Instant::now();
         let cp = self.model.talker().code_predictor();
-        match cp.warm_up_graphs(g, self.max_num_seqs, &self.cp_defaults) {
+        match cp.warm_up_graphs(&mut g.predictor, self.max_num_seqs, &self.cp_defaults) {
             Ok(n) => tracing::info!(
                 "Talker: {n} code predictor graphs captured in {:?}",
                 t.elapsed()

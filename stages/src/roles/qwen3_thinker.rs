@@ -30,6 +30,9 @@ use crate::profile::SamplingParams;
 const DEFAULT_MAX_TOKENS: usize = 256;
 /// How a spoken turn appears in the chat template (the processor's placeholder,
 /// expanded to one `<|audio_pad|>` per audio-encoder output).
+/// The longest a decode step waits for the Talker's or Code2Wav's eager work.
+const MAX_YIELD: std::time::Duration = std::time::Duration::from_millis(100);
+
 const AUDIO_PLACEHOLDER: &str = "<|audio_start|><|audio_pad|><|audio_end|>";
 
 /// One request's result of a forward: its next-token logits and what the Talker
@@ -263,6 +266,10 @@ impl Qwen3OmniThinker {
             speak |= seq.speak;
         }
         let hidden: &[usize] = if speak { &[0] } else { &[] };
+        if speak && thinker.device().is_cuda() {
+            // The audio path first on a shared GPU (graphs::yield_to_urgent).
+            graphs::yield_to_urgent(MAX_YIELD);
+        }
         let out = match &mut self.graphs {
             Some(g) => thinker.step_slots_graphed(g, &ids, &pos, &lens, slots, hidden)?,
             None => thinker.step_slots(&ids, &pos, &lens, slots, hidden)?,

@@ -872,8 +872,9 @@ impl Code2Wav {
     }
 
     /// Decodes the next chunk of several independent streams in one forward when
-    /// they can share it (the same chunk length; all past their first chunk; and the
-    /// same decoded frames or all with a full attention window), else one by one.
+    /// they can share it (the same chunk length; and all at their first chunk, or
+    /// all past it with the same decoded frames or a full attention window), else
+    /// one by one.
     /// `codes[i]` is stream i's `(num_quantizers, n)`; returns its `(1, n * 1920)`.
     pub fn step_many(&self, states: &mut [Code2WavState], codes: &[Tensor]) -> Result<Vec<Tensor>> {
         if states.len() != codes.len() {
@@ -883,8 +884,19 @@ impl Code2Wav {
         let window = self.window.saturating_sub(1);
         let same_n = codes.iter().all(|c| c.dim(1).is_ok_and(|m| m == n));
         let started = states.iter().all(|s| s.frames > 0);
+        let fresh = states.iter().all(|s| s.frames == 0);
         let aligned = states.iter().all(|s| s.frames == states[0].frames)
             || states.iter().all(|s| s.frames >= window);
+        if states.len() >= 2 && n > 0 && same_n && fresh {
+            // First chunks: fresh states are all alike, so the batch starts from one.
+            let mut batch = self.new_state();
+            let codes = Tensor::stack(codes, 0)?;
+            let wav = self.step(&mut batch, &codes)?;
+            for (i, s) in states.iter_mut().enumerate() {
+                *s = batch.row(i)?;
+            }
+            return (0..states.len()).map(|i| wav.get(i)).collect();
+        }
         if states.len() < 2 || n == 0 || !same_n || !started || !aligned {
             return states
                 .iter_mut()

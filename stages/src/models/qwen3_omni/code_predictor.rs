@@ -215,7 +215,8 @@ impl CodePredictor {
                 if let (Some(dst), Some(src)) = (&g.noise, &noise) {
                     write(dst, src)?;
                 }
-                g.graph.launch()?;
+                // The Talker's frames go first on a GPU shared with the Thinker.
+                g.graph.launch_urgent(dev)?;
                 g
             }
             Entry::Vacant(e) => {

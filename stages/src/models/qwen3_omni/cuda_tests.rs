@@ -221,6 +221,81 @@ fn thinker_graphed_steps_match_eager() {
     );
 }
 
+/// Graphed Talker decode steps (replayed on the urgent stream) equal eager ones on
+/// the same inputs: rows in scattered slots, padded into scratch slots (3 rows at
+/// bucket 4, then 2), across a key/value bucket boundary (at step 3, with 3 rows),
+/// so buckets (4, 256), (4, 512), (2, 512); logits and hidden states.
+#[test]
+fn talker_graphed_steps_match_eager() {
+    use super::layers::KvCache;
+    use super::talker::{SlotRows, Talker, TalkerConfig, TalkerGraphs};
+    let cfg: TalkerConfig =
+        serde_json::from_value(fixtures::config()["talker_config"].clone()).unwrap();
+    let dev = gpu();
+    let talker = Talker::new(&cfg, vb(DType::BF16, &dev).pp("talker")).unwrap();
+    let tc = &cfg.text_config;
+    let (requests, max_len) = (4usize, 600usize);
+    let scratch = TalkerGraphs::scratch_slots(requests);
+    let (eager, graphed) = (
+        talker.new_slots(requests + scratch, max_len).unwrap(),
+        talker.new_slots(requests + scratch, max_len).unwrap(),
+    );
+    // Random cached keys/values for slots 0..3, the same in both.
+    let mut lens = vec![5usize, 248, 9];
+    for (slot, &len) in lens.iter().enumerate() {
+        for (e, g) in eager.iter().zip(&graphed) {
+            let kv = bf16_randn((1, tc.num_key_value_heads, len, tc.head_dim()), &dev);
+            let mut c = KvCache::new();
+            c.append(&kv, &kv).unwrap();
+            e.load(slot, &c, 0, 0).unwrap();
+            g.load(slot, &c, 0, 0).unwrap();
+        }
+    }
+    let mut slots = vec![2usize, 0, 1];
+    lens.swap(0, 2);
+    lens.swap(1, 2);
+    let mut pos: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+    let mut graphs = TalkerGraphs::new(requests);
+    let mut worst = 0f32;
+    for step in 0..10 {
+        if step == 6 {
+            slots.remove(1);
+            lens.remove(1);
+            pos.remove(1);
+        }
+        let b = slots.len();
+        let input = bf16_randn((b, 1, tc.hidden_size), &dev);
+        let hidden = input.zeros_like().unwrap();
+        let rows = SlotRows {
+            slots: &slots,
+            lens: &lens,
+            pos: &pos,
+            last_hidden: &hidden,
+        };
+        let (want_h, want_l) = talker.decode_slots(&eager, &rows, &input, None).unwrap();
+        let (got_h, got_l) = talker
+            .decode_slots(&graphed, &rows, &input, Some(&mut graphs))
+            .unwrap();
+        let (err_l, err_h) = (max_abs_diff(&got_l, &want_l), max_abs_diff(&got_h, &want_h));
+        assert!(
+            err_l < 0.05 && err_h < 0.05,
+            "step {step}: logits {err_l}, hidden {err_h}"
+        );
+        worst = worst.max(err_l.max(err_h));
+        pos.iter_mut().for_each(|p| *p += 1);
+        lens.iter_mut().for_each(|l| *l += 1);
+    }
+    assert!(
+        graphs.captured() >= 3,
+        "only {} graphs captured",
+        graphs.captured()
+    );
+    eprintln!(
+        "graphed Talker steps: {} graphs, max |diff| against eager {worst:.2e}",
+        graphs.captured()
+    );
+}
+
 /// The code predictor's graphed frame draws the same greedy codes as the eager
 /// device path, and sampled frames take fresh noise at every replay.
 #[test]
@@ -302,25 +377,290 @@ fn moe_gemv_matches_grouped_gemm() {
     );
 }
 
-/// Times the pieces of one released-shape Thinker decode step (run by hand on the
-/// GPU host with `--ignored`; docs/bench/gpu.md records what it printed).
+/// A released-shape decoder config from the bench config: `thinker` or `talker`.
+fn released(which: &str) -> DecoderConfig {
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/qwen3_omni_moe_bench/config.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    serde_json::from_value(v[format!("{which}_config")]["text_config"].clone()).unwrap()
+}
+
+fn bf16_randn(shape: impl Into<candle_core::Shape>, dev: &Device) -> Tensor {
+    Tensor::randn(0f32, 1.0, shape, dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap()
+}
+
+/// The decode MoE kernels at the released Thinker's and Talker's shapes (random
+/// bf16): the routing is a true top-k of the router's softmax with the right
+/// weights, every pair once, grouped by expert in ascending order; the routed
+/// experts' sum equals the same routing computed expert by expert in f32.
+#[test]
+fn decode_moe_kernels_match_f32_experts() {
+    let dev = gpu();
+    for which in ["thinker", "talker"] {
+        let cfg = released(which);
+        let moe = SparseMoe::new(&cfg, weights::random(DType::BF16, &dev).pp("moe")).unwrap();
+        let (k, e_count) = (cfg.num_experts_per_tok, cfg.num_experts);
+        for n in [1usize, 2, 3, 8, 16, 32, 48, 64] {
+            let x = bf16_randn((n, cfg.hidden_size), &dev);
+            let (logits, r, got, gate_up, down) = moe.decode_parts(&x).unwrap();
+            assert_eq!(r.top_k, k);
+            let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32).unwrap())
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            let weights = r.weights.to_vec1::<f32>().unwrap();
+            let sorted = r.sorted.to_vec1::<u32>().unwrap();
+            let meta = r.meta.to_vec1::<u32>().unwrap();
+            // Each pair's expert, from the routed experts' list.
+            let mut expert_of = vec![u32::MAX; n * k];
+            let mut last = None;
+            for a in 0..meta[0] as usize {
+                let (e, lo, hi) = (meta[1 + 3 * a], meta[2 + 3 * a], meta[3 + 3 * a]);
+                assert!(last.is_none_or(|l| l < e) && (e as usize) < e_count && lo < hi);
+                last = Some(e);
+                for &p in &sorted[lo as usize..hi as usize] {
+                    assert_eq!(expert_of[p as usize], u32::MAX, "pair {p} twice");
+                    expert_of[p as usize] = e;
+                }
+            }
+            assert!(expert_of.iter().all(|&e| e != u32::MAX), "a pair unrouted");
+            for t in 0..n {
+                let chosen: Vec<usize> = (0..k).map(|j| expert_of[t * k + j] as usize).collect();
+                let floor = chosen.iter().map(|&e| probs[t][e]).fold(f32::MAX, f32::min);
+                let above = (0..e_count)
+                    .filter(|e| !chosen.contains(e) && probs[t][*e] > floor)
+                    .count();
+                assert_eq!(above, 0, "token {t}: not a top-{k}");
+                let sum: f32 = chosen.iter().map(|&e| probs[t][e]).sum();
+                for (j, &e) in chosen.iter().enumerate() {
+                    let want = if cfg.norm_topk_prob {
+                        probs[t][e] / sum
+                    } else {
+                        probs[t][e]
+                    };
+                    let w = weights[t * k + j];
+                    assert!(
+                        (w - want).abs() <= 1e-5 * want.max(1e-3),
+                        "token {t} weight {w} vs {want}"
+                    );
+                    if j > 0 {
+                        assert!(
+                            probs[t][chosen[j - 1]] >= probs[t][e],
+                            "token {t}: choices out of order"
+                        );
+                    }
+                }
+            }
+            // The same routing, expert by expert, in f32.
+            let xf = x.to_dtype(DType::F32).unwrap();
+            let inter = down.dim(2).unwrap();
+            let mut want = Tensor::zeros((n, cfg.hidden_size), DType::F32, &dev).unwrap();
+            for p in 0..n * k {
+                let t = p / k;
+                let e = expert_of[p] as usize;
+                let gu = xf
+                    .narrow(0, t, 1)
+                    .unwrap()
+                    .matmul(
+                        &gate_up
+                            .get(e)
+                            .unwrap()
+                            .to_dtype(DType::F32)
+                            .unwrap()
+                            .t()
+                            .unwrap(),
+                    )
+                    .unwrap();
+                let g = candle_nn::ops::silu(&gu.narrow(1, 0, inter).unwrap()).unwrap();
+                let h = (g * gu.narrow(1, inter, inter).unwrap()).unwrap();
+                let y = h
+                    .matmul(
+                        &down
+                            .get(e)
+                            .unwrap()
+                            .to_dtype(DType::F32)
+                            .unwrap()
+                            .t()
+                            .unwrap(),
+                    )
+                    .unwrap();
+                let y = (y * weights[p] as f64).unwrap();
+                want = want
+                    .slice_assign(
+                        &[t..t + 1, 0..cfg.hidden_size],
+                        &(want.narrow(0, t, 1).unwrap() + y).unwrap(),
+                    )
+                    .unwrap();
+            }
+            let got = got.to_dtype(DType::F32).unwrap();
+            let scale = max_abs_diff(&want, &want.zeros_like().unwrap());
+            let err = max_abs_diff(&got, &want);
+            eprintln!("{which} decode MoE, {n} tokens ({} experts routed): max |diff| {err:.2e} (max |value| {scale:.2e})", meta[0]);
+            assert!(
+                err <= 0.02 * scale,
+                "{which} decode MoE differs by {err} at {n} tokens"
+            );
+        }
+    }
+}
+
+/// The decode attention kernel against the same attention in f32 through candle,
+/// at the Thinker's, Talker's and code predictor's head groupings: rows in
+/// scattered slots and in slots `0..b`, lengths from 1 to past three chunks.
+#[test]
+fn decode_attention_kernel_matches_f32() {
+    use super::kernels;
+    use super::layers::MASK_MIN;
+    let dev = gpu();
+    let (d, n_slots, max_len) = (128usize, 6usize, 1024usize);
+    for (heads, kvh) in [(32usize, 4usize), (16, 2), (16, 8)] {
+        let k = bf16_randn((n_slots, kvh, max_len, d), &dev);
+        let v = bf16_randn((n_slots, kvh, max_len, d), &dev);
+        for (slots, lens) in [
+            (vec![3u32, 0, 5, 1], vec![10usize, 300, 700, 0]),
+            (vec![0, 1, 2], vec![255, 256, 5]),
+            (vec![0], vec![0]),
+        ] {
+            let b = slots.len();
+            let kv_len = lens.iter().max().unwrap() + 1;
+            let mask: Vec<f32> = lens
+                .iter()
+                .flat_map(|&l| (0..kv_len).map(move |j| if j <= l { 0.0 } else { MASK_MIN }))
+                .collect();
+            let mask = Tensor::from_vec(mask, (b, 1, 1, kv_len), &dev).unwrap();
+            let q = bf16_randn((b, heads, d), &dev);
+            let identity = slots.iter().enumerate().all(|(i, &s)| i as u32 == s);
+            let ids = Tensor::from_vec(slots.clone(), b, &dev).unwrap();
+            let scale = (d as f64).powf(-0.5);
+            let got =
+                kernels::decode_attention(&q, &k, &v, &mask, (!identity).then_some(&ids), scale)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap();
+            let rep = heads / kvh;
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let kk = f(&k
+                .index_select(&ids, 0)
+                .unwrap()
+                .narrow(2, 0, kv_len)
+                .unwrap());
+            let vv = f(&v
+                .index_select(&ids, 0)
+                .unwrap()
+                .narrow(2, 0, kv_len)
+                .unwrap());
+            let qq = f(&q).reshape((b, kvh, rep, d)).unwrap();
+            let scores = (qq.matmul(&kk.t().unwrap()).unwrap() * scale).unwrap();
+            let probs =
+                candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).unwrap()).unwrap();
+            let want = probs.matmul(&vv).unwrap().reshape((b, heads, d)).unwrap();
+            let err = max_abs_diff(&got, &want);
+            let scale_v = max_abs_diff(&want, &want.zeros_like().unwrap());
+            eprintln!("attention {heads}/{kvh} heads, lens {lens:?}: max |diff| {err:.2e} (max |value| {scale_v:.2e})");
+            assert!(err <= 1e-2 * scale_v.max(0.1), "attention differs by {err}");
+        }
+    }
+}
+
+/// Code2Wav at the released shapes (random bf16), alone on the GPU: the first
+/// chunk (one frame) and steady 4-frame chunks of 1, 8 and 32 streams in one
+/// `step_many`, synchronized, mean of 5 after 2 warm-ups.
 #[test]
 #[ignore]
-fn profile_released_thinker_layer() {
-    use super::layers::{DecoderLayer, KvSlots, SlotBatch};
+fn profile_code2wav_chunks() {
+    use super::code2wav::{Code2Wav, Code2WavConfig};
     use std::time::Instant;
     let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../deploy/qwen3_omni_moe_bench/config.json");
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let cfg: DecoderConfig =
-        serde_json::from_value(v["thinker_config"]["text_config"].clone()).unwrap();
+    let cfg: Code2WavConfig = serde_json::from_value(v["code2wav_config"].clone()).unwrap();
+    let dev = gpu();
+    let c2w = Code2Wav::new(&cfg, weights::random(DType::BF16, &dev)).unwrap();
+    let codes = |n: usize| {
+        Tensor::from_vec(
+            (0..16 * n)
+                .map(|i| (i * 37 % 2048) as u32)
+                .collect::<Vec<_>>(),
+            (16, n),
+            &Device::Cpu,
+        )
+        .unwrap()
+    };
+    for b in [1usize, 8, 32] {
+        let mut states: Vec<_> = (0..b).map(|_| c2w.new_state()).collect();
+        let t = Instant::now();
+        c2w.step_many(&mut states, &vec![codes(1); b]).unwrap();
+        dev.synchronize().unwrap();
+        eprintln!(
+            "code2wav {b} streams, first chunk (1 frame, one by one): {:.1} ms",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        let chunk = vec![codes(4); b];
+        for _ in 0..2 {
+            c2w.step_many(&mut states, &chunk).unwrap();
+        }
+        dev.synchronize().unwrap();
+        let t = Instant::now();
+        for _ in 0..5 {
+            c2w.step_many(&mut states, &chunk).unwrap();
+        }
+        dev.synchronize().unwrap();
+        let ms = t.elapsed().as_secs_f64() * 1e3 / 5.0;
+        eprintln!(
+            "code2wav {b} streams, 4-frame chunk in one step_many: {ms:.1} ms ({:.0} audio-s/s)",
+            b as f64 * 0.32 / (ms / 1e3)
+        );
+    }
+}
+
+/// The decode kernels alone at the released Thinker's shapes, a few launches each
+/// at 1, 8 and 32 rows, for `ncu` (scripts/cuda/gpu_bench.sh's `ncu` step).
+#[test]
+#[ignore]
+fn profile_decode_kernels() {
+    use super::layers::{DecoderLayer, KvSlots, SlotBatch};
+    let cfg = released("thinker");
+    let dev = gpu();
+    let vb = weights::random(DType::BF16, &dev);
+    let layer = DecoderLayer::new(&cfg, 0, vb.pp("layer")).unwrap();
+    let hd = cfg.head_dim();
+    for b in [1usize, 8, 32] {
+        let x = bf16_randn((b, 1, cfg.hidden_size), &dev);
+        let slots = KvSlots::new(b, cfg.num_key_value_heads, 4096, hd, DType::BF16, &dev).unwrap();
+        let rows: Vec<usize> = (0..b).collect();
+        let batch = SlotBatch::new(&slots, &rows, &vec![300; b]).unwrap();
+        let cos = Tensor::ones((b, 1, hd / 2), DType::BF16, &dev).unwrap();
+        for _ in 0..2 {
+            layer.forward_slots(&x, &cos, &cos, &slots, &batch).unwrap();
+        }
+    }
+    dev.synchronize().unwrap();
+}
+
+/// Times the pieces of one released-shape Thinker decode step (run by hand on the
+/// GPU host with `--ignored`; docs/bench/gpu.md records what it printed): eagerly
+/// (launch overhead included, synchronized), and as CUDA graphs of ten repeats
+/// (the GPU's own time, as a graphed step runs them), with the engine's decode
+/// kernels and with candle's ops side by side.
+#[test]
+#[ignore]
+fn profile_released_thinker_layer() {
+    use super::graphs::StepGraph;
+    use super::kernels;
+    use super::layers::{DecoderLayer, KvSlots, SlotBatch};
+    use std::time::Instant;
+    let cfg = released("thinker");
     let dev = gpu();
     let vb = weights::random(DType::BF16, &dev);
     let layer = DecoderLayer::new(&cfg, 0, vb.pp("layer")).unwrap();
     let moe = SparseMoe::new(&cfg, vb.pp("moe")).unwrap();
     let head = candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("head")).unwrap();
-    let time = |what: &str, f: &mut dyn FnMut()| {
+    let eager = |what: &str, f: &mut dyn FnMut()| {
         for _ in 0..3 {
             f();
         }
@@ -330,36 +670,105 @@ fn profile_released_thinker_layer() {
             f();
         }
         dev.synchronize().unwrap();
-        eprintln!("{what}: {:.1} us", t.elapsed().as_secs_f64() * 1e6 / 20.0);
+        eprintln!(
+            "{what}, eager: {:.1} us",
+            t.elapsed().as_secs_f64() * 1e6 / 20.0
+        );
+    };
+    let graphed = |what: &str, f: &mut dyn FnMut()| {
+        const REPEATS: usize = 10;
+        let g = StepGraph::capture(&dev, || {
+            for _ in 0..REPEATS {
+                f();
+            }
+            Ok(())
+        })
+        .unwrap();
+        g.launch().unwrap();
+        dev.synchronize().unwrap();
+        let t = Instant::now();
+        for _ in 0..20 {
+            g.launch().unwrap();
+        }
+        dev.synchronize().unwrap();
+        let us = t.elapsed().as_secs_f64() * 1e6 / (20 * REPEATS) as f64;
+        eprintln!("{what}, graphed: {us:.1} us");
     };
     let hd = cfg.head_dim();
     for b in [1usize, 8, 32] {
-        let x = Tensor::randn(0f32, 1.0, (b, 1, cfg.hidden_size), &dev)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap();
-        let slots = KvSlots::new(b, cfg.num_key_value_heads, 512, hd, DType::BF16, &dev).unwrap();
-        let rows: Vec<usize> = (0..b).collect();
-        let batch = SlotBatch::new(&slots, &rows, &vec![200; b]).unwrap();
-        let cos = Tensor::ones((b, 1, hd / 2), DType::BF16, &dev).unwrap();
+        let x = bf16_randn((b, 1, cfg.hidden_size), &dev);
+        for len in [200usize, 2000] {
+            let slots =
+                KvSlots::new(b, cfg.num_key_value_heads, 4096, hd, DType::BF16, &dev).unwrap();
+            let rows: Vec<usize> = (0..b).collect();
+            let batch = SlotBatch::new(&slots, &rows, &vec![len; b]).unwrap();
+            let cos = Tensor::ones((b, 1, hd / 2), DType::BF16, &dev).unwrap();
+            for on in [true, false] {
+                kernels::set_enabled(on);
+                let which = if on { "engine kernels" } else { "candle ops" };
+                let mut f = || {
+                    layer.forward_slots(&x, &cos, &cos, &slots, &batch).unwrap();
+                };
+                let what = format!("b={b} kv={len} decoder layer, {which}");
+                eager(&what, &mut f);
+                graphed(&what, &mut f);
+            }
+        }
         let xs = x.reshape((b, cfg.hidden_size)).unwrap();
-        time(
-            &format!("b={b} decoder layer (attention + MoE)"),
-            &mut || {
-                layer.forward_slots(&x, &cos, &cos, &slots, &batch).unwrap();
-            },
-        );
-        time(
-            &format!("b={b} MoE, grouped GEMV (decode path)"),
-            &mut || {
-                moe.forward_grouped(&xs, false).unwrap();
-            },
-        );
-        time(&format!("b={b} MoE, grouped GEMM (candle)"), &mut || {
+        for on in [true, false] {
+            kernels::set_enabled(on);
+            let which = if on {
+                "route + gate/up + down kernels"
+            } else {
+                "candle routing + grouped GEMV"
+            };
+            let mut f = || {
+                moe.forward(&xs).unwrap();
+            };
+            eager(&format!("b={b} MoE, {which}"), &mut f);
+            graphed(&format!("b={b} MoE, {which}"), &mut f);
+        }
+        kernels::set_enabled(true);
+        eager(&format!("b={b} MoE, candle's grouped GEMM"), &mut || {
             moe.forward_grouped(&xs, true).unwrap();
         });
-        time(&format!("b={b} lm_head"), &mut || {
+        let mut f = || {
             head.forward(&xs).unwrap();
+        };
+        eager(&format!("b={b} lm_head"), &mut f);
+        graphed(&format!("b={b} lm_head"), &mut f);
+    }
+    // Prefills: one prompt of `n` tokens (or 32 of 100), a whole decoder layer
+    // (attention with its mask and KV cache), and the MoE's paths alone.
+    use super::layers::{attention_mask, KvCache};
+    for (rows, n) in [(1usize, 100usize), (1, 512), (1, 2500), (32, 100)] {
+        let x = bf16_randn((rows, n, cfg.hidden_size), &dev);
+        let cos = Tensor::ones((rows, n, hd / 2), DType::BF16, &dev).unwrap();
+        let mask = attention_mask(None, rows, n, n, &dev).unwrap();
+        eager(&format!("prefill {rows}x{n} decoder layer"), &mut || {
+            let mut cache = KvCache::new();
+            layer
+                .forward(&x, &cos, &cos, mask.as_ref(), Some(&mut cache))
+                .unwrap();
         });
+        let xs = x.reshape((rows * n, cfg.hidden_size)).unwrap();
+        eager(
+            &format!("prefill {rows}x{n} MoE, as the engine runs it"),
+            &mut || {
+                moe.forward(&xs).unwrap();
+            },
+        );
+        eager(
+            &format!("prefill {rows}x{n} MoE, candle's grouped GEMM"),
+            &mut || {
+                moe.forward_grouped(&xs, true).unwrap();
+            },
+        );
+        eager(
+            &format!("prefill {rows}x{n} MoE, gathered GEMMs"),
+            &mut || {
+                moe.forward_gathered_for_test(&xs).unwrap();
+            },
+        );
     }
 }

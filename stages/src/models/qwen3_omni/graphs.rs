@@ -96,6 +96,67 @@ impl StepGraph {
         }
     }
 
+    /// Replays the captured step on a stream of the highest priority, ordered after
+    /// the work already queued on the calling thread's stream (which waits for the
+    /// replay in turn). The GPU's block scheduler then serves this graph's kernels
+    /// before other streams' pending ones: the Talker's steps are not starved by the
+    /// Thinker's back-to-back replays, which share the GPU.
+    pub fn launch_urgent(&self, device: &Device) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            use candle_core::cuda::cudarc::driver::{result, sys, CudaStream};
+            use std::cell::RefCell;
+            use std::sync::Arc;
+            /// A stream made with the raw driver call: cudarc's own constructors would
+            /// put the context in multi-stream mode, whose per-tensor event tracking
+            /// breaks later captures and taxes every launch. The engine orders its
+            /// streams itself (the joins below).
+            struct Urgent(Arc<CudaStream>, sys::CUstream);
+            impl Drop for Urgent {
+                fn drop(&mut self) {
+                    // SAFETY: made below and owned here; nothing uses it after its thread.
+                    let _ = unsafe { result::stream::destroy(self.1) };
+                }
+            }
+            thread_local! {
+                static URGENT: RefCell<Option<Urgent>> = const { RefCell::new(None) };
+            }
+            let main = device.as_cuda_device()?.cuda_stream();
+            let urgent = URGENT.with(|u| -> Result<Arc<CudaStream>> {
+                let mut u = u.borrow_mut();
+                if let Some(s) = u.as_ref() {
+                    return Ok(s.0.clone());
+                }
+                main.context()
+                    .bind_to_thread()
+                    .map_err(|e| driver_err("context", e))?;
+                let (_, greatest) =
+                    result::stream::get_priority_range().map_err(|e| driver_err("priority", e))?;
+                let raw = result::stream::create_with_priority(
+                    result::stream::StreamKind::NonBlocking,
+                    greatest,
+                )
+                .map_err(|e| driver_err("stream", e))?;
+                // SAFETY: a valid stream of this context, destroyed only by `Urgent`,
+                // which outlives every use (the wrapper is only used on this thread).
+                let s = unsafe { main.context().wrap_borrowed_stream(raw) };
+                *u = Some(Urgent(s.clone(), raw));
+                Ok(s)
+            })?;
+            urgent.join(&main).map_err(|e| driver_err("order", e))?;
+            // SAFETY: the executable graph lives as long as `self`; any stream of its
+            // context may launch it, and the joins order it with candle's stream.
+            unsafe { result::graph::launch(self.graph.cu_graph_exec(), urgent.cu_stream()) }
+                .map_err(|e| driver_err("launch", e))?;
+            main.join(&urgent).map_err(|e| driver_err("order", e))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = device;
+            candle_core::bail!("CUDA graphs need the cuda build")
+        }
+    }
+
     /// Replays the captured step (asynchronously, on the calling thread's stream).
     pub fn launch(&self) -> Result<()> {
         #[cfg(feature = "cuda")]
@@ -107,6 +168,55 @@ impl StepGraph {
             candle_core::bail!("CUDA graphs need the cuda build")
         }
     }
+}
+
+/// Host-side priority between the stages of one GPU. CUDA graphs replay back to
+/// back, and the Thinker's keep the GPU full; the Talker's prefill and Code2Wav
+/// run eagerly, kernel by kernel on a stream of the same priority, so each of
+/// their kernels waits behind the Thinker's and first audio comes when the answer
+/// is nearly written. A stage in such a section holds an [`UrgentSection`]; the
+/// Thinker waits for it ([`yield_to_urgent`]) before it queues its next step.
+/// `OMNISTREAM_STAGE_PRIORITY=off` turns the wait off, `=N` caps it at N ms
+/// instead of the caller's cap (for measurement).
+static URGENT_SECTIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// While alive, the Thinker holds back its next step (see [`yield_to_urgent`]).
+#[derive(Debug)]
+pub struct UrgentSection(());
+
+impl UrgentSection {
+    pub fn enter() -> Self {
+        URGENT_SECTIONS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self(())
+    }
+}
+
+impl Drop for UrgentSection {
+    fn drop(&mut self) {
+        URGENT_SECTIONS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Waits, at most `max`, while another stage is in an [`UrgentSection`]; returns
+/// how long it waited. At most one step of the caller is then in flight on the GPU
+/// (its steps end in a copy to the host), so urgent work waits for that one only.
+pub fn yield_to_urgent(max: std::time::Duration) -> std::time::Duration {
+    static CAP: std::sync::OnceLock<Option<Option<std::time::Duration>>> =
+        std::sync::OnceLock::new();
+    let cap = *CAP.get_or_init(|| match std::env::var("OMNISTREAM_STAGE_PRIORITY") {
+        Ok(v) if v == "off" => None,
+        Ok(v) => Some(v.parse().ok().map(std::time::Duration::from_millis)),
+        Err(_) => Some(None),
+    });
+    let Some(cap) = cap else {
+        return std::time::Duration::ZERO;
+    };
+    let max = cap.unwrap_or(max);
+    let start = std::time::Instant::now();
+    while URGENT_SECTIONS.load(std::sync::atomic::Ordering::SeqCst) > 0 && start.elapsed() < max {
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
+    start.elapsed()
 }
 
 /// Whether decode steps on `device` can run as graphs (a CUDA device in the cuda build).

@@ -31,6 +31,8 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{Activation, Linear, VarBuilder};
+
+use super::kernels;
 use serde::Deserialize;
 
 /// The additive value of a hidden position in an attention mask. Finite (not -inf), so a
@@ -460,6 +462,14 @@ impl SlotBatch {
             kv_len,
         })
     }
+
+    /// [`Self::from_device`] for rows in any slots: `slots` `(b,)` u32 on the device.
+    pub fn from_device_in(scatter: Tensor, mask: Tensor, slots: Tensor) -> Result<Self> {
+        Ok(Self {
+            gather: Some(slots),
+            ..Self::from_device(scatter, mask)?
+        })
+    }
 }
 
 impl KvSlots {
@@ -529,6 +539,16 @@ impl KvSlots {
     /// keys/values over the batch's positions, `(b, kv_heads, kv_len, d)`: views when
     /// the rows are slots `0..b`, else gathered copies.
     pub fn append(&self, batch: &SlotBatch, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.write(batch, k, v)?;
+        let view = |t: &Tensor| match &batch.gather {
+            None => t.narrow(0, 0, batch.batch)?.narrow(2, 0, batch.kv_len),
+            Some(ids) => t.index_select(ids, 0)?.narrow(2, 0, batch.kv_len),
+        };
+        Ok((view(&self.k)?, view(&self.v)?))
+    }
+
+    /// Writes the batch's new `(b, kv_heads, 1, d)` keys/values into their slots.
+    fn write(&self, batch: &SlotBatch, k: &Tensor, v: &Tensor) -> Result<()> {
         let (slots, kvh, max_len, d) = self.k.dims4()?;
         let flat = (slots * kvh * max_len, d);
         let rows = (batch.batch * kvh, d);
@@ -537,12 +557,7 @@ impl KvSlots {
             .scatter_set(&batch.scatter, &k.contiguous()?.reshape(rows)?, 0)?;
         self.v
             .reshape(flat)?
-            .scatter_set(&batch.scatter, &v.contiguous()?.reshape(rows)?, 0)?;
-        let view = |t: &Tensor| match &batch.gather {
-            None => t.narrow(0, 0, batch.batch)?.narrow(2, 0, batch.kv_len),
-            Some(ids) => t.index_select(ids, 0)?.narrow(2, 0, batch.kv_len),
-        };
-        Ok((view(&self.k)?, view(&self.v)?))
+            .scatter_set(&batch.scatter, &v.contiguous()?.reshape(rows)?, 0)
     }
 }
 
@@ -608,6 +623,9 @@ fn repeat_kv(x: Tensor, n_rep: usize) -> Result<Tensor> {
 /// code predictor): GQA with per-head q/k RMSNorm before the rotary embedding.
 #[derive(Debug, Clone)]
 pub struct Attention {
+    /// On a GPU in bf16 (no bias): q, k and v stacked `(heads + 2 * kv_heads) * d`
+    /// rows for the decode step's single projection; the three below are views of it.
+    qkv: Option<Linear>,
     q_proj: Linear,
     k_proj: Linear,
     v_proj: Linear,
@@ -629,10 +647,24 @@ impl Attention {
             cfg.hidden_size,
         );
         let bias = cfg.attention_bias;
+        let mut q_proj = linear(hs, h * hd, bias, vb.pp("q_proj"))?;
+        let mut k_proj = linear(hs, kvh * hd, bias, vb.pp("k_proj"))?;
+        let mut v_proj = linear(hs, kvh * hd, bias, vb.pp("v_proj"))?;
+        let qkv = if vb.device().is_cuda() && vb.dtype() == DType::BF16 && !bias {
+            let w = Tensor::cat(&[q_proj.weight(), k_proj.weight(), v_proj.weight()], 0)?;
+            // One copy of the weights: the separate projections become views.
+            q_proj = Linear::new(w.narrow(0, 0, h * hd)?, None);
+            k_proj = Linear::new(w.narrow(0, h * hd, kvh * hd)?, None);
+            v_proj = Linear::new(w.narrow(0, (h + kvh) * hd, kvh * hd)?, None);
+            Some(Linear::new(w, None))
+        } else {
+            None
+        };
         Ok(Self {
-            q_proj: linear(hs, h * hd, bias, vb.pp("q_proj"))?,
-            k_proj: linear(hs, kvh * hd, bias, vb.pp("k_proj"))?,
-            v_proj: linear(hs, kvh * hd, bias, vb.pp("v_proj"))?,
+            qkv,
+            q_proj,
+            k_proj,
+            v_proj,
             o_proj: linear(h * hd, hs, bias, vb.pp("o_proj"))?,
             q_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("q_norm"))?,
             k_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("k_norm"))?,
@@ -680,6 +712,13 @@ impl Attention {
         let k = repeat_kv(k, n_rep)?.contiguous()?;
         let v = repeat_kv(v, n_rep)?.contiguous()?;
         let dtype = q.dtype();
+        if q.device().is_cuda() && dtype == DType::BF16 && kernels::enabled() {
+            // Scale, mask and softmax in one pass (kernels/attention.cu).
+            let probs = kernels::masked_softmax(&q.matmul(&k.t()?)?, mask, self.scaling)?;
+            let out = probs.matmul(&v)?;
+            let out = out.transpose(1, 2)?.reshape((b, s, self.num_heads * hd))?;
+            return self.o_proj.forward(&out);
+        }
         let scores = (q.matmul(&k.t()?)? * self.scaling)?.to_dtype(DType::F32)?;
         let probs = match mask {
             Some(m) => {
@@ -721,6 +760,38 @@ impl Attention {
             );
         }
         let (hd, kvh) = (self.head_dim, self.num_kv_heads);
+        let fused = match &self.qkv {
+            Some(qkv)
+                if kernels::enabled() && kernels::attention_supported(self.num_heads, kvh, hd) =>
+            {
+                Some(qkv)
+            }
+            _ => None,
+        };
+        if let Some(qkv) = fused {
+            // Three launches (kernels/attention.cu): the q/k/v projection, norms +
+            // rotary + KV writes, attention over each row's own positions.
+            let qkv = qkv.forward(x)?.reshape((b, ()))?;
+            let q = kernels::qk_norm_rope(
+                &qkv,
+                &self.q_norm.weight_native,
+                &self.k_norm.weight_native,
+                self.q_norm.eps,
+                cos,
+                sin,
+                &batch.scatter,
+                &slots.k,
+                &slots.v,
+                self.num_heads,
+                kvh,
+            )?;
+            let rows = batch.gather.as_ref();
+            let out =
+                kernels::decode_attention(&q, &slots.k, &slots.v, &batch.mask, rows, self.scaling)?;
+            return self
+                .o_proj
+                .forward(&out.reshape((b, 1, self.num_heads * hd))?);
+        }
         let q = self
             .q_proj
             .forward(x)?
@@ -731,6 +802,19 @@ impl Attention {
         let k = self.k_norm.forward(&k)?.transpose(1, 2)?;
         let (q, k) = apply_rotary_pos_emb(&q, &k, cos, sin)?;
         let (k, v) = slots.append(batch, &k, &v)?;
+        self.slot_attention(&q, &k, &v, batch)
+    }
+
+    /// Attention of one query per row `(b, heads, 1, d)` over the rows' keys/values
+    /// `(b, kv_heads, kv_len, d)` through the batch's mask, then `o_proj`.
+    fn slot_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        batch: &SlotBatch,
+    ) -> Result<Tensor> {
+        let (hd, kvh, b) = (self.head_dim, self.num_kv_heads, batch.batch);
         let n_rep = self.num_heads / kvh;
         let q = q.reshape((b, kvh, n_rep, hd))?;
         let dtype = q.dtype();
@@ -848,8 +932,9 @@ fn use_fused_moe(device: &Device, dtype: DType) -> bool {
 }
 
 /// Past this many (token, choice) pairs, a GPU MoE layer runs one cuBLAS GEMM per
-/// expert instead of the grouped kernel, whose prefill path suits few tokens per
-/// expert (docs/bench/gpu.md measures both). `OMNISTREAM_MOE_GROUPED_MAX_PAIRS`
+/// expert on gathered rows ([`SparseMoe::forward_gathered`]) instead of the grouped
+/// kernel, whose prefill path suits few tokens per expert (docs/bench/gpu.md
+/// measures both). `OMNISTREAM_MOE_GROUPED_MAX_PAIRS`
 /// overrides it, for that measurement.
 fn grouped_max_pairs() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -859,116 +944,6 @@ fn grouped_max_pairs() -> usize {
             .and_then(|v| v.parse().ok())
             .unwrap_or(4096)
     })
-}
-
-/// The engine's grouped GEMV (`kernels/moe_gemv.cu`) for decode steps, with the
-/// contract of `candle_nn::moe::moe_gemm`: `x` `(rows, k)`, `w` `(experts, n, k)`,
-/// pairs `sorted` by expert with their `experts`; returns `(pairs, n)`. bf16.
-#[cfg(feature = "cuda")]
-fn moe_gemv(
-    x: &Tensor,
-    w: &Tensor,
-    pair_weights: Option<&Tensor>,
-    sorted: &Tensor,
-    experts: &Tensor,
-    topk: usize,
-) -> Result<Tensor> {
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::WrapErr;
-    use candle_core::Storage;
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe_gemv.ptx"));
-    const WARPS: u32 = 4;
-    const ROWS_PER_WARP: u32 = 4;
-    let (x, w, sorted, experts) = (
-        x.contiguous()?,
-        w.contiguous()?,
-        sorted.contiguous()?,
-        experts.contiguous()?,
-    );
-    let (n_experts, n, k) = w.dims3()?;
-    let (_, kx) = x.dims2()?;
-    let p = sorted.dim(0)?;
-    if kx != k || k % 8 != 0 || x.dtype() != DType::BF16 || w.dtype() != DType::BF16 {
-        candle_core::bail!(
-            "moe_gemv: bf16 x {:?} and w {:?}, k a multiple of 8",
-            x.dims(),
-            w.dims()
-        );
-    }
-    let dev = x.device().as_cuda_device()?;
-    let func = dev.get_or_load_custom_func("moe_gemv_bf16", "omnistream_moe_gemv", PTX)?;
-    let out = unsafe { dev.alloc::<half::bf16>(p * n) }?;
-    let pw = pair_weights
-        .map(|t| t.to_dtype(DType::F32)?.contiguous())
-        .transpose()?;
-    // Views at each tensor's offset (the storage guards outlive them); 16-byte
-    // loads need x and w rows aligned.
-    fn view<'a, T: candle_core::cuda_backend::CudaDType>(
-        st: &'a Storage,
-        l: &candle_core::Layout,
-    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-        match st {
-            Storage::Cuda(c) => Ok(c.as_cuda_slice::<T>()?.slice(l.start_offset()..)),
-            _ => candle_core::bail!("moe_gemv: not a CUDA tensor"),
-        }
-    }
-    let (x_st, x_l) = x.storage_and_layout();
-    let (w_st, w_l) = w.storage_and_layout();
-    let (s_st, s_l) = sorted.storage_and_layout();
-    let (e_st, e_l) = experts.storage_and_layout();
-    if x_l.start_offset() % 8 != 0 || w_l.start_offset() % 8 != 0 {
-        candle_core::bail!("moe_gemv: unaligned inputs");
-    }
-    let xs = view::<half::bf16>(&x_st, x_l)?;
-    let ws = view::<half::bf16>(&w_st, w_l)?;
-    let ss = view::<u32>(&s_st, s_l)?;
-    let es = view::<u32>(&e_st, e_l)?;
-    let cfg = LaunchConfig {
-        grid_dim: (
-            n_experts as u32,
-            (n as u32).div_ceil(WARPS * ROWS_PER_WARP),
-            1,
-        ),
-        block_dim: (WARPS * 32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (p_i, n_i, k_i, topk_i) = (p as i32, n as i32, k as i32, topk as i32);
-    let mut b = func.builder();
-    b.arg(&xs).arg(&ws).arg(&ss).arg(&es);
-    let null = 0u64;
-    let pw_guard = pw.as_ref().map(|t| t.storage_and_layout());
-    let pw_view = match &pw_guard {
-        Some((st, l)) => Some(view::<f32>(st, l)?),
-        None => None,
-    };
-    match &pw_view {
-        Some(v) => b.arg(v),
-        None => b.arg(&null),
-    };
-    b.arg(&out).arg(&p_i).arg(&n_i).arg(&k_i).arg(&topk_i);
-    // SAFETY: the arguments match the kernel's signature; every index it forms is
-    // within the shapes checked above (pairs index rows of x by the contract).
-    unsafe { b.launch(cfg) }.w()?;
-    drop(b);
-    let out = candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone());
-    Ok(Tensor::from_storage(
-        Storage::Cuda(out),
-        (p, n),
-        candle_core::op::BackpropOp::none(),
-        false,
-    ))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn moe_gemv(
-    _x: &Tensor,
-    _w: &Tensor,
-    _pair_weights: Option<&Tensor>,
-    _sorted: &Tensor,
-    _experts: &Tensor,
-    _topk: usize,
-) -> Result<Tensor> {
-    candle_core::bail!("moe_gemv needs the cuda build")
 }
 
 /// Up to this many tokens, the grouped MoE kernel runs its decode configuration:
@@ -1032,13 +1007,13 @@ impl SparseMoe {
         }
         let (expert_ids, sorted) = sort_by_expert(&idx.flatten_all()?)?;
         let top = top.contiguous()?;
-        // Decode steps in bf16: the engine's grouped GEMV (kernels/moe_gemv.cu),
-        // which streams each routed expert's weights at full width; else candle's
+        // Decode steps in bf16: the engine's grouped GEMV (kernels/moe.cu), which
+        // streams each routed expert's weights at full width; else candle's
         // grouped GEMM.
         let gemv = !prefill && xs.dtype() == DType::BF16;
         let grouped = |x: &Tensor, w: &Tensor, pair_weights: Option<&Tensor>| {
             if gemv {
-                moe_gemv(x, w, pair_weights, &sorted, &expert_ids, self.top_k)
+                kernels::moe_gemv(x, w, pair_weights, &sorted, &expert_ids, self.top_k)
             } else {
                 let pw = pair_weights.cloned();
                 candle_nn::moe::moe_gemm(x, w, &pw, &sorted, &expert_ids, self.top_k, prefill)
@@ -1052,6 +1027,31 @@ impl SparseMoe {
         out.reshape((n, self.top_k, hidden))?.sum(1)
     }
 
+    /// Whether `n` tokens `xs` take [`Self::forward_decode`]: bf16 on a GPU (stacked
+    /// experts), few enough tokens for one routing block, SiLU experts.
+    fn decode_kernels(&self, xs: &Tensor, n: usize) -> bool {
+        xs.dtype() == DType::BF16
+            && n <= kernels::ROUTE_MAX_TOKENS
+            && self.act == Activation::Silu
+            && kernels::enabled()
+    }
+
+    /// A decode step's routed experts in four launches of the engine's kernels
+    /// (kernels/moe.cu): routing (softmax, top-k, sort, the routed experts' list),
+    /// gate/up with the SwiGLU, down weighted by the router, the sum over the
+    /// choices. Only the routed experts' blocks launch, and each reads its weights once.
+    fn forward_decode(
+        &self,
+        xs: &Tensor,
+        logits: &Tensor,
+        gate_up: &Tensor,
+        down: &Tensor,
+    ) -> Result<Tensor> {
+        let routing = kernels::moe_route(logits, self.top_k, self.norm_topk_prob)?;
+        let h = kernels::moe_gate_up(xs, gate_up, &routing)?;
+        kernels::moe_sum(&kernels::moe_down(&h, down, &routing)?, self.top_k)
+    }
+
     /// The routed experts of `x` `(n, hidden)` through the grouped kernel in its
     /// prefill or decode configuration (tests compare and time the two).
     #[cfg(all(test, feature = "cuda"))]
@@ -1063,6 +1063,23 @@ impl SparseMoe {
         let probs =
             candle_nn::ops::softmax_last_dim(&self.gate.forward(&xs)?.to_dtype(DType::F32)?)?;
         self.forward_fused(&xs, &probs, gate_up, down, prefill)
+    }
+
+    /// The decode kernels' parts for `x` `(n, hidden)` (GPU tests): the router
+    /// logits, the routing, the routed experts' sum, and the stacked weights.
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn decode_parts(
+        &self,
+        x: &Tensor,
+    ) -> Result<(Tensor, kernels::Routing, Tensor, Tensor, Tensor)> {
+        let Some((gate_up, down)) = &self.fused else {
+            candle_core::bail!("no stacked experts (a GPU in bf16/f16 has them)");
+        };
+        let xs = x.contiguous()?;
+        let logits = self.gate.forward(&xs)?;
+        let routing = kernels::moe_route(&logits, self.top_k, self.norm_topk_prob)?;
+        let out = self.forward_decode(&xs, &logits, gate_up, down)?;
+        Ok((logits, routing, out, gate_up.clone(), down.clone()))
     }
 
     /// Expert `e`'s SwiGLU on `x`, from the per-expert MLPs or the stacked weights.
@@ -1079,9 +1096,92 @@ impl SparseMoe {
         }
     }
 
-    /// The routed experts one by one on the tokens routed to each: the CPU path, and
-    /// on the GPU the long prefills, where one cuBLAS GEMM per expert beats the
-    /// grouped kernel.
+    /// Long prefills on the GPU: the pairs ordered by expert on the host (one copy
+    /// of the routing each way), the tokens gathered once in that order, then per
+    /// routed expert one cuBLAS GEMM for gate/up and one for down on its contiguous
+    /// rows, the SwiGLU over all pairs at once, and the weighted rows gathered back
+    /// to their tokens and summed over the choices.
+    fn forward_gathered(
+        &self,
+        xs: &Tensor,
+        probs: &Tensor,
+        gate_up: &Tensor,
+        down: &Tensor,
+    ) -> Result<Tensor> {
+        let n = xs.dim(0)?;
+        let n_experts = probs.dim(1)?;
+        let inter = down.dim(2)?;
+        let (idx, top) = self.route(probs)?;
+        let idx = idx.to_vec2::<u32>()?;
+        let top = top.to_vec2::<f32>()?;
+        let mut start = vec![0usize; n_experts + 1];
+        for &e in idx.iter().flatten() {
+            start[e as usize + 1] += 1;
+        }
+        for e in 0..n_experts {
+            start[e + 1] += start[e];
+        }
+        let pairs = start[n_experts];
+        let mut at = start.clone();
+        let mut tokens = vec![0u32; pairs];
+        let mut weights = vec![0f32; pairs];
+        // Where each (token, choice) pair's row lands in expert order.
+        let mut rows = vec![0u32; pairs];
+        for t in 0..n {
+            let sum: f32 = top[t].iter().sum();
+            for (j, &e) in idx[t].iter().enumerate() {
+                let slot = &mut at[e as usize];
+                tokens[*slot] = t as u32;
+                weights[*slot] = if self.norm_topk_prob {
+                    top[t][j] / sum
+                } else {
+                    top[t][j]
+                };
+                rows[t * self.top_k + j] = *slot as u32;
+                *slot += 1;
+            }
+        }
+        let dev = xs.device();
+        let ids = Tensor::from_vec(tokens, pairs, dev)?;
+        let rows = Tensor::from_vec(rows, pairs, dev)?;
+        let w = Tensor::from_vec(weights, (pairs, 1), dev)?.to_dtype(xs.dtype())?;
+        let xg = xs.index_select(&ids, 0)?;
+        let routed: Vec<(usize, usize, usize)> = (0..n_experts)
+            .filter(|&e| start[e + 1] > start[e])
+            .map(|e| (e, start[e], start[e + 1] - start[e]))
+            .collect();
+        let per_expert = |x: &Tensor, w: &Tensor| -> Result<Tensor> {
+            let parts = routed
+                .iter()
+                .map(|&(e, lo, len)| x.narrow(0, lo, len)?.matmul(&w.get(e)?.t()?))
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&parts, 0)
+        };
+        let gu = per_expert(&xg, gate_up)?;
+        let g = gu.narrow(1, 0, inter)?.apply(&self.act)?;
+        let h = (g * gu.narrow(1, inter, inter)?)?;
+        let y = per_expert(&h, down)?.broadcast_mul(&w)?;
+        // Back in token order (a gather: candle's index_add walks the pairs serially).
+        let hidden = xs.dim(1)?;
+        y.index_select(&rows, 0)?
+            .reshape((n, self.top_k, hidden))?
+            .sum(1)
+    }
+
+    /// The routed experts of `x` `(n, hidden)` through [`Self::forward_gathered`]
+    /// (GPU tests time it against the grouped kernel).
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn forward_gathered_for_test(&self, x: &Tensor) -> Result<Tensor> {
+        let Some((gate_up, down)) = &self.fused else {
+            candle_core::bail!("no stacked experts (a GPU in bf16/f16 has them)");
+        };
+        let xs = x.contiguous()?;
+        let probs =
+            candle_nn::ops::softmax_last_dim(&self.gate.forward(&xs)?.to_dtype(DType::F32)?)?;
+        self.forward_gathered(&xs, &probs, gate_up, down)
+    }
+
+    /// The routed experts one by one on the tokens routed to each: the CPU path.
     fn forward_experts(&self, xs: &Tensor, probs: &Tensor) -> Result<Tensor> {
         let n = xs.dim(0)?;
         let (idx, top) = self.route(probs)?;
@@ -1133,14 +1233,22 @@ impl Module for SparseMoe {
         let hidden = *dims.last().unwrap_or(&0);
         let xs = x.reshape(((), hidden))?.contiguous()?;
         let logits = self.gate.forward(&xs)?;
-        let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
-        let pairs = xs.dim(0)? * self.top_k;
+        let n = xs.dim(0)?;
         let mut out = match &self.fused {
-            Some((gate_up, down)) if pairs <= grouped_max_pairs() => {
-                let n = xs.dim(0)?;
-                self.forward_fused(&xs, &probs, gate_up, down, n > GROUPED_DECODE_MAX_TOKENS)?
+            Some((gate_up, down)) if self.decode_kernels(&xs, n) => {
+                self.forward_decode(&xs, &logits, gate_up, down)?
             }
-            _ => self.forward_experts(&xs, &probs)?,
+            _ => {
+                let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+                match &self.fused {
+                    Some((gate_up, down)) if n * self.top_k <= grouped_max_pairs() => {
+                        let prefill = n > GROUPED_DECODE_MAX_TOKENS;
+                        self.forward_fused(&xs, &probs, gate_up, down, prefill)?
+                    }
+                    Some((gate_up, down)) => self.forward_gathered(&xs, &probs, gate_up, down)?,
+                    None => self.forward_experts(&xs, &probs)?,
+                }
+            }
         };
         if let Some((mlp, gate)) = &self.shared_expert {
             let shared = mlp.forward(&xs)?;
@@ -1294,13 +1402,21 @@ fn per_expert_gemm_matches_grouped_kernel_on_gpu() {
     let logits = moe.gate.forward(&xs).unwrap();
     let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32).unwrap()).unwrap();
     let grouped = moe.forward_fused(&xs, &probs, gate_up, down, true).unwrap();
-    let gemm = moe.forward_experts(&xs, &probs).unwrap();
-    let err = fixtures::max_abs_diff(&grouped, &gemm);
     let scale = fixtures::max_abs_diff(&grouped, &grouped.zeros_like().unwrap());
-    eprintln!(
-        "2,500 tokens: per-expert GEMM vs grouped kernel {err:.2e} (max |value| {scale:.2e})"
-    );
-    assert!(err <= 0.02 * scale, "the MoE paths differ by {err}");
+    for (what, got) in [
+        ("per-expert GEMM", moe.forward_experts(&xs, &probs).unwrap()),
+        (
+            "gathered GEMM",
+            moe.forward_gathered(&xs, &probs, gate_up, down).unwrap(),
+        ),
+    ] {
+        let err = fixtures::max_abs_diff(&grouped, &got);
+        eprintln!("2,500 tokens: {what} vs grouped kernel {err:.2e} (max |value| {scale:.2e})");
+        assert!(
+            err <= 0.02 * scale,
+            "{what} differs from the grouped kernel by {err}"
+        );
+    }
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ pub mod audio_encoder;
 pub mod code2wav;
 pub mod code_predictor;
 pub mod graphs;
+pub mod kernels;
 pub mod layers;
 pub mod omni;
 pub mod sampling;

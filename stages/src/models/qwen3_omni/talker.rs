@@ -24,6 +24,7 @@
 //!   [`TalkerOutput`], [`TalkerStep`], [`TtsEmbeds`], [`ResizeMlp`].
 
 use super::code_predictor::{CodePredictor, CodePredictorConfig, PredictorGraphs};
+use super::graphs;
 use super::layers::{
     self, DecoderConfig, DecoderLayer, FeedForward, KvCache, KvSlots, RmsNorm, RotaryEmbedding,
     SlotBatch, SparseMoe,
@@ -32,7 +33,8 @@ use super::sampling::{samples_on_device, Sampler, SamplingConfig};
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Activation, Embedding, Linear, VarBuilder};
 use serde::Deserialize;
-use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
 
 fn default_groups() -> usize {
     16
@@ -210,6 +212,58 @@ fn device_draw(dev: &candle_core::Device, samplers: &[Sampler]) -> Option<Sampli
 }
 
 /// A running batch's rows for [`Talker::step_slots`].
+/// One captured Talker decode step (layers, norm, codec head) and the persistent
+/// tensors it reads (inputs, positions, scatter rows, mask, slots) and writes
+/// (final hidden states, code-0 logits).
+#[derive(Debug)]
+struct DecodeGraph {
+    graph: graphs::StepGraph,
+    inputs: [Tensor; 5],
+    hidden: Tensor,
+    logits: Tensor,
+}
+
+/// The Talker's captured steps by bucket `(rows, kv_len)` and the code predictor's
+/// frames, owned by the stage that steps with them. Padded rows of a bucket write
+/// into scratch slots: the KV slots from `scratch` on, which no request holds.
+#[derive(Debug)]
+pub struct TalkerGraphs {
+    steps: HashMap<(usize, usize), DecodeGraph>,
+    failed: HashSet<(usize, usize)>,
+    scratch: usize,
+    pub predictor: PredictorGraphs,
+}
+
+impl TalkerGraphs {
+    /// Graphs for KV slots whose slots from `scratch` on are left to padded rows.
+    pub fn new(scratch: usize) -> Self {
+        Self {
+            steps: HashMap::new(),
+            failed: HashSet::new(),
+            scratch,
+            predictor: PredictorGraphs::default(),
+        }
+    }
+
+    /// Scratch slots a running batch of up to `max_batch` rows needs for padding.
+    pub fn scratch_slots(max_batch: usize) -> usize {
+        (1..=max_batch)
+            .filter_map(|b| {
+                graphs::BATCH_BUCKETS
+                    .iter()
+                    .find(|&&n| n >= b)
+                    .map(|n| n - b)
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Decode steps captured so far.
+    pub fn captured(&self) -> usize {
+        self.steps.len()
+    }
+}
+
 pub struct SlotRows<'a> {
     /// Each row's KV slot.
     pub slots: &'a [usize],
@@ -620,16 +674,41 @@ impl Talker {
         slot: usize,
         state: &TalkerState,
     ) -> Result<(usize, u32, Tensor)> {
-        if state.batch_size() != 1 || state.padding.is_some() {
-            candle_core::bail!("load_slot takes one unpadded request");
+        if state.batch_size() != 1 {
+            candle_core::bail!("load_slot takes one request");
         }
+        self.load_slot_row(slots, slot, state, 0)
+    }
+
+    /// Moves row `row` of a prefilled (left-padded) `state` into `slot`, without its
+    /// padding; returns its cached length, its next rotary position and its last
+    /// hidden state `(1, 1, hidden)`.
+    pub fn load_slot_row(
+        &self,
+        slots: &[KvSlots],
+        slot: usize,
+        state: &TalkerState,
+        row: usize,
+    ) -> Result<(usize, u32, Tensor)> {
+        let Some(&next) = state.next_pos.get(row) else {
+            candle_core::bail!("load_slot: the state has no row {row}");
+        };
+        let start = match &state.padding {
+            Some(p) => p
+                .get(row)?
+                .to_vec1::<f32>()?
+                .iter()
+                .take_while(|&&m| m == 0.0)
+                .count(),
+            None => 0,
+        };
         for (s, kv) in slots.iter().zip(&state.caches) {
-            s.load(slot, kv, 0, 0)?;
+            s.load(slot, kv, row, start)?;
         }
         Ok((
-            state.seq_len(),
-            state.next_pos[0],
-            state.last_hidden.clone(),
+            state.seq_len() - start,
+            next,
+            state.last_hidden.narrow(0, row, 1)?,
         ))
     }
 
@@ -643,25 +722,202 @@ impl Talker {
         code0: &[u32],
         text: &Tensor,
         cp_samplers: &mut [Sampler],
-        graphs: Option<&mut PredictorGraphs>,
+        mut graphs: Option<&mut TalkerGraphs>,
     ) -> Result<(TalkerStep, Tensor)> {
         let b = code0.len();
-        let Some(first) = slots.first() else {
+        if slots.is_empty() {
             candle_core::bail!("step_slots: no slots");
-        };
+        }
         if rows.slots.len() != b || rows.lens.len() != b || rows.pos.len() != b {
             candle_core::bail!("step_slots: rows do not match {b} code-0s");
         }
+        let predictor = graphs.as_deref_mut().map(|g| &mut g.predictor);
         let (input, codes) =
-            self.frame(rows.last_hidden, code0, text, cp_samplers, true, graphs)?;
+            self.frame(rows.last_hidden, code0, text, cp_samplers, true, predictor)?;
+        let (hidden, logits) = self.decode_slots(slots, rows, &input, graphs)?;
+        Ok((TalkerStep { codes, logits }, hidden))
+    }
+
+    /// The decode step of `rows` fed `input` `(b, 1, hidden)`: graphed where a graph
+    /// applies, else eagerly. Returns the final hidden states and code-0 logits.
+    pub(crate) fn decode_slots(
+        &self,
+        slots: &[KvSlots],
+        rows: &SlotRows,
+        input: &Tensor,
+        graphs: Option<&mut TalkerGraphs>,
+    ) -> Result<(Tensor, Tensor)> {
+        if let Some(g) = graphs {
+            if let Some(out) = self.decode_graphed(g, slots, rows, input)? {
+                return Ok(out);
+            }
+        }
+        let Some(first) = slots.first() else {
+            candle_core::bail!("step_slots: no slots");
+        };
+        let b = rows.slots.len();
         let dev = rows.last_hidden.device();
         let pos = Tensor::from_vec(rows.pos.to_vec(), (1, b, 1), dev)?
             .broadcast_as((3, b, 1))?
             .contiguous()?;
         let batch = SlotBatch::new(first, rows.slots, rows.lens)?;
-        let hidden = self.model.forward_slots(&input, &pos, slots, &batch)?;
+        let hidden = self.model.forward_slots(input, &pos, slots, &batch)?;
         let logits = self.codec_logits(&hidden)?;
-        Ok((TalkerStep { codes, logits }, hidden))
+        Ok((hidden, logits))
+    }
+
+    /// The decode step of `rows` fed `input` `(b, 1, hidden)` through a CUDA graph of
+    /// its bucket, replayed on the urgent stream (captured on first use from this
+    /// real step, or by [`Self::warm_up_graphs`]). Returns the final hidden states
+    /// and code-0 logits, or `None` where no graph applies (past the largest bucket,
+    /// too few scratch slots, a capture that failed): the caller steps eagerly.
+    fn decode_graphed(
+        &self,
+        g: &mut TalkerGraphs,
+        slots: &[KvSlots],
+        rows: &SlotRows,
+        input: &Tensor,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let Some(first) = slots.first() else {
+            return Ok(None);
+        };
+        let b = rows.slots.len();
+        let kv_len = rows.lens.iter().map(|l| l + 1).max().unwrap_or(0);
+        let Some(key) = graphs::bucket(b, kv_len, first.slots(), first.max_len()) else {
+            return Ok(None);
+        };
+        if g.failed.contains(&key) || g.scratch + (key.0 - b) > first.slots() {
+            return Ok(None);
+        }
+        let host = self.graph_inputs(rows, key, g.scratch, first)?;
+        let step = match g.steps.entry(key) {
+            Entry::Occupied(e) => {
+                let step = e.into_mut();
+                step.inputs[0].slice_set(&input.contiguous()?, 0, 0)?;
+                for (dst, src) in step.inputs[1..].iter().zip(&host) {
+                    dst.slice_set(src, 0, 0)?;
+                }
+                step.graph.launch_urgent(input.device())?;
+                step
+            }
+            Entry::Vacant(e) => match self.capture_decode(key, input, host, slots) {
+                Ok(step) => e.insert(step),
+                Err(err) => {
+                    tracing::warn!(
+                        "Talker decode graph for {} rows, {} positions: {err}; \
+                         that bucket runs eagerly",
+                        key.0,
+                        key.1
+                    );
+                    g.failed.insert(key);
+                    return Ok(None);
+                }
+            },
+        };
+        // Copies: the next replay overwrites the persistent outputs.
+        Ok(Some((
+            step.hidden.narrow(0, 0, b)?.copy()?,
+            step.logits.narrow(0, 0, b)?.copy()?,
+        )))
+    }
+
+    /// A graphed step's positions `(3, bb, 1)`, scatter rows, mask and slots at bucket
+    /// `(bb, ll)`: rows past the batch decode at position 0 of the scratch slots.
+    fn graph_inputs(
+        &self,
+        rows: &SlotRows,
+        (bb, ll): (usize, usize),
+        scratch: usize,
+        first: &KvSlots,
+    ) -> Result<[Tensor; 4]> {
+        let b = rows.slots.len();
+        let slots_p: Vec<usize> = rows
+            .slots
+            .iter()
+            .copied()
+            .chain(scratch..scratch + bb - b)
+            .collect();
+        let lens_p: Vec<usize> = rows
+            .lens
+            .iter()
+            .copied()
+            .chain(std::iter::repeat_n(0, bb - b))
+            .collect();
+        let pos_p: Vec<u32> = rows
+            .pos
+            .iter()
+            .copied()
+            .chain(std::iter::repeat_n(0, bb - b))
+            .collect();
+        let (scatter, mask) = SlotBatch::host(first, &slots_p, &lens_p, ll)?;
+        let (_, kvh, _, hd) = first.shape()?;
+        let dev = rows.last_hidden.device();
+        let ids: Vec<u32> = slots_p.iter().map(|&s| s as u32).collect();
+        Ok([
+            Tensor::from_vec(pos_p, (1, bb, 1), dev)?
+                .broadcast_as((3, bb, 1))?
+                .contiguous()?,
+            Tensor::from_vec(scatter, (bb * kvh, hd), dev)?,
+            Tensor::from_vec(mask, (bb, 1, 1, ll), dev)?,
+            Tensor::from_vec(ids, bb, dev)?,
+        ])
+    }
+
+    /// Runs the step of `input` and the host inputs of [`Self::graph_inputs`] and
+    /// captures it.
+    fn capture_decode(
+        &self,
+        (bb, _): (usize, usize),
+        input: &Tensor,
+        host: [Tensor; 4],
+        slots: &[KvSlots],
+    ) -> Result<DecodeGraph> {
+        let dev = input.device();
+        let (_, _, hidden) = input.dims3()?;
+        let x = Tensor::zeros((bb, 1, hidden), input.dtype(), dev)?;
+        x.slice_set(&input.contiguous()?, 0, 0)?;
+        let [pos, scatter, mask, ids] = host;
+        let out_hidden = Tensor::zeros((bb, 1, hidden), input.dtype(), dev)?;
+        let vocab = self.cfg.text_config.vocab_size;
+        let logits = Tensor::zeros((bb, vocab), DType::F32, dev)?;
+        let graph = graphs::StepGraph::capture(dev, || {
+            let batch = SlotBatch::from_device_in(scatter.clone(), mask.clone(), ids.clone())?;
+            let h = self.model.forward_slots(&x, &pos, slots, &batch)?;
+            logits.slice_set(&self.codec_logits(&h)?, 0, 0)?;
+            out_hidden.slice_set(&h, 0, 0)
+        })?;
+        Ok(DecodeGraph {
+            graph,
+            inputs: [x, pos, scatter, mask, ids],
+            hidden: out_hidden,
+            logits,
+        })
+    }
+
+    /// Captures, before any request runs, the decode steps of every batch bucket up
+    /// to `max_batch` at the first key/value bucket, on zero inputs in slots
+    /// `0..bucket` (free then: their positions are rewritten when requests load).
+    /// Returns how many there are.
+    pub fn warm_up_graphs(
+        &self,
+        g: &mut TalkerGraphs,
+        slots: &[KvSlots],
+        max_batch: usize,
+    ) -> Result<usize> {
+        let emb = self.model.codec_embedding.embeddings();
+        for &bb in graphs::BATCH_BUCKETS.iter().filter(|&&n| n <= max_batch) {
+            let ids: Vec<usize> = (0..bb).collect();
+            let (lens, pos) = (vec![0usize; bb], vec![0u32; bb]);
+            let hidden = Tensor::zeros((bb, 1, emb.dim(1)?), emb.dtype(), emb.device())?;
+            let rows = SlotRows {
+                slots: &ids,
+                lens: &lens,
+                pos: &pos,
+                last_hidden: &hidden,
+            };
+            self.decode_graphed(g, slots, &rows, &hidden)?;
+        }
+        Ok(g.captured())
     }
 
     fn codec_logits(&self, last_hidden: &Tensor) -> Result<Tensor> {

@@ -1,0 +1,726 @@
+//! The engine's own CUDA kernels (`kernels/*.cu`, compiled to PTX by `build.rs` in
+//! the cuda build) for decode steps, each with the shapes it checks. All of them
+//! allocate their outputs on the calling thread's stream and copy nothing to or
+//! from the host, so a CUDA graph can capture them.
+//!
+//! - [`moe_gemv`]: grouped GEMV with candle's `moe_gemm` contract.
+//! - [`moe_route`], [`moe_gate_up`], [`moe_down`], [`moe_sum`]: a decode MoE layer
+//!   in four launches (router top-k and sort; gate/up with the SwiGLU; down; the
+//!   sum over each token's choices).
+//! - [`qk_norm_rope`]: a decode step's q/k norms, rotary embedding and KV-slot
+//!   writes in one launch.
+//! - [`decode_attention`]: one query per row over KV slots, each row's visible
+//!   positions only.
+//! - [`masked_softmax`]: a prefill's scaled, masked softmax in one pass.
+//!
+//! Without the `cuda` feature each returns an error (the CPU paths never call them).
+
+use candle_core::{Result, Tensor};
+
+/// Whether decode steps use the kernels of this module (on by default);
+/// `OMNISTREAM_DECODE_KERNELS=candle` runs candle's ops and the older grouped GEMV
+/// instead, for side-by-side measurement (docs/bench/gpu.md).
+pub fn enabled() -> bool {
+    use std::sync::atomic::Ordering;
+    match STATE.load(Ordering::Relaxed) {
+        UNSET => {
+            let on = std::env::var("OMNISTREAM_DECODE_KERNELS").map_or(true, |v| v != "candle");
+            STATE.store(if on { ON } else { OFF }, Ordering::Relaxed);
+            on
+        }
+        s => s == ON,
+    }
+}
+
+/// Turns the kernels on or off for this process (the GPU tests time both paths).
+#[cfg(test)]
+pub(crate) fn set_enabled(on: bool) {
+    STATE.store(
+        if on { ON } else { OFF },
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
+const UNSET: u8 = 0;
+const ON: u8 = 1;
+const OFF: u8 = 2;
+static STATE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(UNSET);
+
+/// Whether [`decode_attention`] is built for `heads` query heads over `kv_heads`
+/// key/value heads of `head_dim`.
+pub fn attention_supported(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    head_dim == ATTENTION_HEAD_DIM
+        && kv_heads > 0
+        && heads % kv_heads == 0
+        && heads / kv_heads <= ATTENTION_MAX_REP
+}
+
+const ATTENTION_HEAD_DIM: usize = 128;
+const ATTENTION_MAX_REP: usize = 16;
+
+/// The routing of a decode MoE step on the device: per pair (token-major, choice
+/// in descending order) its weight, the pairs ordered by expert, and the routed
+/// experts' list (`meta`: count, then expert, first and end pair per expert).
+#[derive(Debug)]
+pub struct Routing {
+    pub weights: Tensor,
+    pub sorted: Tensor,
+    pub meta: Tensor,
+    pub top_k: usize,
+}
+
+/// Most tokens (and experts, and top-k) [`moe_route`] takes: one block routes them all.
+pub const ROUTE_MAX_TOKENS: usize = 128;
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use super::*;
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
+    use candle_core::{DType, Layout, Storage};
+
+    const MOE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
+    const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
+    // The kernels' tiling (kernels/moe.cu, kernels/attention.cu).
+    const WARPS: u32 = 4;
+    const ROWS_PER_WARP: u32 = 4;
+    const ROUTE_THREADS: u32 = 1024;
+    const CHUNK: usize = 256;
+    const ATTN_THREADS: u32 = 256;
+    const ROUTE_MAX_EXPERTS: usize = 256;
+    const ROUTE_MAX_TOPK: usize = 16;
+
+    /// A view of `t`'s storage from its offset; the guard must outlive it.
+    fn view<'a, T: CudaDType>(st: &'a Storage, l: &Layout) -> Result<CudaView<'a, T>> {
+        match st {
+            Storage::Cuda(c) => Ok(c.as_cuda_slice::<T>()?.slice(l.start_offset()..)),
+            _ => candle_core::bail!("a CUDA kernel got a tensor not on a CUDA device"),
+        }
+    }
+
+    /// `t` contiguous, of `dtype`, with its first element 16-byte aligned.
+    fn checked(t: &Tensor, dtype: DType, what: &str) -> Result<Tensor> {
+        if t.dtype() != dtype {
+            candle_core::bail!("{what}: {:?}, expected {dtype:?}", t.dtype());
+        }
+        let t = t.contiguous()?;
+        if (t.layout().start_offset() * dtype.size_in_bytes()) % 16 != 0 {
+            candle_core::bail!("{what}: unaligned");
+        }
+        Ok(t)
+    }
+
+    fn wrap<T: CudaDType + DeviceRepr>(
+        s: CudaSlice<T>,
+        dev: &CudaDevice,
+        shape: impl Into<candle_core::Shape>,
+    ) -> Tensor {
+        let st = candle_core::CudaStorage::wrap_cuda_slice(s, dev.clone());
+        Tensor::from_storage(
+            Storage::Cuda(st),
+            shape,
+            candle_core::op::BackpropOp::none(),
+            false,
+        )
+    }
+
+    /// `(experts, n, k)` bf16 expert weights and `(rows, k)` bf16 inputs, k a multiple of 8.
+    fn expert_shapes(x: &Tensor, w: &Tensor, what: &str) -> Result<(usize, usize, usize)> {
+        let (e, n, k) = w.dims3()?;
+        let (_, kx) = x.dims2()?;
+        if kx != k || k % 8 != 0 {
+            candle_core::bail!(
+                "{what}: x {:?} and w {:?}, k a multiple of 8",
+                x.dims(),
+                w.dims()
+            );
+        }
+        Ok((e, n, k))
+    }
+
+    pub fn moe_gemv(
+        x: &Tensor,
+        w: &Tensor,
+        pair_weights: Option<&Tensor>,
+        sorted: &Tensor,
+        experts: &Tensor,
+        topk: usize,
+    ) -> Result<Tensor> {
+        let (x, w) = (
+            checked(x, DType::BF16, "moe_gemv x")?,
+            checked(w, DType::BF16, "moe_gemv w")?,
+        );
+        let (sorted, experts) = (sorted.contiguous()?, experts.contiguous()?);
+        let (n_experts, n, k) = expert_shapes(&x, &w, "moe_gemv")?;
+        let p = sorted.dim(0)?;
+        let dev = x.device().as_cuda_device()?;
+        let func = dev.get_or_load_custom_func("moe_gemv_bf16", "omnistream_moe", MOE_PTX)?;
+        let out = unsafe { dev.alloc::<half::bf16>(p * n) }?;
+        let pw = pair_weights
+            .map(|t| t.to_dtype(DType::F32)?.contiguous())
+            .transpose()?;
+        let (x_st, x_l) = x.storage_and_layout();
+        let (w_st, w_l) = w.storage_and_layout();
+        let (s_st, s_l) = sorted.storage_and_layout();
+        let (e_st, e_l) = experts.storage_and_layout();
+        let pw_guard = pw.as_ref().map(|t| t.storage_and_layout());
+        let pw_view = match &pw_guard {
+            Some((st, l)) => Some(view::<f32>(st, l)?),
+            None => None,
+        };
+        let (xs, ws) = (
+            view::<half::bf16>(&x_st, x_l)?,
+            view::<half::bf16>(&w_st, w_l)?,
+        );
+        let (ss, es) = (view::<u32>(&s_st, s_l)?, view::<u32>(&e_st, e_l)?);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                n_experts as u32,
+                (n as u32).div_ceil(WARPS * ROWS_PER_WARP),
+                1,
+            ),
+            block_dim: (WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (p_i, n_i, k_i, topk_i) = (p as i32, n as i32, k as i32, topk as i32);
+        let null = 0u64;
+        let mut b = func.builder();
+        b.arg(&xs).arg(&ws).arg(&ss).arg(&es);
+        match &pw_view {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&out).arg(&p_i).arg(&n_i).arg(&k_i).arg(&topk_i);
+        // SAFETY: the arguments match the kernel's signature; every index it forms is
+        // within the shapes checked above (pairs index rows of x by the contract).
+        unsafe { b.launch(cfg) }.w()?;
+        drop(b);
+        Ok(wrap(out, dev, (p, n)))
+    }
+
+    pub fn moe_route(logits: &Tensor, top_k: usize, norm: bool) -> Result<Routing> {
+        let logits = checked(logits, DType::BF16, "moe_route logits")?;
+        let (n, n_experts) = logits.dims2()?;
+        if n == 0
+            || n > ROUTE_MAX_TOKENS
+            || n_experts > ROUTE_MAX_EXPERTS
+            || top_k == 0
+            || top_k > ROUTE_MAX_TOPK.min(n_experts)
+        {
+            candle_core::bail!(
+                "moe_route: {n} tokens of {n_experts} experts, top {top_k} (at most \
+                 {ROUTE_MAX_TOKENS} tokens, {ROUTE_MAX_EXPERTS} experts, top {ROUTE_MAX_TOPK})"
+            );
+        }
+        let dev = logits.device().as_cuda_device()?;
+        let func = dev.get_or_load_custom_func("moe_route_bf16", "omnistream_moe", MOE_PTX)?;
+        let p = n * top_k;
+        let weights = unsafe { dev.alloc::<f32>(p) }?;
+        let sorted = unsafe { dev.alloc::<u32>(p) }?;
+        let meta = unsafe { dev.alloc::<u32>(1 + 3 * n_experts) }?;
+        let (l_st, l_l) = logits.storage_and_layout();
+        let ls = view::<half::bf16>(&l_st, l_l)?;
+        let (n_i, e_i, k_i, norm_i) = (n as i32, n_experts as i32, top_k as i32, norm as i32);
+        let mut b = func.builder();
+        b.arg(&ls).arg(&weights).arg(&sorted).arg(&meta);
+        b.arg(&n_i).arg(&e_i).arg(&k_i).arg(&norm_i);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (ROUTE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: shapes checked above against the kernel's shared-memory limits.
+        unsafe { b.launch(cfg) }.w()?;
+        drop(b);
+        Ok(Routing {
+            weights: wrap(weights, dev, p),
+            sorted: wrap(sorted, dev, p),
+            meta: wrap(meta, dev, 1 + 3 * n_experts),
+            top_k,
+        })
+    }
+
+    /// One block column per possibly routed expert: at most the pairs, at most the experts.
+    fn routed_blocks(r: &Routing, n_experts: usize) -> Result<u32> {
+        Ok(r.sorted.dim(0)?.min(n_experts) as u32)
+    }
+
+    pub fn moe_gate_up(x: &Tensor, gate_up: &Tensor, r: &Routing) -> Result<Tensor> {
+        let (x, w) = (
+            checked(x, DType::BF16, "moe_gate_up x")?,
+            checked(gate_up, DType::BF16, "moe_gate_up w")?,
+        );
+        let (n_experts, n2, k) = expert_shapes(&x, &w, "moe_gate_up")?;
+        let inter = n2 / 2;
+        if x.dim(0)? * r.top_k != r.sorted.dim(0)? || n2 % 2 != 0 {
+            candle_core::bail!(
+                "moe_gate_up: x {:?}, w {:?}, top {}",
+                x.dims(),
+                w.dims(),
+                r.top_k
+            );
+        }
+        let p = r.sorted.dim(0)?;
+        let dev = x.device().as_cuda_device()?;
+        let func = dev.get_or_load_custom_func("moe_gate_up_bf16", "omnistream_moe", MOE_PTX)?;
+        let h = unsafe { dev.alloc::<half::bf16>(p * inter) }?;
+        let (x_st, x_l) = x.storage_and_layout();
+        let (w_st, w_l) = w.storage_and_layout();
+        let (s_st, s_l) = r.sorted.storage_and_layout();
+        let (m_st, m_l) = r.meta.storage_and_layout();
+        let (xs, ws) = (
+            view::<half::bf16>(&x_st, x_l)?,
+            view::<half::bf16>(&w_st, w_l)?,
+        );
+        let (ss, ms) = (view::<u32>(&s_st, s_l)?, view::<u32>(&m_st, m_l)?);
+        let (inter_i, k_i, topk_i) = (inter as i32, k as i32, r.top_k as i32);
+        let mut b = func.builder();
+        b.arg(&xs).arg(&ws).arg(&ss).arg(&ms).arg(&h);
+        b.arg(&inter_i).arg(&k_i).arg(&topk_i);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                routed_blocks(r, n_experts)?,
+                (inter as u32).div_ceil(WARPS * ROWS_PER_WARP / 2),
+                1,
+            ),
+            block_dim: (WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: pairs index rows of x (token = pair / top_k < rows); meta's experts
+        // are below the weights' expert count (the routing was made for them).
+        unsafe { b.launch(cfg) }.w()?;
+        drop(b);
+        Ok(wrap(h, dev, (p, inter)))
+    }
+
+    pub fn moe_down(h: &Tensor, down: &Tensor, r: &Routing) -> Result<Tensor> {
+        let (h, w) = (
+            checked(h, DType::BF16, "moe_down h")?,
+            checked(down, DType::BF16, "moe_down w")?,
+        );
+        let (n_experts, n, k) = expert_shapes(&h, &w, "moe_down")?;
+        let p = r.sorted.dim(0)?;
+        if h.dim(0)? != p {
+            candle_core::bail!("moe_down: {} rows for {p} pairs", h.dim(0)?);
+        }
+        let dev = h.device().as_cuda_device()?;
+        let func = dev.get_or_load_custom_func("moe_down_bf16", "omnistream_moe", MOE_PTX)?;
+        let out = unsafe { dev.alloc::<half::bf16>(p * n) }?;
+        let (h_st, h_l) = h.storage_and_layout();
+        let (w_st, w_l) = w.storage_and_layout();
+        let (s_st, s_l) = r.sorted.storage_and_layout();
+        let (m_st, m_l) = r.meta.storage_and_layout();
+        let (pw_st, pw_l) = r.weights.storage_and_layout();
+        let (hs, ws) = (
+            view::<half::bf16>(&h_st, h_l)?,
+            view::<half::bf16>(&w_st, w_l)?,
+        );
+        let (ss, ms) = (view::<u32>(&s_st, s_l)?, view::<u32>(&m_st, m_l)?);
+        let pws = view::<f32>(&pw_st, pw_l)?;
+        let (n_i, k_i) = (n as i32, k as i32);
+        let mut b = func.builder();
+        b.arg(&hs).arg(&ws).arg(&ss).arg(&ms).arg(&pws).arg(&out);
+        b.arg(&n_i).arg(&k_i);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                routed_blocks(r, n_experts)?,
+                (n as u32).div_ceil(WARPS * ROWS_PER_WARP),
+                1,
+            ),
+            block_dim: (WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as for moe_gate_up, with one input row per pair.
+        unsafe { b.launch(cfg) }.w()?;
+        drop(b);
+        Ok(wrap(out, dev, (p, n)))
+    }
+
+    pub fn moe_sum(y: &Tensor, top_k: usize) -> Result<Tensor> {
+        let y = checked(y, DType::BF16, "moe_sum y")?;
+        let (p, n) = y.dims2()?;
+        if top_k == 0 || p % top_k != 0 {
+            candle_core::bail!("moe_sum: {p} rows for top {top_k}");
+        }
+        let tokens = p / top_k;
+        let dev = y.device().as_cuda_device()?;
+        let func = dev.get_or_load_custom_func("moe_sum_bf16", "omnistream_moe", MOE_PTX)?;
+        let out = unsafe { dev.alloc::<half::bf16>(tokens * n) }?;
+        let (y_st, y_l) = y.storage_and_layout();
+        let ys = view::<half::bf16>(&y_st, y_l)?;
+        let (n_i, k_i) = (n as i32, top_k as i32);
+        let mut b = func.builder();
+        b.arg(&ys).arg(&out).arg(&n_i).arg(&k_i);
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(256), tokens as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one thread per output element of the checked shapes.
+        unsafe { b.launch(cfg) }.w()?;
+        drop(b);
+        Ok(wrap(out, dev, (tokens, n)))
+    }
+
+    pub fn masked_softmax(scores: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
+        let (b, heads, q_len, kv) = scores.dims4()?;
+        if let Some(m) = mask {
+            if m.dims() != [b, 1, q_len, kv] {
+                candle_core::bail!(
+                    "masked_softmax: mask {:?} for scores {:?}",
+                    m.dims(),
+                    scores.dims()
+                );
+            }
+        }
+        let scores = checked(scores, DType::BF16, "masked_softmax scores")?;
+        let mask = mask
+            .map(|m| checked(m, DType::F32, "masked_softmax mask"))
+            .transpose()?;
+        let dev = scores.device().as_cuda_device()?;
+        let func = dev.get_or_load_custom_func(
+            "masked_softmax_bf16",
+            "omnistream_attention",
+            ATTENTION_PTX,
+        )?;
+        let n = scores.elem_count();
+        let probs = unsafe { dev.alloc::<half::bf16>(n) }?;
+        let (s_st, s_l) = scores.storage_and_layout();
+        let ss = view::<half::bf16>(&s_st, s_l)?;
+        let m_guard = mask.as_ref().map(|t| t.storage_and_layout());
+        let m_view = match &m_guard {
+            Some((st, l)) => Some(view::<f32>(st, l)?),
+            None => None,
+        };
+        let (h_i, q_i, kv_i, scale) = (heads as i32, q_len as i32, kv as i32, scale as f32);
+        let null = 0u64;
+        let mut bld = func.builder();
+        bld.arg(&ss);
+        match &m_view {
+            Some(v) => bld.arg(v),
+            None => bld.arg(&null),
+        };
+        bld.arg(&probs).arg(&h_i).arg(&q_i).arg(&kv_i).arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: ((b * heads * q_len) as u32, 1, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one block per row of the checked shapes.
+        unsafe { bld.launch(cfg) }.w()?;
+        drop(bld);
+        Ok(wrap(probs, dev, (b, heads, q_len, kv)))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_norm_rope(
+        qkv: &Tensor,
+        q_norm: &Tensor,
+        k_norm: &Tensor,
+        eps: f32,
+        cos: &Tensor,
+        sin: &Tensor,
+        scatter: &Tensor,
+        k_slots: &Tensor,
+        v_slots: &Tensor,
+        heads: usize,
+        kvh: usize,
+    ) -> Result<Tensor> {
+        let d = ATTENTION_HEAD_DIM;
+        let b = qkv.dim(0)?;
+        let width = (heads + 2 * kvh) * d;
+        let bad = qkv.elem_count() != b * width
+            || q_norm.elem_count() != d
+            || k_norm.elem_count() != d
+            || cos.elem_count() != b * d / 2
+            || sin.elem_count() != b * d / 2
+            || scatter.elem_count() != b * kvh * d
+            || scatter.dtype() != DType::U32
+            || k_slots.dims() != v_slots.dims()
+            || k_slots.dims().last() != Some(&d);
+        if bad {
+            candle_core::bail!(
+                "qk_norm_rope: qkv {:?}, cos {:?}, scatter {:?}, slots {:?}, {heads}/{kvh} heads",
+                qkv.dims(),
+                cos.dims(),
+                scatter.dims(),
+                k_slots.dims()
+            );
+        }
+        let qkv = checked(qkv, DType::BF16, "qk_norm_rope qkv")?;
+        let (qw, kw) = (q_norm.contiguous()?, k_norm.contiguous()?);
+        let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
+        let scatter = scatter.contiguous()?;
+        let (k_slots, v_slots) = (
+            checked(k_slots, DType::BF16, "qk_norm_rope k")?,
+            checked(v_slots, DType::BF16, "qk_norm_rope v")?,
+        );
+        for t in [&qw, &kw, &cos, &sin] {
+            if t.dtype() != DType::BF16 {
+                candle_core::bail!("qk_norm_rope: {:?} weights or rotary tables", t.dtype());
+            }
+        }
+        let dev = qkv.device().as_cuda_device()?;
+        let func = dev.get_or_load_custom_func(
+            "qk_norm_rope_bf16",
+            "omnistream_attention",
+            ATTENTION_PTX,
+        )?;
+        let q = unsafe { dev.alloc::<half::bf16>(b * heads * d) }?;
+        let (a_st, a_l) = qkv.storage_and_layout();
+        let (qw_st, qw_l) = qw.storage_and_layout();
+        let (kw_st, kw_l) = kw.storage_and_layout();
+        let (c_st, c_l) = cos.storage_and_layout();
+        let (s_st, s_l) = sin.storage_and_layout();
+        let (sc_st, sc_l) = scatter.storage_and_layout();
+        let (k_st, k_l) = k_slots.storage_and_layout();
+        let (v_st, v_l) = v_slots.storage_and_layout();
+        let views = [
+            view::<half::bf16>(&a_st, a_l)?,
+            view::<half::bf16>(&qw_st, qw_l)?,
+            view::<half::bf16>(&kw_st, kw_l)?,
+            view::<half::bf16>(&c_st, c_l)?,
+            view::<half::bf16>(&s_st, s_l)?,
+        ];
+        let scs = view::<u32>(&sc_st, sc_l)?;
+        let (ks, vs) = (
+            view::<half::bf16>(&k_st, k_l)?,
+            view::<half::bf16>(&v_st, v_l)?,
+        );
+        let (heads_i, kvh_i) = (heads as i32, kvh as i32);
+        let mut bld = func.builder();
+        for v in &views {
+            bld.arg(v);
+        }
+        bld.arg(&scs).arg(&q).arg(&ks).arg(&vs);
+        bld.arg(&heads_i).arg(&kvh_i).arg(&eps);
+        let cfg = LaunchConfig {
+            grid_dim: (b as u32, (heads + kvh) as u32, 1),
+            block_dim: (d as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: shapes checked above; the scatter rows index the slot tensors
+        // (SlotBatch checked them against the slots' shape).
+        unsafe { bld.launch(cfg) }.w()?;
+        drop(bld);
+        Ok(wrap(q, dev, (b, heads, d)))
+    }
+
+    pub fn decode_attention(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        slot_of_row: Option<&Tensor>,
+        scale: f64,
+    ) -> Result<Tensor> {
+        let (n_slots, kvh, max_len, d) = k.dims4()?;
+        let (b, heads, d_q) = q.dims3()?;
+        let (mb, _, _, kv_len) = mask.dims4()?;
+        if !attention_supported(heads, kvh, d)
+            || d_q != d
+            || v.dims() != k.dims()
+            || mb != b
+            || kv_len == 0
+            || kv_len > max_len
+            || (slot_of_row.is_none() && b > n_slots)
+        {
+            candle_core::bail!(
+                "decode_attention: q {:?}, k {:?}, v {:?}, mask {:?}",
+                q.dims(),
+                k.dims(),
+                v.dims(),
+                mask.dims()
+            );
+        }
+        let rep = heads / kvh;
+        let q = checked(q, DType::BF16, "decode_attention q")?;
+        let (k, v) = (
+            checked(k, DType::BF16, "decode_attention k")?,
+            checked(v, DType::BF16, "decode_attention v")?,
+        );
+        let mask = checked(mask, DType::F32, "decode_attention mask")?;
+        let rows = slot_of_row.map(|t| t.contiguous()).transpose()?;
+        if let Some(r) = &rows {
+            if r.dims1()? != b || r.dtype() != DType::U32 {
+                candle_core::bail!("decode_attention: slots {:?} for {b} rows", r.dims());
+            }
+        }
+        let dev = q.device().as_cuda_device()?;
+        let func = dev.get_or_load_custom_func(
+            "decode_attention_bf16",
+            "omnistream_attention",
+            ATTENTION_PTX,
+        )?;
+        let splits = kv_len.div_ceil(CHUNK);
+        let out = unsafe { dev.alloc::<half::bf16>(b * heads * d) }?;
+        // One split writes `out` itself; the partials then stay unused (one element).
+        let part = if splits > 1 { b * heads * splits } else { 1 };
+        let part_o = unsafe { dev.alloc::<f32>(part * d) }?;
+        let part_ml = unsafe { dev.alloc::<f32>(part * 2) }?;
+        let (q_st, q_l) = q.storage_and_layout();
+        let (k_st, k_l) = k.storage_and_layout();
+        let (v_st, v_l) = v.storage_and_layout();
+        let (m_st, m_l) = mask.storage_and_layout();
+        let r_guard = rows.as_ref().map(|t| t.storage_and_layout());
+        let r_view = match &r_guard {
+            Some((st, l)) => Some(view::<u32>(st, l)?),
+            None => None,
+        };
+        let qs = view::<half::bf16>(&q_st, q_l)?;
+        let (ks, vs) = (
+            view::<half::bf16>(&k_st, k_l)?,
+            view::<half::bf16>(&v_st, v_l)?,
+        );
+        let ms = view::<f32>(&m_st, m_l)?;
+        let (kvh_i, rep_i, len_i, kv_i) = (kvh as i32, rep as i32, max_len as i32, kv_len as i32);
+        let scale = scale as f32;
+        let null = 0u64;
+        let mut bld = func.builder();
+        bld.arg(&qs).arg(&ks).arg(&vs).arg(&ms);
+        match &r_view {
+            Some(r) => bld.arg(r),
+            None => bld.arg(&null),
+        };
+        bld.arg(&out).arg(&part_o).arg(&part_ml);
+        bld.arg(&kvh_i)
+            .arg(&rep_i)
+            .arg(&len_i)
+            .arg(&kv_i)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: ((b * kvh) as u32, splits as u32, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: shapes checked above; rows' slots index the slot tensors (the
+        // caller's slot ids are below `n_slots`, as for candle's gather).
+        unsafe { bld.launch(cfg) }.w()?;
+        drop(bld);
+        if splits > 1 {
+            let combine = dev.get_or_load_custom_func(
+                "decode_attention_combine",
+                "omnistream_attention",
+                ATTENTION_PTX,
+            )?;
+            let splits_i = splits as i32;
+            let mut bld = combine.builder();
+            bld.arg(&part_o).arg(&part_ml).arg(&out).arg(&splits_i);
+            let cfg = LaunchConfig {
+                grid_dim: ((b * heads) as u32, 1, 1),
+                block_dim: (d as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the partials were sized for (b * heads, splits) above.
+            unsafe { bld.launch(cfg) }.w()?;
+        }
+        Ok(wrap(out, dev, (b, heads, d)))
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    use super::*;
+
+    fn no_cuda<T>() -> Result<T> {
+        candle_core::bail!("the engine's CUDA kernels need the cuda build")
+    }
+
+    pub fn moe_gemv(
+        _x: &Tensor,
+        _w: &Tensor,
+        _pair_weights: Option<&Tensor>,
+        _sorted: &Tensor,
+        _experts: &Tensor,
+        _topk: usize,
+    ) -> Result<Tensor> {
+        no_cuda()
+    }
+
+    pub fn moe_route(_logits: &Tensor, _top_k: usize, _norm: bool) -> Result<Routing> {
+        no_cuda()
+    }
+
+    pub fn moe_gate_up(_x: &Tensor, _gate_up: &Tensor, _r: &Routing) -> Result<Tensor> {
+        no_cuda()
+    }
+
+    pub fn moe_down(_h: &Tensor, _down: &Tensor, _r: &Routing) -> Result<Tensor> {
+        no_cuda()
+    }
+
+    pub fn moe_sum(_y: &Tensor, _top_k: usize) -> Result<Tensor> {
+        no_cuda()
+    }
+
+    pub fn masked_softmax(_scores: &Tensor, _mask: Option<&Tensor>, _scale: f64) -> Result<Tensor> {
+        no_cuda()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_norm_rope(
+        _qkv: &Tensor,
+        _q_norm: &Tensor,
+        _k_norm: &Tensor,
+        _eps: f32,
+        _cos: &Tensor,
+        _sin: &Tensor,
+        _scatter: &Tensor,
+        _k_slots: &Tensor,
+        _v_slots: &Tensor,
+        _heads: usize,
+        _kvh: usize,
+    ) -> Result<Tensor> {
+        no_cuda()
+    }
+
+    pub fn decode_attention(
+        _q: &Tensor,
+        _k: &Tensor,
+        _v: &Tensor,
+        _mask: &Tensor,
+        _slot_of_row: Option<&Tensor>,
+        _scale: f64,
+    ) -> Result<Tensor> {
+        no_cuda()
+    }
+}
+
+/// Grouped GEMV with the contract of `candle_nn::moe::moe_gemm`: `x` `(rows, k)`,
+/// `w` `(experts, n, k)`, pairs `sorted` by expert with their `experts`; returns
+/// `(pairs, n)`. bf16.
+pub use imp::moe_gemv;
+
+/// Routes `(n, experts)` bf16 router logits (softmax in f32, top-k, renormalised
+/// when `norm`): at most [`ROUTE_MAX_TOKENS`] tokens.
+pub use imp::moe_route;
+
+/// `silu(gate(x)) * up(x)` `(pairs, inter)` for every routed pair, from `x`
+/// `(tokens, hidden)` and the stacked `(experts, 2 * inter, hidden)` gate/up weights.
+pub use imp::moe_gate_up;
+
+/// Each pair's row of `h` `(pairs, inter)` through its expert's down projection
+/// `(experts, hidden, inter)`, times the pair's weight: `(pairs, hidden)`.
+pub use imp::moe_down;
+
+/// Each token's routed experts summed: `(tokens * top_k, n)` rows in choice order
+/// to `(tokens, n)`, in f32.
+pub use imp::moe_sum;
+
+/// Prefill attention's probabilities `(b, heads, q, kv)` bf16 from the unscaled
+/// scores of the same shape: `softmax(scores * scale + mask)` in f32, the additive
+/// `mask` `(b, 1, q, kv)` f32 shared by the heads; rows with every key hidden are zeros.
+pub use imp::masked_softmax;
+
+/// A decode step's queries `(b, heads, 128)` from the fused q/k/v projection `qkv`
+/// `(b, (heads + 2 * kv_heads) * 128)`: q_norm/k_norm, the rotary embedding at each
+/// row's `cos`/`sin` `(b, 64)`; its keys (normed, rotated) and values go straight
+/// into the slots at the batch's `scatter` rows.
+pub use imp::qk_norm_rope;
+
+/// Attention of `q` `(b, heads, 128)` over keys/values `(slots, kv_heads, max_len, 128)`
+/// through the additive `mask` `(b, 1, 1, kv_len)` (row `i` in slot `slot_of_row[i]`,
+/// or slot `i`): `(b, heads, 128)`, for the shapes of [`attention_supported`].
+pub use imp::decode_attention;

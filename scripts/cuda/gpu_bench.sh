@@ -1,31 +1,84 @@
 #!/usr/bin/env bash
 # Runs on the GPU host, in the repository root, with the CUDA build carried in
-# cuda-bin/ (scripts/cuda/build.sh): the GPU tests and per-layer timings, then
-# `bench-engine` on the released shapes (deploy/qwen3-omni-h200.yaml, graphs and
-# eager side by side; the voice profile) and the transformers reference,
-# one after the other (each holds ~70 GB of weights). Results go to $OUT (or
-# bench-out/gpu).
+# cuda-bin/ (scripts/cuda/build.sh; carry cuda-bin/*.xz and cuda-bin/libopus.so.0):
+# the GPU tests and per-layer timings, then `bench-engine` on the released shapes
+# and the transformers reference, one after the other (each holds ~70 GB of
+# weights). STEPS picks what runs, in this order:
+#
+#   tests      cuda-bin/stages-tests cuda_tests on_gpu (GPU against CPU/eager paths)
+#   profile    per-layer timings, eager and graphed, engine kernels and candle's ops
+#   code2wav   Code2Wav alone: first chunk and 4-frame chunks of 1, 8, 32 streams
+#   ncu        Nsight Compute: each kernel of a decoder layer's decode step at 1, 8
+#              and 32 rows (duration, DRAM throughput), by scripts/cuda/ncu_table.py
+#   text       chat text-only c=1,32, the engine's decode kernels
+#   candle     the same with OMNISTREAM_DECODE_KERNELS=candle (side by side)
+#   eager      the same with --enforce-eager
+#   chat       chat with audio, c=1,8,32 (deploy/qwen3-omni-h200.yaml)
+#   chat-wait  the same with the Thinker's wait for the audio path capped at
+#              WAIT_MS (default 100) instead of 10 ms
+#   chat-nopri the same with OMNISTREAM_STAGE_PRIORITY=off (side by side)
+#   voice      chat with audio, deploy/qwen3-omni-h200-voice.yaml
+#   long       prompt 2,500, answer 900, audio on, c=1,8
+#   reference  scripts/cuda/reference_gpu.py (transformers, batch 1)
+#
+# Everything printed goes to $OUT/log.txt; the JSON reports to $OUT/json.tar.gz
+# ($OUT, or bench-out/gpu; at most 8 files come back from the device tool).
 set -uo pipefail
 OUT=${OUT:-bench-out/gpu}
-mkdir -p "$OUT"
+STEPS=${STEPS:-tests profile text candle chat voice long reference}
+mkdir -p "$OUT/json"
+exec > >(tee "$OUT/log.txt") 2>&1
 export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/tmp/cuda-cache} CUDA_CACHE_MAXSIZE=4294967296
 for f in cuda-bin/*.xz; do xz -dkf "$f"; done
 chmod +x cuda-bin/omnistream cuda-bin/stages-tests 2>/dev/null
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+step() { echo; echo "=== $* ($(date +%T))"; }
 # The test binary finds the fixtures where it was built.
-if [ -x cuda-bin/stages-tests ]; then
+if [ -x cuda-bin/stages-tests ] && { has tests || has profile; }; then
   mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
-  { timeout 180 cuda-bin/stages-tests cuda_tests on_gpu --test-threads 1 --nocapture
-    timeout 60 cuda-bin/stages-tests profile_released --ignored --nocapture; } 2>&1 | tee "$OUT/gpu-tests.txt"
+  if has tests; then
+    step tests
+    timeout 240 cuda-bin/stages-tests on_gpu cuda_tests --test-threads 1 --nocapture
+  fi
+  if has profile; then
+    step profile
+    timeout 120 cuda-bin/stages-tests profile_released --ignored --nocapture
+  fi
+  if has code2wav; then
+    step code2wav
+    timeout 120 cuda-bin/stages-tests profile_code2wav --ignored --nocapture
+  fi
+  if has ncu; then
+    step ncu
+    timeout 200 ncu --clock-control none --csv \
+      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+      cuda-bin/stages-tests profile_decode_kernels --ignored --test-threads 1 >"$OUT/ncu.csv" 2>/dev/null
+    python3 scripts/cuda/ncu_table.py "$OUT/ncu.csv"
+  fi
 fi
 export RUST_BACKTRACE=0
-bench() { timeout "$1" cuda-bin/omnistream bench-engine --out "$OUT" "${@:2}" 2>&1 | grep -v '^\s*$' | tail -12; }
+bench() {
+  local s=$1
+  shift
+  step bench-engine "$@"
+  timeout "$s" cuda-bin/omnistream bench-engine --out "$OUT/json" "$@" 2>&1 | grep -v '^\s*$' | tail -14
+}
 H200=(--profile deploy/qwen3-omni-h200.yaml)
 CHAT=(--prompt-tokens 100 --output-tokens 200)
-bench "${TEXT_S:-120}" "${H200[@]}" --name chat "${CHAT[@]}" --concurrency "${TEXT_C:-1,32}" --text-only
-bench "${TEXT_S:-120}" "${H200[@]}" --name chat-eager --enforce-eager "${CHAT[@]}" --concurrency "${TEXT_C:-1,32}" --text-only
-bench "${CHAT_S:-200}" "${H200[@]}" --name chat "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
-bench "${CHAT_S:-200}" --profile deploy/qwen3-omni-h200-voice.yaml --name chat-voice "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
-bench "${LONG_S:-200}" "${H200[@]}" --name long --prompt-tokens 2500 --output-tokens 900 --concurrency "${LONG_C:-1,8}"
-[ -n "${SKIP_REFERENCE:-}" ] || timeout "${REF_S:-240}" python3 scripts/cuda/reference_gpu.py 2>&1 | tail -20 | tee "$OUT/reference.json"
-rm -f "$OUT"/*.md "$OUT"/*.png   # the tables are printed above; at most 8 files come back
+TEXT_C=${TEXT_C:-1,32}
+has text && bench "${TEXT_S:-150}" "${H200[@]}" --name chat "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
+has candle && OMNISTREAM_DECODE_KERNELS=candle bench "${TEXT_S:-150}" "${H200[@]}" --name chat-candle "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
+has eager && bench "${TEXT_S:-150}" "${H200[@]}" --name chat-eager --enforce-eager "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
+has chat && bench "${CHAT_S:-200}" "${H200[@]}" --name chat "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
+has chat-wait && OMNISTREAM_STAGE_PRIORITY=${WAIT_MS:-100} bench "${CHAT_S:-200}" "${H200[@]}" --name chat-wait "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
+has chat-nopri && OMNISTREAM_STAGE_PRIORITY=off bench "${CHAT_S:-200}" "${H200[@]}" --name chat-nopri "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
+has voice && bench "${CHAT_S:-200}" --profile deploy/qwen3-omni-h200-voice.yaml --name chat-voice "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
+has long && bench "${LONG_S:-240}" "${H200[@]}" --name long --prompt-tokens 2500 --output-tokens 900 --concurrency "${LONG_C:-1,8}"
+if has reference; then
+  step reference
+  timeout "${REF_S:-240}" python3 scripts/cuda/reference_gpu.py 2>&1 | tail -20 | tee "$OUT/json/reference.json"
+fi
+rm -f "$OUT"/json/*.md "$OUT"/json/*.png "$OUT/ncu.csv"
+tar -C "$OUT" -czf "$OUT/json.tar.gz" json && rm -rf "$OUT/json"
+step done

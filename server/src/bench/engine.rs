@@ -75,6 +75,44 @@ struct Level {
     /// step at `bandwidth`), and mean TPOT over it.
     thinker_step_bound_ms: Option<f64>,
     tpot_over_bound: Option<f64>,
+    /// Per stage over the level: steps, mean step time and batch, and the share of
+    /// the wall time its worker spent stepping.
+    #[serde(default)]
+    stages: Vec<StageLevel>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct StageLevel {
+    name: String,
+    steps: u64,
+    step_ms: f64,
+    batch: f64,
+    busy: f64,
+}
+
+/// What each stage did between two snapshots of the pipeline's counters.
+fn stage_levels(
+    before: &omnistream_stages::engine::PipelineStats,
+    after: &omnistream_stages::engine::PipelineStats,
+    wall: f64,
+) -> Vec<StageLevel> {
+    before
+        .stages
+        .iter()
+        .zip(&after.stages)
+        .map(|(b, a)| {
+            let steps = a.steps - b.steps;
+            let secs = a.step_seconds_total - b.step_seconds_total;
+            let items = a.batch_items_total - b.batch_items_total;
+            StageLevel {
+                name: a.name.clone(),
+                steps,
+                step_ms: secs * 1e3 / steps.max(1) as f64,
+                batch: items as f64 / steps.max(1) as f64,
+                busy: secs / wall,
+            }
+        })
+        .collect()
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -165,8 +203,20 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
         let n = args.requests.unwrap_or(c).max(c);
         eprintln!("concurrency {c}: {n} requests");
         let start = Instant::now();
+        let before = pipeline.stats();
         let done = run_level(&pipeline, &prompt, modalities, &sampling, c, n)?;
         let wall = start.elapsed().as_secs_f64();
+        let stages = stage_levels(&before, &pipeline.stats(), wall);
+        for st in &stages {
+            eprintln!(
+                "  {}: {} steps, {:.2} ms per step, batch {:.1}, busy {:.0}%",
+                st.name,
+                st.steps,
+                st.step_ms,
+                st.batch,
+                st.busy * 100.0
+            );
+        }
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let tpot: Vec<f64> = done
             .iter()
@@ -209,6 +259,7 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
             thinker_step_bound_ms: Some(bound * 1e3),
             tpot_over_bound: Some(tpot.mean / (bound * 1e3)),
             tpot_ms: tpot,
+            stages,
         });
     }
     let report = Report {

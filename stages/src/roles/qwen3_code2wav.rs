@@ -206,12 +206,7 @@ impl StageModel for Qwen3OmniCode2Wav {
 
     fn step(&mut self, out: &mut StepOutput) {
         // Ahead of the Thinker's next step on a shared GPU (graphs::yield_to_urgent).
-        let _urgent = self
-            .model
-            .thinker()
-            .device()
-            .is_cuda()
-            .then(graphs::UrgentSection::enter);
+        let _urgent = graphs::UrgentSection::on(self.model.thinker().device());
         let mut reqs = std::mem::take(&mut self.reqs);
         reqs.step(
             self.max_num_seqs,

@@ -482,12 +482,7 @@ impl StageModel for Qwen3OmniTalker {
 
     fn step(&mut self, out: &mut StepOutput) {
         // Ahead of the Thinker's next step on a shared GPU (graphs::yield_to_urgent).
-        let _urgent = self
-            .model
-            .thinker()
-            .device()
-            .is_cuda()
-            .then(graphs::UrgentSection::enter);
+        let _urgent = graphs::UrgentSection::on(self.model.thinker().device());
         for id in self.lost.drain(..) {
             out.failed
                 .push((id, ModelError::Invalid("its KV slot was lost".into())));

@@ -189,6 +189,11 @@ impl UrgentSection {
         URGENT_SECTIONS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Self(())
     }
+
+    /// A section for a stage on `device`, where it shares a GPU (none on the CPU).
+    pub fn on(device: &Device) -> Option<Self> {
+        device.is_cuda().then(Self::enter)
+    }
 }
 
 impl Drop for UrgentSection {

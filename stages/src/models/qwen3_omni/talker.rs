@@ -211,7 +211,6 @@ fn device_draw(dev: &candle_core::Device, samplers: &[Sampler]) -> Option<Sampli
     (dev.is_cuda() && samples_on_device(first) && samplers.iter().all(alike)).then(|| first.clone())
 }
 
-/// A running batch's rows for [`Talker::step_slots`].
 /// One captured Talker decode step (layers, norm, codec head) and the persistent
 /// tensors it reads (inputs, positions, scatter rows, mask, slots) and writes
 /// (final hidden states, code-0 logits).
@@ -264,6 +263,7 @@ impl TalkerGraphs {
     }
 }
 
+/// A running batch's rows for [`Talker::step_slots`].
 pub struct SlotRows<'a> {
     /// Each row's KV slot.
     pub slots: &'a [usize],

@@ -33,7 +33,7 @@ pub fn enabled() -> bool {
 }
 
 /// Turns the kernels on or off for this process (the GPU tests time both paths).
-#[cfg(test)]
+#[cfg(all(test, feature = "cuda"))]
 pub(crate) fn set_enabled(on: bool) {
     STATE.store(
         if on { ON } else { OFF },
@@ -51,7 +51,7 @@ static STATE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(UNS
 pub fn attention_supported(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
     head_dim == ATTENTION_HEAD_DIM
         && kv_heads > 0
-        && heads % kv_heads == 0
+        && heads.is_multiple_of(kv_heads)
         && heads / kv_heads <= ATTENTION_MAX_REP
 }
 
@@ -106,7 +106,7 @@ mod imp {
             candle_core::bail!("{what}: {:?}, expected {dtype:?}", t.dtype());
         }
         let t = t.contiguous()?;
-        if (t.layout().start_offset() * dtype.size_in_bytes()) % 16 != 0 {
+        if !(t.layout().start_offset() * dtype.size_in_bytes()).is_multiple_of(16) {
             candle_core::bail!("{what}: unaligned");
         }
         Ok(t)
@@ -130,7 +130,7 @@ mod imp {
     fn expert_shapes(x: &Tensor, w: &Tensor, what: &str) -> Result<(usize, usize, usize)> {
         let (e, n, k) = w.dims3()?;
         let (_, kx) = x.dims2()?;
-        if kx != k || k % 8 != 0 {
+        if kx != k || !k.is_multiple_of(8) {
             candle_core::bail!(
                 "{what}: x {:?} and w {:?}, k a multiple of 8",
                 x.dims(),
@@ -254,7 +254,7 @@ mod imp {
         );
         let (n_experts, n2, k) = expert_shapes(&x, &w, "moe_gate_up")?;
         let inter = n2 / 2;
-        if x.dim(0)? * r.top_k != r.sorted.dim(0)? || n2 % 2 != 0 {
+        if x.dim(0)? * r.top_k != r.sorted.dim(0)? || !n2.is_multiple_of(2) {
             candle_core::bail!(
                 "moe_gate_up: x {:?}, w {:?}, top {}",
                 x.dims(),
@@ -341,7 +341,7 @@ mod imp {
     pub fn moe_sum(y: &Tensor, top_k: usize) -> Result<Tensor> {
         let y = checked(y, DType::BF16, "moe_sum y")?;
         let (p, n) = y.dims2()?;
-        if top_k == 0 || p % top_k != 0 {
+        if top_k == 0 || !p.is_multiple_of(top_k) {
             candle_core::bail!("moe_sum: {p} rows for top {top_k}");
         }
         let tokens = p / top_k;

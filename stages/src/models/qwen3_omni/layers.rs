@@ -820,7 +820,7 @@ impl Attention {
         let dtype = q.dtype();
         let scores = (q.matmul(&k.t()?)? * self.scaling)?.to_dtype(DType::F32)?;
         let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&batch.mask)?)?;
-        let out = probs.to_dtype(dtype)?.matmul(&v)?;
+        let out = probs.to_dtype(dtype)?.matmul(v)?;
         self.o_proj
             .forward(&out.reshape((b, 1, self.num_heads * hd))?)
     }

@@ -69,8 +69,17 @@ pub struct Routing {
     pub top_k: usize,
 }
 
-/// Most tokens (and experts, and top-k) [`moe_route`] takes: one block routes them all.
-pub const ROUTE_MAX_TOKENS: usize = 128;
+/// Whether [`moe_route`] takes `tokens` tokens of `experts` experts, top `top_k`:
+/// one block routes them all, so each is bounded.
+pub fn route_supported(tokens: usize, experts: usize, top_k: usize) -> bool {
+    (1..=ROUTE_MAX_TOKENS).contains(&tokens)
+        && experts <= ROUTE_MAX_EXPERTS
+        && (1..=ROUTE_MAX_TOPK.min(experts)).contains(&top_k)
+}
+
+const ROUTE_MAX_TOKENS: usize = 128;
+const ROUTE_MAX_EXPERTS: usize = 256;
+const ROUTE_MAX_TOPK: usize = 16;
 
 #[cfg(feature = "cuda")]
 mod imp {
@@ -89,8 +98,6 @@ mod imp {
     const ROUTE_THREADS: u32 = 1024;
     const CHUNK: usize = 256;
     const ATTN_THREADS: u32 = 256;
-    const ROUTE_MAX_EXPERTS: usize = 256;
-    const ROUTE_MAX_TOPK: usize = 16;
 
     /// A view of `t`'s storage from its offset; the guard must outlive it.
     fn view<'a, T: CudaDType>(st: &'a Storage, l: &Layout) -> Result<CudaView<'a, T>> {
@@ -203,12 +210,7 @@ mod imp {
     pub fn moe_route(logits: &Tensor, top_k: usize, norm: bool) -> Result<Routing> {
         let logits = checked(logits, DType::BF16, "moe_route logits")?;
         let (n, n_experts) = logits.dims2()?;
-        if n == 0
-            || n > ROUTE_MAX_TOKENS
-            || n_experts > ROUTE_MAX_EXPERTS
-            || top_k == 0
-            || top_k > ROUTE_MAX_TOPK.min(n_experts)
-        {
+        if !route_supported(n, n_experts, top_k) {
             candle_core::bail!(
                 "moe_route: {n} tokens of {n_experts} experts, top {top_k} (at most \
                  {ROUTE_MAX_TOKENS} tokens, {ROUTE_MAX_EXPERTS} experts, top {ROUTE_MAX_TOPK})"
@@ -694,7 +696,7 @@ mod imp {
 pub use imp::moe_gemv;
 
 /// Routes `(n, experts)` bf16 router logits (softmax in f32, top-k, renormalised
-/// when `norm`): at most [`ROUTE_MAX_TOKENS`] tokens.
+/// when `norm`), for the sizes of [`route_supported`].
 pub use imp::moe_route;
 
 /// `silu(gate(x)) * up(x)` `(pairs, inter)` for every routed pair, from `x`

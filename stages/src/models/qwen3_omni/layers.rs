@@ -1028,10 +1028,10 @@ impl SparseMoe {
     }
 
     /// Whether `n` tokens `xs` take [`Self::forward_decode`]: bf16 on a GPU (stacked
-    /// experts), few enough tokens for one routing block, SiLU experts.
+    /// experts), sizes one routing block takes, SiLU experts.
     fn decode_kernels(&self, xs: &Tensor, n: usize) -> bool {
         xs.dtype() == DType::BF16
-            && n <= kernels::ROUTE_MAX_TOKENS
+            && kernels::route_supported(n, self.gate.weight().dim(0).unwrap_or(0), self.top_k)
             && self.act == Activation::Silu
             && kernels::enabled()
     }

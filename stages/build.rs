@@ -11,6 +11,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    println!("cargo:rerun-if-changed=src/models/qwen3_omni/kernels/bf16.cuh");
     for name in ["moe", "attention"] {
         let src = format!("src/models/qwen3_omni/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");

@@ -257,16 +257,13 @@ impl Qwen3OmniTalker {
                 r.speaker,
             )?);
         }
-        let (state, o) = if inputs.len() == 1 {
-            talker.prefill(&inputs[0], None, None)?
-        } else {
-            let (x, mask) = left_padded(&inputs)?;
-            talker.prefill(&x, Some(&mask), None)?
-        };
+        // One request's mask has no padding: the prefill then takes it as none.
+        let (x, mask) = left_padded(&inputs)?;
+        let (state, o) = talker.prefill(&x, Some(&mask), None)?;
         let logits = o.logits.to_vec2::<f32>()?;
         for (row, ((id, r), logits)) in batch.iter_mut().zip(logits).enumerate() {
             let slot = self.running.len();
-            let (len, pos, hidden) = talker.load_slot_row(&self.slots, slot, &state, row)?;
+            let (len, pos, hidden) = talker.load_slot(&self.slots, slot, &state, row)?;
             r.decode = Some((len, pos, hidden));
             r.logits = Some(logits);
             r.max_frames = r.max_frames.min(self.max_len.saturating_sub(len));

@@ -887,17 +887,7 @@ impl Code2Wav {
         let fresh = states.iter().all(|s| s.frames == 0);
         let aligned = states.iter().all(|s| s.frames == states[0].frames)
             || states.iter().all(|s| s.frames >= window);
-        if states.len() >= 2 && n > 0 && same_n && fresh {
-            // First chunks: fresh states are all alike, so the batch starts from one.
-            let mut batch = self.new_state();
-            let codes = Tensor::stack(codes, 0)?;
-            let wav = self.step(&mut batch, &codes)?;
-            for (i, s) in states.iter_mut().enumerate() {
-                *s = batch.row(i)?;
-            }
-            return (0..states.len()).map(|i| wav.get(i)).collect();
-        }
-        if states.len() < 2 || n == 0 || !same_n || !started || !aligned {
+        if states.len() < 2 || n == 0 || !same_n || !(fresh || (started && aligned)) {
             return states
                 .iter_mut()
                 .zip(codes)
@@ -905,10 +895,15 @@ impl Code2Wav {
                 .collect();
         }
         let pos: Vec<usize> = states.iter().map(|s| s.frames).collect();
-        let mut batch = Code2WavState::stack(states)?;
+        // First chunks: fresh states are all alike, so the batch starts from one.
+        let (mut batch, positions) = if fresh {
+            (self.new_state(), None)
+        } else {
+            (Code2WavState::stack(states)?, Some(pos.as_slice()))
+        };
         let codes = Tensor::stack(codes, 0)?;
         let wav = self
-            .step_unclamped(&mut batch, &codes, Some(&pos))?
+            .step_unclamped(&mut batch, &codes, positions)?
             .clamp(-1f32, 1f32)?;
         for (i, s) in states.iter_mut().enumerate() {
             *s = batch.row(i)?;

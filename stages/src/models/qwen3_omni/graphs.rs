@@ -202,10 +202,10 @@ impl Drop for UrgentSection {
     }
 }
 
-/// Waits, at most `max`, while another stage is in an [`UrgentSection`]; returns
-/// how long it waited. At most one step of the caller is then in flight on the GPU
-/// (its steps end in a copy to the host), so urgent work waits for that one only.
-pub fn yield_to_urgent(max: std::time::Duration) -> std::time::Duration {
+/// Waits, at most `max`, while another stage is in an [`UrgentSection`]. At most one
+/// step of the caller is then in flight on the GPU (its steps end in a copy to the
+/// host), so urgent work waits for that one only.
+pub fn yield_to_urgent(max: std::time::Duration) {
     static CAP: std::sync::OnceLock<Option<Option<std::time::Duration>>> =
         std::sync::OnceLock::new();
     let cap = *CAP.get_or_init(|| match std::env::var("OMNISTREAM_STAGE_PRIORITY") {
@@ -214,14 +214,13 @@ pub fn yield_to_urgent(max: std::time::Duration) -> std::time::Duration {
         Err(_) => Some(None),
     });
     let Some(cap) = cap else {
-        return std::time::Duration::ZERO;
+        return;
     };
     let max = cap.unwrap_or(max);
     let start = std::time::Instant::now();
     while URGENT_SECTIONS.load(std::sync::atomic::Ordering::SeqCst) > 0 && start.elapsed() < max {
         std::thread::sleep(std::time::Duration::from_micros(50));
     }
-    start.elapsed()
 }
 
 /// Whether decode steps on `device` can run as graphs (a CUDA device in the cuda build).

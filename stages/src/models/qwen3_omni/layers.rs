@@ -539,16 +539,6 @@ impl KvSlots {
     /// keys/values over the batch's positions, `(b, kv_heads, kv_len, d)`: views when
     /// the rows are slots `0..b`, else gathered copies.
     pub fn append(&self, batch: &SlotBatch, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        self.write(batch, k, v)?;
-        let view = |t: &Tensor| match &batch.gather {
-            None => t.narrow(0, 0, batch.batch)?.narrow(2, 0, batch.kv_len),
-            Some(ids) => t.index_select(ids, 0)?.narrow(2, 0, batch.kv_len),
-        };
-        Ok((view(&self.k)?, view(&self.v)?))
-    }
-
-    /// Writes the batch's new `(b, kv_heads, 1, d)` keys/values into their slots.
-    fn write(&self, batch: &SlotBatch, k: &Tensor, v: &Tensor) -> Result<()> {
         let (slots, kvh, max_len, d) = self.k.dims4()?;
         let flat = (slots * kvh * max_len, d);
         let rows = (batch.batch * kvh, d);
@@ -557,7 +547,12 @@ impl KvSlots {
             .scatter_set(&batch.scatter, &k.contiguous()?.reshape(rows)?, 0)?;
         self.v
             .reshape(flat)?
-            .scatter_set(&batch.scatter, &v.contiguous()?.reshape(rows)?, 0)
+            .scatter_set(&batch.scatter, &v.contiguous()?.reshape(rows)?, 0)?;
+        let view = |t: &Tensor| match &batch.gather {
+            None => t.narrow(0, 0, batch.batch)?.narrow(2, 0, batch.kv_len),
+            Some(ids) => t.index_select(ids, 0)?.narrow(2, 0, batch.kv_len),
+        };
+        Ok((view(&self.k)?, view(&self.v)?))
     }
 }
 

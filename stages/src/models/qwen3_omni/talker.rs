@@ -666,24 +666,10 @@ impl Talker {
         )
     }
 
-    /// Moves a prefilled batch-1 `state` into `slot`; returns its cached length, its
-    /// next rotary position and its last hidden state `(1, 1, hidden)`.
-    pub fn load_slot(
-        &self,
-        slots: &[KvSlots],
-        slot: usize,
-        state: &TalkerState,
-    ) -> Result<(usize, u32, Tensor)> {
-        if state.batch_size() != 1 {
-            candle_core::bail!("load_slot takes one request");
-        }
-        self.load_slot_row(slots, slot, state, 0)
-    }
-
     /// Moves row `row` of a prefilled (left-padded) `state` into `slot`, without its
     /// padding; returns its cached length, its next rotary position and its last
     /// hidden state `(1, 1, hidden)`.
-    pub fn load_slot_row(
+    pub fn load_slot(
         &self,
         slots: &[KvSlots],
         slot: usize,
@@ -830,24 +816,24 @@ impl Talker {
         scratch: usize,
         first: &KvSlots,
     ) -> Result<[Tensor; 4]> {
-        let b = rows.slots.len();
+        let pad = bb - rows.slots.len();
         let slots_p: Vec<usize> = rows
             .slots
             .iter()
             .copied()
-            .chain(scratch..scratch + bb - b)
+            .chain(scratch..scratch + pad)
             .collect();
         let lens_p: Vec<usize> = rows
             .lens
             .iter()
             .copied()
-            .chain(std::iter::repeat_n(0, bb - b))
+            .chain(std::iter::repeat_n(0, pad))
             .collect();
         let pos_p: Vec<u32> = rows
             .pos
             .iter()
             .copied()
-            .chain(std::iter::repeat_n(0, bb - b))
+            .chain(std::iter::repeat_n(0, pad))
             .collect();
         let (scatter, mask) = SlotBatch::host(first, &slots_p, &lens_p, ll)?;
         let (_, kvh, _, hd) = first.shape()?;

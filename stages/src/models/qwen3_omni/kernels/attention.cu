@@ -15,16 +15,7 @@
 #define MAX_REP 16
 #define HIDDEN (-1.0e38f)
 
-__device__ __forceinline__ float bf(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
-__device__ __forceinline__ float bf_lo(unsigned int w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
-
-__device__ __forceinline__ unsigned short to_bf16(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u); // NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
+#include "bf16.cuh"
 
 // Grid: (b * kvh, splits), splits = ceil(kv_len / CHUNK); block: THREADS.
 // With one split the normalised output goes to `out`; else each split leaves

@@ -1,7 +1,7 @@
 // MoE kernels for decode steps (a few tokens, each routed to top-k of E experts):
 // every routed expert's weights are read once per step for all the (token,
 // choice) pairs routed to it, with 16-byte loads, bf16 in and out, f32
-// accumulation. No headers: the bf16 conversions are written out.
+// accumulation (bf16 helpers in bf16.cuh).
 //
 // Two ways to find an expert's pairs:
 // - `moe_gemv_bf16`: candle's `moe_gemm` contract (candle-nn/src/moe.rs): pairs
@@ -25,16 +25,7 @@
 #define ROUTE_MAX_TOPK 16
 #define ROUTE_MAX_TOKENS 128
 
-__device__ __forceinline__ float bf_lo(unsigned int w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ float bf(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
-
-__device__ __forceinline__ unsigned short to_bf16(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u); // NaN
-    u += 0x7fffu + ((u >> 16) & 1u); // round to nearest even
-    return (unsigned short)(u >> 16);
-}
+#include "bf16.cuh"
 
 __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
     return bf_lo(a.x) * bf_lo(b.x) + bf_hi(a.x) * bf_hi(b.x)

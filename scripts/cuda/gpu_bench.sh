@@ -10,9 +10,14 @@
 #   code2wav   Code2Wav alone: first chunk and 4-frame chunks of 1, 8, 32 streams
 #   ncu        Nsight Compute: each kernel of a decoder layer's decode step at 1, 8
 #              and 32 rows (duration, DRAM throughput), by scripts/cuda/ncu_table.py
+#   ncu-prefill the same for one prefill layer: 32 prompts of 100, one of 2,500
 #   text       chat text-only c=1,32, the engine's decode kernels
 #   candle     the same with OMNISTREAM_DECODE_KERNELS=candle (side by side)
 #   eager      the same with --enforce-eager
+#   gemv       the same with each other MoE GEMV register budget
+#              (OMNISTREAM_MOE_GEMV_BLOCKS=1, 6, 8; 4 is the default)
+#   tc2        the same with the two-stage tensor-core MoE (OMNISTREAM_MOE_TC_STAGES=2;
+#              3 is the default)
 #   chat       chat with audio, c=1,8,32 (deploy/qwen3-omni-h200.yaml)
 #   chat-wait  the same with the Thinker's wait for the audio path capped at
 #              WAIT_MS (default 100) instead of 10 ms
@@ -35,7 +40,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo; echo "=== $* ($(date +%T))"; }
 # The test binary finds the fixtures where it was built.
-if [ -x cuda-bin/stages-tests ] && { has tests || has profile; }; then
+if [ -x cuda-bin/stages-tests ]; then
   mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
   if has tests; then
     step tests
@@ -56,6 +61,13 @@ if [ -x cuda-bin/stages-tests ] && { has tests || has profile; }; then
       cuda-bin/stages-tests profile_decode_kernels --ignored --test-threads 1 >"$OUT/ncu.csv" 2>/dev/null
     python3 scripts/cuda/ncu_table.py "$OUT/ncu.csv"
   fi
+  if has ncu-prefill; then
+    step ncu-prefill
+    timeout 240 ncu --clock-control none --csv \
+      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+      cuda-bin/stages-tests profile_prefill_kernels --ignored --test-threads 1 >"$OUT/ncu.csv" 2>/dev/null
+    python3 scripts/cuda/ncu_table.py "$OUT/ncu.csv"
+  fi
 fi
 export RUST_BACKTRACE=0
 bench() {
@@ -70,6 +82,12 @@ TEXT_C=${TEXT_C:-1,32}
 has text && bench "${TEXT_S:-150}" "${H200[@]}" --name chat "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
 has candle && OMNISTREAM_DECODE_KERNELS=candle bench "${TEXT_S:-150}" "${H200[@]}" --name chat-candle "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
 has eager && bench "${TEXT_S:-150}" "${H200[@]}" --name chat-eager --enforce-eager "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
+if has gemv; then
+  for b in 1 6 8; do
+    OMNISTREAM_MOE_GEMV_BLOCKS=$b bench "${TEXT_S:-150}" "${H200[@]}" --name "chat-gemv$b" "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
+  done
+fi
+has tc2 && OMNISTREAM_MOE_TC_STAGES=2 bench "${TEXT_S:-150}" "${H200[@]}" --name chat-tc2 "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
 has chat && bench "${CHAT_S:-200}" "${H200[@]}" --name chat "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has chat-wait && OMNISTREAM_STAGE_PRIORITY=${WAIT_MS:-100} bench "${CHAT_S:-200}" "${H200[@]}" --name chat-wait "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has chat-nopri && OMNISTREAM_STAGE_PRIORITY=off bench "${CHAT_S:-200}" "${H200[@]}" --name chat-nopri "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"

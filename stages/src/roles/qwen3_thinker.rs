@@ -21,7 +21,7 @@ use crate::engine::{
 use crate::models::qwen3_omni::graphs;
 use crate::models::qwen3_omni::layers::KvSlots;
 use crate::models::qwen3_omni::omni::Qwen3Omni;
-use crate::models::qwen3_omni::sampling::{Sampler, SamplingConfig};
+use crate::models::qwen3_omni::sampling::{self, Sampler, SamplingConfig};
 use crate::models::qwen3_omni::thinker::{AudioEmbeds, ThinkerGraphs};
 use crate::models::tokenizer::{ChatMessage, ChatTokenizer, IncrementalDecoder};
 use crate::models::{ModelError, Result};
@@ -37,7 +37,14 @@ const AUDIO_PLACEHOLDER: &str = "<|audio_start|><|audio_pad|><|audio_end|>";
 
 /// One request's result of a forward: its next-token logits and what the Talker
 /// gets of it.
-type Row = (RequestId, Vec<f32>, ThinkerStates);
+type Row = (RequestId, Pick, ThinkerStates);
+
+/// A row's next token as the step leaves it: chosen on the device (greedy), or
+/// its logits for the request's sampler on the host.
+enum Pick {
+    Token(u32),
+    Logits(Vec<f32>),
+}
 
 struct Seq {
     ctx: Arc<RequestCtx>,
@@ -216,7 +223,7 @@ impl Qwen3OmniThinker {
         let mut cache = thinker.new_cache();
         let out = thinker.prefill_last(&input, Some(&mask), audio, &mut cache, hidden)?;
         let slots = &self.slots;
-        let last = out.logits.squeeze(1)?.to_vec2::<f32>()?;
+        let last = self.picks(&ids, &out.logits.squeeze(1)?)?;
         let mut results = Vec::with_capacity(b);
         for (row, (id, logits)) in ids.iter().zip(last).enumerate() {
             let slot = self.running.len();
@@ -274,7 +281,7 @@ impl Qwen3OmniThinker {
             Some(g) => thinker.step_slots_graphed(g, &ids, &pos, &lens, slots, hidden)?,
             None => thinker.step_slots(&ids, &pos, &lens, slots, hidden)?,
         };
-        let logits = out.logits.squeeze(1)?.to_vec2::<f32>()?;
+        let logits = self.picks(&self.running, &out.logits.squeeze(1)?)?;
         let mut results = Vec::with_capacity(logits.len());
         for (row, (id, logits)) in self.running.iter().zip(logits).enumerate() {
             let seq = self
@@ -301,20 +308,70 @@ impl Qwen3OmniThinker {
         Ok(results)
     }
 
-    /// Samples `seq`'s next token from `logits` and sends it on; returns whether the
-    /// request is finished.
+    /// Each row's [`Pick`] from a step's logits `(rows, vocab)` for requests `ids`:
+    /// on a GPU the greedy rows' ids come from one argmax launch, and only the
+    /// other rows' logits are copied (a row is 608 KB).
+    fn picks(&self, ids: &[RequestId], logits: &Tensor) -> Result<Vec<Pick>> {
+        // The checkpoint's embedding rows past the tokenizer's vocabulary are
+        // padding (152,064 rows for ~151,700 tokens): never drawn.
+        let vocab = self.tokenizer.vocab_size().min(logits.dim(1)?);
+        let logits = logits.narrow(1, 0, vocab)?;
+        let greedy: Vec<bool> = ids
+            .iter()
+            .map(|id| {
+                self.seqs
+                    .get(id)
+                    .is_some_and(|q| sampling::greedy_on_device(q.sampler.config()))
+            })
+            .collect();
+        if !logits.device().is_cuda() || !greedy.iter().any(|&g| g) {
+            return Ok(logits
+                .to_vec2::<f32>()?
+                .into_iter()
+                .map(Pick::Logits)
+                .collect());
+        }
+        let tokens = sampling::argmax_rows(&logits)?.to_vec1::<u32>()?;
+        let sampled: Vec<u32> = (0..ids.len() as u32)
+            .filter(|&r| !greedy[r as usize])
+            .collect();
+        let mut rows = match sampled.len() {
+            0 => Vec::new(),
+            n => {
+                let idx = Tensor::from_vec(sampled, n, logits.device())?;
+                logits.index_select(&idx, 0)?.to_vec2::<f32>()?
+            }
+        }
+        .into_iter();
+        greedy
+            .iter()
+            .zip(tokens)
+            .map(|(&g, t)| match g {
+                true => Ok(Pick::Token(t)),
+                false => rows.next().map(Pick::Logits).ok_or_else(|| {
+                    ModelError::Invalid("a sampled row's logits went missing".into())
+                }),
+            })
+            .collect()
+    }
+
+    /// Samples `seq`'s next token (or takes the device's) and sends it on; returns
+    /// whether the request is finished.
     fn advance(
         &self,
         id: RequestId,
         seq: &mut Seq,
-        logits: &[f32],
+        pick: Pick,
         states: ThinkerStates,
         out: &mut StepOutput,
     ) -> Result<bool> {
-        // The checkpoint's embedding rows past the tokenizer's vocabulary are
-        // padding (152,064 rows for ~151,700 tokens): never drawn.
-        let vocab = self.tokenizer.vocab_size().min(logits.len());
-        let token = seq.sampler.sample(&logits[..vocab])?;
+        let token = match pick {
+            Pick::Token(t) => {
+                seq.sampler.push(t);
+                t
+            }
+            Pick::Logits(l) => seq.sampler.sample(&l)?,
+        };
         let states = seq.speak.then_some(states);
         let eos = self.tokenizer.is_eos(token) && !seq.ignore_eos;
         let at_limit = seq.generated.len() + 1 >= seq.max_tokens;
@@ -382,11 +439,11 @@ impl Qwen3OmniThinker {
 
     /// Samples and sends each row's token; finished and failed requests leave.
     fn finish_rows(&mut self, rows: Vec<Row>, out: &mut StepOutput) {
-        for (id, logits, states) in rows {
+        for (id, pick, states) in rows {
             let Some(mut seq) = self.seqs.remove(&id) else {
                 continue;
             };
-            match self.advance(id, &mut seq, &logits, states, out) {
+            match self.advance(id, &mut seq, pick, states, out) {
                 Ok(false) => {
                     self.seqs.insert(id, seq);
                 }

@@ -508,9 +508,115 @@ fn decode_moe_kernels_match_f32_experts() {
     }
 }
 
+/// The tensor-core MoE kernels against the GEMV at the released Thinker's and
+/// Talker's shapes: the same device routing through both up to 128 tokens, and
+/// past that the host-routed prefill path against the gathered cuBLAS GEMMs (the
+/// same router top-k; bf16 products summed in another order). Every variant
+/// (the GEMV's register budgets, the tensor cores' pipeline depths) is checked.
+#[test]
+fn tensor_core_moe_matches_gemv_and_gemms() {
+    use super::kernels::{Mode, GEMV_BLOCKS, TC_STAGES};
+    let dev = gpu();
+    for which in ["thinker", "talker"] {
+        let cfg = released(which);
+        let moe = SparseMoe::new(&cfg, weights::random(DType::BF16, &dev).pp("moe")).unwrap();
+        let check = |what: &str, n: usize, want: &Tensor, got: &Tensor| {
+            let scale = max_abs_diff(want, &want.zeros_like().unwrap());
+            let err = max_abs_diff(got, want);
+            eprintln!(
+                "{which} MoE {what}, {n} tokens: max |diff| {err:.2e} (max |value| {scale:.2e})"
+            );
+            assert!(
+                err <= 0.02 * scale,
+                "{which} MoE {what} differs by {err} at {n} tokens"
+            );
+        };
+        for n in [1usize, 8, 33, 64, 100, 128] {
+            let x = bf16_randn((n, cfg.hidden_size), &dev);
+            // moe_route is deterministic: every variant sees the same routing.
+            let gemv = moe.routed_in_mode(&x, Mode::Gemv).unwrap();
+            for &blocks in GEMV_BLOCKS.choices {
+                GEMV_BLOCKS.set(Some(blocks));
+                let other = moe.routed_in_mode(&x, Mode::Gemv).unwrap();
+                // The same sums in the same order: equal, whatever the registers.
+                assert_eq!(max_abs_diff(&gemv, &other), 0.0, "GEMV, {blocks} blocks/SM");
+            }
+            GEMV_BLOCKS.set(None);
+            for &stages in TC_STAGES.choices {
+                TC_STAGES.set(Some(stages));
+                let tc = moe.routed_in_mode(&x, Mode::Tensor).unwrap();
+                check(
+                    &format!("tensor cores ({stages} stages) vs GEMV"),
+                    n,
+                    &gemv,
+                    &tc,
+                );
+            }
+            TC_STAGES.set(None);
+        }
+        for n in [129usize, 700, 2500] {
+            let x = bf16_randn((n, cfg.hidden_size), &dev);
+            let want = moe.forward_gathered_for_test(&x).unwrap();
+            for &stages in TC_STAGES.choices {
+                TC_STAGES.set(Some(stages));
+                let got = moe.forward_tc_for_test(&x).unwrap();
+                check(
+                    &format!("tensor cores ({stages} stages) vs gathered GEMMs"),
+                    n,
+                    &want,
+                    &got,
+                );
+            }
+            TC_STAGES.set(None);
+        }
+    }
+}
+
+/// The argmax kernel chooses as torch and the host sampler do: the first index of
+/// the largest value, across threads, warps and a narrowed vocabulary's stride.
+#[test]
+fn argmax_kernel_takes_the_first_largest() {
+    use super::sampling;
+    let dev = gpu();
+    let (rows, cols, vocab) = (6usize, 152_064usize, 151_643usize);
+    let mut v: Vec<f32> = fixed_input(rows, cols)
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let mut plant = |r: usize, c: usize, x: f32| v[r * cols + c] = x;
+    // Ties: in one thread's columns, across threads of one warp, across warps.
+    plant(0, 5, 9.0);
+    plant(0, 5 + 1024, 9.0);
+    plant(1, 40, 9.0);
+    plant(1, 39, 9.0);
+    plant(2, 100_000, 9.0);
+    plant(2, 70_001, 9.0);
+    // Past the vocabulary: never chosen.
+    plant(3, vocab + 3, 99.0);
+    plant(3, 17, 9.0);
+    for c in 0..cols {
+        plant(4, c, f32::NEG_INFINITY);
+    }
+    plant(5, 150_000, f32::NAN);
+    let host = Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap();
+    let want: Vec<u32> = (0..rows)
+        .map(|r| {
+            let row: Vec<f32> = host.i((r, ..vocab)).unwrap().to_vec1().unwrap();
+            sampling::argmax(&row)
+        })
+        .collect();
+    let on_gpu = host.to_device(&dev).unwrap().narrow(1, 0, vocab).unwrap();
+    let got: Vec<u32> = sampling::argmax_rows(&on_gpu).unwrap().to_vec1().unwrap();
+    assert_eq!(&want[..4], &[5, 39, 70_001, 17]);
+    assert_eq!(want[4], 0);
+    assert_eq!(got, want, "device argmax vs host");
+}
+
 /// The decode attention kernel against the same attention in f32 through candle,
 /// at the Thinker's, Talker's and code predictor's head groupings: rows in
-/// scattered slots and in slots `0..b`, lengths from 1 to past three chunks.
+/// scattered slots and in slots `0..b`, lengths from 1 to eleven chunks (some rows' chunks
+/// wholly hidden).
 #[test]
 fn decode_attention_kernel_matches_f32() {
     use super::kernels;
@@ -642,6 +748,29 @@ fn profile_decode_kernels() {
     dev.synchronize().unwrap();
 }
 
+/// One prefill decoder layer at the released Thinker's shapes, 32 prompts of 100
+/// tokens then one of 2,500, once each, for `ncu` (scripts/cuda/gpu_bench.sh's
+/// `ncu-prefill` step): where a prefill's time goes, kernel by kernel.
+#[test]
+#[ignore]
+fn profile_prefill_kernels() {
+    use super::layers::{attention_mask, DecoderLayer, KvCache};
+    let cfg = released("thinker");
+    let dev = gpu();
+    let layer = DecoderLayer::new(&cfg, 0, weights::random(DType::BF16, &dev).pp("layer")).unwrap();
+    let hd = cfg.head_dim();
+    for (rows, n) in [(32usize, 100usize), (1, 2500)] {
+        let x = bf16_randn((rows, n, cfg.hidden_size), &dev);
+        let cos = Tensor::ones((rows, n, hd / 2), DType::BF16, &dev).unwrap();
+        let mask = attention_mask(None, rows, n, n, &dev).unwrap();
+        let mut cache = KvCache::new();
+        layer
+            .forward(&x, &cos, &cos, mask.as_ref(), Some(&mut cache))
+            .unwrap();
+    }
+    dev.synchronize().unwrap();
+}
+
 /// Times the pieces of one released-shape Thinker decode step (run by hand on the
 /// GPU host with `--ignored`; docs/bench/gpu.md records what it printed): eagerly
 /// (launch overhead included, synchronized), and as CUDA graphs of ten repeats
@@ -729,6 +858,22 @@ fn profile_released_thinker_layer() {
             graphed(&format!("b={b} MoE, {which}"), &mut f);
         }
         kernels::set_enabled(true);
+        for &blocks in kernels::GEMV_BLOCKS.choices {
+            kernels::GEMV_BLOCKS.set(Some(blocks));
+            graphed(
+                &format!("b={b} MoE, routed experts by GEMV, >= {blocks} blocks/SM"),
+                &mut || {
+                    moe.routed_in_mode(&xs, kernels::Mode::Gemv).unwrap();
+                },
+            );
+        }
+        kernels::GEMV_BLOCKS.set(None);
+        graphed(
+            &format!("b={b} MoE, routed experts by tensor cores"),
+            &mut || {
+                moe.routed_in_mode(&xs, kernels::Mode::Tensor).unwrap();
+            },
+        );
         eager(&format!("b={b} MoE, candle's grouped GEMM"), &mut || {
             moe.forward_grouped(&xs, true).unwrap();
         });
@@ -741,7 +886,14 @@ fn profile_released_thinker_layer() {
     // Prefills: one prompt of `n` tokens (or 32 of 100), a whole decoder layer
     // (attention with its mask and KV cache), and the MoE's paths alone.
     use super::layers::{attention_mask, KvCache};
-    for (rows, n) in [(1usize, 100usize), (1, 512), (1, 2500), (32, 100)] {
+    for (rows, n) in [
+        (1usize, 64usize),
+        (1, 100),
+        (1, 128),
+        (1, 512),
+        (1, 2500),
+        (32, 100),
+    ] {
         let x = bf16_randn((rows, n, cfg.hidden_size), &dev);
         let cos = Tensor::ones((rows, n, hd / 2), DType::BF16, &dev).unwrap();
         let mask = attention_mask(None, rows, n, n, &dev).unwrap();
@@ -770,5 +922,37 @@ fn profile_released_thinker_layer() {
                 moe.forward_gathered_for_test(&xs).unwrap();
             },
         );
+        if rows * n <= 128 {
+            kernels::TC_STAGES.set(Some(2));
+            eager(
+                &format!("prefill {rows}x{n} MoE, device routing, tensor cores, 2 stages"),
+                &mut || {
+                    moe.routed_in_mode(&xs, kernels::Mode::Tensor).unwrap();
+                },
+            );
+            kernels::TC_STAGES.set(None);
+            for (mode, which) in [
+                (kernels::Mode::Gemv, "GEMV"),
+                (kernels::Mode::Tensor, "tensor cores"),
+            ] {
+                eager(
+                    &format!("prefill {rows}x{n} MoE, device routing, {which}"),
+                    &mut || {
+                        moe.routed_in_mode(&xs, mode).unwrap();
+                    },
+                );
+            }
+        } else {
+            for &stages in kernels::TC_STAGES.choices {
+                kernels::TC_STAGES.set(Some(stages));
+                eager(
+                    &format!("prefill {rows}x{n} MoE, host routing, tensor cores, {stages} stages"),
+                    &mut || {
+                        moe.forward_tc_for_test(&xs).unwrap();
+                    },
+                );
+            }
+            kernels::TC_STAGES.set(None);
+        }
     }
 }

@@ -12,6 +12,8 @@
 //! - [`decode_attention`]: one query per row over KV slots, each row's visible
 //!   positions only.
 //! - [`masked_softmax`]: a prefill's scaled, masked softmax in one pass.
+//! - [`argmax`]: each row's first largest logit, so a greedy step copies ids, not
+//!   logits, to the host.
 //!
 //! Without the `cuda` feature each returns an error (the CPU paths never call them).
 
@@ -41,6 +43,62 @@ pub(crate) fn set_enabled(on: bool) {
     );
 }
 
+/// A kernel variant picked once per process from an environment variable (the
+/// variants' figures side by side are in docs/bench/gpu.md), or set by the GPU
+/// profile, which times each.
+pub struct Variant {
+    var: &'static str,
+    pub choices: &'static [u32],
+    default: u32,
+    cell: std::sync::atomic::AtomicU32,
+}
+
+impl Variant {
+    const fn new(var: &'static str, choices: &'static [u32], default: u32) -> Self {
+        Self {
+            var,
+            choices,
+            default,
+            cell: std::sync::atomic::AtomicU32::new(0),
+        }
+    }
+
+    pub fn get(&self) -> u32 {
+        use std::sync::atomic::Ordering;
+        match self.cell.load(Ordering::Relaxed) {
+            0 => {
+                let v = std::env::var(self.var)
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|v| self.choices.contains(v))
+                    .unwrap_or(self.default);
+                self.cell.store(v, Ordering::Relaxed);
+                v
+            }
+            v => v,
+        }
+    }
+
+    /// Sets the variant for this process; `None`: the default.
+    pub fn set(&self, v: Option<u32>) {
+        let v = v.unwrap_or(self.default);
+        assert!(self.choices.contains(&v), "{}: no variant {v}", self.var);
+        self.cell.store(v, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The register budget of the MoE GEMV launches: the kernels are built for at
+/// least 1, 4, 6 or 8 resident blocks a multiprocessor (kernels/moe.cu,
+/// `MOE_GEMV_KERNELS`); more blocks keep more loads in flight, fewer registers
+/// each keep fewer. `OMNISTREAM_MOE_GEMV_BLOCKS` picks; 4, the default, spills
+/// nothing.
+pub static GEMV_BLOCKS: Variant = Variant::new("OMNISTREAM_MOE_GEMV_BLOCKS", &[1, 4, 6, 8], 4);
+
+/// The tensor-core MoE kernels' pipeline depth, 2 or 3 tiles
+/// (`OMNISTREAM_MOE_TC_STAGES`; kernels/moe.cu, `MOE_TC_KERNELS`); 3, the
+/// default, was 4 to 8% faster on the H200's prefills.
+pub static TC_STAGES: Variant = Variant::new("OMNISTREAM_MOE_TC_STAGES", &[2, 3], 3);
+
 const UNSET: u8 = 0;
 const ON: u8 = 1;
 const OFF: u8 = 2;
@@ -58,16 +116,95 @@ pub fn attention_supported(heads: usize, kv_heads: usize, head_dim: usize) -> bo
 const ATTENTION_HEAD_DIM: usize = 128;
 const ATTENTION_MAX_REP: usize = 16;
 
-/// The routing of a decode MoE step on the device: per pair (token-major, choice
-/// in descending order) its weight, the pairs ordered by expert, and the routed
-/// experts' list (`meta`: count, then expert, first and end pair per expert).
+/// The routing of an MoE step on the device: per pair (token-major, choice in
+/// descending order) its weight, the pairs ordered by expert, and the routed
+/// ranges (`meta`: count, then expert, first and end pair per range; one range
+/// per routed expert from [`moe_route`], ranges of at most [`TC_ROWS`] pairs from
+/// [`Routing::from_choices`]); `ranges` bounds their count (the launches' width).
 #[derive(Debug)]
 pub struct Routing {
     pub weights: Tensor,
     pub sorted: Tensor,
     pub meta: Tensor,
     pub top_k: usize,
+    pub ranges: usize,
+    /// The experts it routes among (the weights it meets must have as many).
+    pub n_experts: usize,
 }
+
+/// The input rows one block of the tensor-core MoE kernels multiplies at once.
+pub const TC_ROWS: usize = 64;
+
+impl Routing {
+    /// The routing of `choices` (per token its top-k experts, descending) with their
+    /// router probabilities `top`, renormalised when `norm`, built on the host and
+    /// copied to `dev` in three transfers: for prefills, whose tokens are too many
+    /// for [`moe_route`]'s one block. Pairs keep token order within an expert, as
+    /// [`moe_route`] orders them; each expert's pairs are cut into ranges of
+    /// [`TC_ROWS`], so every block of the tensor-core kernels gets one tile.
+    pub fn from_choices(
+        choices: &[Vec<u32>],
+        top: &[Vec<f32>],
+        n_experts: usize,
+        norm: bool,
+        dev: &candle_core::Device,
+    ) -> Result<Self> {
+        let top_k = choices.first().map_or(0, Vec::len);
+        let pairs = choices.len() * top_k;
+        let mut weights = Vec::with_capacity(pairs);
+        let mut start = vec![0usize; n_experts + 1];
+        for (c, t) in choices.iter().zip(top) {
+            if c.len() != top_k || t.len() != top_k {
+                candle_core::bail!("routing: every token needs {top_k} choices and weights");
+            }
+            let sum: f32 = t.iter().sum();
+            weights.extend(t.iter().map(|&p| if norm { p / sum } else { p }));
+            for &e in c {
+                let e = e as usize;
+                if e >= n_experts {
+                    candle_core::bail!("routing: expert {e} of {n_experts}");
+                }
+                start[e + 1] += 1;
+            }
+        }
+        for e in 0..n_experts {
+            start[e + 1] += start[e];
+        }
+        let mut at = start.clone();
+        let mut sorted = vec![0u32; pairs];
+        for (p, &e) in choices.iter().flatten().enumerate() {
+            sorted[at[e as usize]] = p as u32;
+            at[e as usize] += 1;
+        }
+        let mut meta = vec![0u32];
+        for e in 0..n_experts {
+            for lo in (start[e]..start[e + 1]).step_by(TC_ROWS) {
+                let hi = (lo + TC_ROWS).min(start[e + 1]);
+                meta.extend([e as u32, lo as u32, hi as u32]);
+            }
+        }
+        let ranges = (meta.len() - 1) / 3;
+        meta[0] = ranges as u32;
+        let n_meta = meta.len();
+        Ok(Self {
+            weights: Tensor::from_vec(weights, pairs, dev)?,
+            sorted: Tensor::from_vec(sorted, pairs, dev)?,
+            meta: Tensor::from_vec(meta, n_meta, dev)?,
+            top_k,
+            ranges,
+            n_experts,
+        })
+    }
+}
+
+/// Whether the tensor-core MoE kernels take experts of `hidden` inputs and
+/// outputs and `inter` intermediate width (their tiles' multiples).
+pub fn tc_supported(hidden: usize, inter: usize) -> bool {
+    hidden.is_multiple_of(TC_BN) && inter.is_multiple_of(TC_BN / 2) && inter.is_multiple_of(TC_BK)
+}
+
+const TC_BN: usize = 128;
+const TC_BK: usize = 32;
 
 /// Whether [`moe_route`] takes `tokens` tokens of `experts` experts, top `top_k`:
 /// one block routes them all, so each is bounded.
@@ -92,12 +229,16 @@ mod imp {
 
     const MOE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
     const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
+    const SAMPLING_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sampling.ptx"));
+    const ARGMAX_THREADS: u32 = 1024;
+    const TC_THREADS: u32 = 256;
     // The kernels' tiling (kernels/moe.cu, kernels/attention.cu).
     const WARPS: u32 = 4;
     const ROWS_PER_WARP: u32 = 4;
     const ROUTE_THREADS: u32 = 1024;
-    const CHUNK: usize = 256;
-    const ATTN_THREADS: u32 = 256;
+    const CHUNK: usize = 64;
+    const ATTN_THREADS: u32 = 128;
+    const SOFTMAX_THREADS: u32 = 256;
 
     /// A view of `t`'s storage from its offset; the guard must outlive it.
     fn view<'a, T: CudaDType>(st: &'a Storage, l: &Layout) -> Result<CudaView<'a, T>> {
@@ -241,15 +382,48 @@ mod imp {
             sorted: wrap(sorted, dev, p),
             meta: wrap(meta, dev, 1 + 3 * n_experts),
             top_k,
+            // One range per routed expert: at most the pairs, at most the experts.
+            ranges: p.min(n_experts),
+            n_experts,
         })
     }
 
-    /// One block column per possibly routed expert: at most the pairs, at most the experts.
-    fn routed_blocks(r: &Routing, n_experts: usize) -> Result<u32> {
-        Ok(r.sorted.dim(0)?.min(n_experts) as u32)
+    /// The gate/up (`GATE_UP`) or down kernel of `mode` at the process's variant
+    /// ([`GEMV_BLOCKS`], [`TC_STAGES`]).
+    fn moe_kernel(gate_up: bool, mode: Mode) -> &'static str {
+        match (gate_up, mode) {
+            (true, Mode::Gemv) => match GEMV_BLOCKS.get() {
+                1 => "moe_gate_up_bf16",
+                6 => "moe_gate_up_b6_bf16",
+                8 => "moe_gate_up_b8_bf16",
+                _ => "moe_gate_up_b4_bf16",
+            },
+            (false, Mode::Gemv) => match GEMV_BLOCKS.get() {
+                1 => "moe_down_bf16",
+                6 => "moe_down_b6_bf16",
+                8 => "moe_down_b8_bf16",
+                _ => "moe_down_b4_bf16",
+            },
+            (true, Mode::Tensor) => match TC_STAGES.get() {
+                3 => "moe_gate_up_tc_s3_bf16",
+                _ => "moe_gate_up_tc_bf16",
+            },
+            (false, Mode::Tensor) => match TC_STAGES.get() {
+                3 => "moe_down_tc_s3_bf16",
+                _ => "moe_down_tc_bf16",
+            },
+        }
     }
 
-    pub fn moe_gate_up(x: &Tensor, gate_up: &Tensor, r: &Routing) -> Result<Tensor> {
+    /// How a gate/up or down launch multiplies: the GEMV's warps, or the
+    /// tensor-core tiles.
+    #[derive(Clone, Copy, PartialEq)]
+    pub enum Mode {
+        Gemv,
+        Tensor,
+    }
+
+    pub fn moe_gate_up(x: &Tensor, gate_up: &Tensor, r: &Routing, mode: Mode) -> Result<Tensor> {
         let (x, w) = (
             checked(x, DType::BF16, "moe_gate_up x")?,
             checked(gate_up, DType::BF16, "moe_gate_up w")?,
@@ -264,9 +438,13 @@ mod imp {
                 r.top_k
             );
         }
+        if mode == Mode::Tensor && !(inter.is_multiple_of(TC_BN / 2) && k.is_multiple_of(TC_BK)) {
+            candle_core::bail!("moe_gate_up: the tensor-core tiles take no width {inter} of {k}");
+        }
         let p = r.sorted.dim(0)?;
         let dev = x.device().as_cuda_device()?;
-        let func = dev.get_or_load_custom_func("moe_gate_up_bf16", "omnistream_moe", MOE_PTX)?;
+        let name = moe_kernel(true, mode);
+        let func = dev.get_or_load_custom_func(name, "omnistream_moe", MOE_PTX)?;
         let h = unsafe { dev.alloc::<half::bf16>(p * inter) }?;
         let (x_st, x_l) = x.storage_and_layout();
         let (w_st, w_l) = w.storage_and_layout();
@@ -281,23 +459,37 @@ mod imp {
         let mut b = func.builder();
         b.arg(&xs).arg(&ws).arg(&ss).arg(&ms).arg(&h);
         b.arg(&inter_i).arg(&k_i).arg(&topk_i);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                routed_blocks(r, n_experts)?,
-                (inter as u32).div_ceil(WARPS * ROWS_PER_WARP / 2),
-                1,
-            ),
-            block_dim: (WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
+        let cfg = match mode {
+            Mode::Gemv => LaunchConfig {
+                grid_dim: (
+                    r.ranges as u32,
+                    (inter as u32).div_ceil(WARPS * ROWS_PER_WARP / 2),
+                    1,
+                ),
+                block_dim: (WARPS * 32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            Mode::Tensor => LaunchConfig {
+                grid_dim: (r.ranges as u32, (inter / (TC_BN / 2)) as u32, 1),
+                block_dim: (TC_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            },
         };
+        if r.n_experts > n_experts {
+            candle_core::bail!(
+                "moe_gate_up: a routing of {} experts for {n_experts}",
+                r.n_experts
+            );
+        }
         // SAFETY: pairs index rows of x (token = pair / top_k < rows); meta's experts
-        // are below the weights' expert count (the routing was made for them).
+        // are below the weights' expert count (the routing was made for them); the
+        // tensor tiles divide the widths (checked above).
         unsafe { b.launch(cfg) }.w()?;
         drop(b);
         Ok(wrap(h, dev, (p, inter)))
     }
 
-    pub fn moe_down(h: &Tensor, down: &Tensor, r: &Routing) -> Result<Tensor> {
+    pub fn moe_down(h: &Tensor, down: &Tensor, r: &Routing, mode: Mode) -> Result<Tensor> {
         let (h, w) = (
             checked(h, DType::BF16, "moe_down h")?,
             checked(down, DType::BF16, "moe_down w")?,
@@ -307,8 +499,12 @@ mod imp {
         if h.dim(0)? != p {
             candle_core::bail!("moe_down: {} rows for {p} pairs", h.dim(0)?);
         }
+        if mode == Mode::Tensor && !(n.is_multiple_of(TC_BN) && k.is_multiple_of(TC_BK)) {
+            candle_core::bail!("moe_down: the tensor-core tiles take no width {n} of {k}");
+        }
         let dev = h.device().as_cuda_device()?;
-        let func = dev.get_or_load_custom_func("moe_down_bf16", "omnistream_moe", MOE_PTX)?;
+        let name = moe_kernel(false, mode);
+        let func = dev.get_or_load_custom_func(name, "omnistream_moe", MOE_PTX)?;
         let out = unsafe { dev.alloc::<half::bf16>(p * n) }?;
         let (h_st, h_l) = h.storage_and_layout();
         let (w_st, w_l) = w.storage_and_layout();
@@ -325,15 +521,28 @@ mod imp {
         let mut b = func.builder();
         b.arg(&hs).arg(&ws).arg(&ss).arg(&ms).arg(&pws).arg(&out);
         b.arg(&n_i).arg(&k_i);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                routed_blocks(r, n_experts)?,
-                (n as u32).div_ceil(WARPS * ROWS_PER_WARP),
-                1,
-            ),
-            block_dim: (WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
+        let cfg = match mode {
+            Mode::Gemv => LaunchConfig {
+                grid_dim: (
+                    r.ranges as u32,
+                    (n as u32).div_ceil(WARPS * ROWS_PER_WARP),
+                    1,
+                ),
+                block_dim: (WARPS * 32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            Mode::Tensor => LaunchConfig {
+                grid_dim: (r.ranges as u32, (n / TC_BN) as u32, 1),
+                block_dim: (TC_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            },
         };
+        if r.n_experts > n_experts {
+            candle_core::bail!(
+                "moe_down: a routing of {} experts for {n_experts}",
+                r.n_experts
+            );
+        }
         // SAFETY: as for moe_gate_up, with one input row per pair.
         unsafe { b.launch(cfg) }.w()?;
         drop(b);
@@ -364,6 +573,41 @@ mod imp {
         unsafe { b.launch(cfg) }.w()?;
         drop(b);
         Ok(wrap(out, dev, (tokens, n)))
+    }
+
+    pub fn argmax(logits: &Tensor) -> Result<Tensor> {
+        if logits.dtype() != DType::F32 {
+            candle_core::bail!("argmax: {:?} logits, expected f32", logits.dtype());
+        }
+        let (b, cols) = logits.dims2()?;
+        // A narrowed vocabulary keeps its rows' stride: no copy.
+        let logits = match logits.stride() {
+            [_, 1] => logits.clone(),
+            _ => logits.contiguous()?,
+        };
+        let stride = logits.stride()[0] as i64;
+        let dev = logits.device().as_cuda_device()?;
+        if b == 0 || cols == 0 {
+            candle_core::bail!("argmax: empty logits {:?}", logits.dims());
+        }
+        let func =
+            dev.get_or_load_custom_func("argmax_f32", "omnistream_sampling", SAMPLING_PTX)?;
+        let out = unsafe { dev.alloc::<u32>(b) }?;
+        let (l_st, l_l) = logits.storage_and_layout();
+        let ls = view::<f32>(&l_st, l_l)?;
+        let cols_i = cols as i32;
+        let mut bld = func.builder();
+        bld.arg(&ls).arg(&out).arg(&cols_i).arg(&stride);
+        let cfg = LaunchConfig {
+            grid_dim: (b as u32, 1, 1),
+            block_dim: (ARGMAX_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one block per row; row r reads [r * stride, r * stride + cols),
+        // inside the view by the layout's shape and strides.
+        unsafe { bld.launch(cfg) }.w()?;
+        drop(bld);
+        Ok(wrap(out, dev, b))
     }
 
     pub fn masked_softmax(scores: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
@@ -407,7 +651,7 @@ mod imp {
         bld.arg(&probs).arg(&h_i).arg(&q_i).arg(&kv_i).arg(&scale);
         let cfg = LaunchConfig {
             grid_dim: ((b * heads * q_len) as u32, 1, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
+            block_dim: (SOFTMAX_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: one block per row of the checked shapes.
@@ -645,11 +889,18 @@ mod imp {
         no_cuda()
     }
 
-    pub fn moe_gate_up(_x: &Tensor, _gate_up: &Tensor, _r: &Routing) -> Result<Tensor> {
+    /// As the cuda build's (the CPU paths never launch).
+    #[derive(Clone, Copy, PartialEq)]
+    pub enum Mode {
+        Gemv,
+        Tensor,
+    }
+
+    pub fn moe_gate_up(_x: &Tensor, _gate_up: &Tensor, _r: &Routing, _m: Mode) -> Result<Tensor> {
         no_cuda()
     }
 
-    pub fn moe_down(_h: &Tensor, _down: &Tensor, _r: &Routing) -> Result<Tensor> {
+    pub fn moe_down(_h: &Tensor, _down: &Tensor, _r: &Routing, _m: Mode) -> Result<Tensor> {
         no_cuda()
     }
 
@@ -658,6 +909,10 @@ mod imp {
     }
 
     pub fn masked_softmax(_scores: &Tensor, _mask: Option<&Tensor>, _scale: f64) -> Result<Tensor> {
+        no_cuda()
+    }
+
+    pub fn argmax(_logits: &Tensor) -> Result<Tensor> {
         no_cuda()
     }
 
@@ -700,8 +955,12 @@ pub use imp::moe_gemv;
 pub use imp::moe_route;
 
 /// `silu(gate(x)) * up(x)` `(pairs, inter)` for every routed pair, from `x`
-/// `(tokens, hidden)` and the stacked `(experts, 2 * inter, hidden)` gate/up weights.
+/// `(tokens, hidden)` and the stacked `(experts, 2 * inter, hidden)` gate/up weights,
+/// by the GEMV (decode steps) or the tensor-core tiles ([`tc_supported`] widths).
 pub use imp::moe_gate_up;
+
+/// Which kernel [`moe_gate_up`] and [`moe_down`] launch.
+pub use imp::Mode;
 
 /// Each pair's row of `h` `(pairs, inter)` through its expert's down projection
 /// `(experts, hidden, inter)`, times the pair's weight: `(pairs, hidden)`.
@@ -715,6 +974,11 @@ pub use imp::moe_sum;
 /// scores of the same shape: `softmax(scores * scale + mask)` in f32, the additive
 /// `mask` `(b, 1, q, kv)` f32 shared by the heads; rows with every key hidden are zeros.
 pub use imp::masked_softmax;
+
+/// Each row's first index of its largest value, `(b,)` u32, from `(b, cols)` f32
+/// logits (a narrowed view reads in place): torch.argmax's and the host sampler's
+/// choice among ties, which candle's reduction does not promise.
+pub use imp::argmax;
 
 /// A decode step's queries `(b, heads, 128)` from the fused q/k/v projection `qkv`
 /// `(b, (heads + 2 * kv_heads) * 128)`: q_norm/k_norm, the rotary embedding at each

@@ -951,6 +951,21 @@ const _: () = assert!(
         <= GROUPED_DECODE_MAX_TOKENS
 );
 
+/// Above this many tokens an MoE layer's routed experts run on the tensor cores
+/// (kernels/moe.cu, `moe_*_tc_bf16`), at or below it through the GEMV, which
+/// reads each expert's weights at full width for few rows (docs/bench/gpu.md
+/// times both). Both route on the device up to 128 tokens, so either can be
+/// captured in a graph. `OMNISTREAM_MOE_TC_MIN_TOKENS` overrides it, for that measurement.
+fn tc_min_tokens() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("OMNISTREAM_MOE_TC_MIN_TOKENS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(32)
+    })
+}
+
 /// The (token, choice) pairs `choices` (flat expert ids) ordered by expert: the
 /// sorted expert ids and, for each, its flat pair index. candle's device sort keeps
 /// a row in shared memory, which holds 8,192 u32s at most; longer prefills sort on
@@ -1035,6 +1050,9 @@ impl SparseMoe {
     /// (kernels/moe.cu): routing (softmax, top-k, sort, the routed experts' list),
     /// gate/up with the SwiGLU, down weighted by the router, the sum over the
     /// choices. Only the routed experts' blocks launch, and each reads its weights once.
+    ///
+    /// Past [`tc_min_tokens`] tokens (prefills) gate/up and down run on the tensor
+    /// cores instead of the GEMV.
     fn forward_decode(
         &self,
         xs: &Tensor,
@@ -1043,8 +1061,84 @@ impl SparseMoe {
         down: &Tensor,
     ) -> Result<Tensor> {
         let routing = kernels::moe_route(logits, self.top_k, self.norm_topk_prob)?;
-        let h = kernels::moe_gate_up(xs, gate_up, &routing)?;
-        kernels::moe_sum(&kernels::moe_down(&h, down, &routing)?, self.top_k)
+        let mode = match xs.dim(0)? > tc_min_tokens() && self.tc_kernels(gate_up, down) {
+            true => kernels::Mode::Tensor,
+            false => kernels::Mode::Gemv,
+        };
+        self.experts_routed(xs, gate_up, down, &routing, mode)
+    }
+
+    /// The routed experts of `xs` by `routing` in three launches: gate/up with the
+    /// SwiGLU, down weighted by the router, the sum over the choices.
+    fn experts_routed(
+        &self,
+        xs: &Tensor,
+        gate_up: &Tensor,
+        down: &Tensor,
+        routing: &kernels::Routing,
+        mode: kernels::Mode,
+    ) -> Result<Tensor> {
+        let h = kernels::moe_gate_up(xs, gate_up, routing, mode)?;
+        kernels::moe_sum(&kernels::moe_down(&h, down, routing, mode)?, self.top_k)
+    }
+
+    /// Whether the tensor-core kernels take these stacked experts (bf16 on a GPU,
+    /// SiLU, widths their tiles divide).
+    fn tc_kernels(&self, gate_up: &Tensor, down: &Tensor) -> bool {
+        let Ok((_, hidden, inter)) = down.dims3() else {
+            return false;
+        };
+        gate_up.dtype() == DType::BF16
+            && self.act == Activation::Silu
+            && kernels::enabled()
+            && kernels::tc_supported(hidden, inter)
+    }
+
+    /// A prefill's routed experts on the tensor cores: routed on the device
+    /// (softmax, top-k), the routing's pairs ordered on the host (one copy each
+    /// way: more tokens than [`kernels::moe_route`]'s one block takes), then the
+    /// kernels of [`Self::experts_routed`].
+    fn forward_tc(
+        &self,
+        xs: &Tensor,
+        logits: &Tensor,
+        gate_up: &Tensor,
+        down: &Tensor,
+    ) -> Result<Tensor> {
+        let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+        let (idx, top) = self.route(&probs)?;
+        let routing = kernels::Routing::from_choices(
+            &idx.to_vec2::<u32>()?,
+            &top.to_vec2::<f32>()?,
+            probs.dim(1)?,
+            self.norm_topk_prob,
+            xs.device(),
+        )?;
+        self.experts_routed(xs, gate_up, down, &routing, kernels::Mode::Tensor)
+    }
+
+    /// The routed experts of `x` `(n, hidden)` (at most 128 tokens), routed on the
+    /// device, through the GEMV or the tensor-core kernels (GPU tests and timings).
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn routed_in_mode(&self, x: &Tensor, mode: kernels::Mode) -> Result<Tensor> {
+        let Some((gate_up, down)) = &self.fused else {
+            candle_core::bail!("no stacked experts (a GPU in bf16/f16 has them)");
+        };
+        let xs = x.contiguous()?;
+        let logits = self.gate.forward(&xs)?;
+        let routing = kernels::moe_route(&logits, self.top_k, self.norm_topk_prob)?;
+        self.experts_routed(&xs, gate_up, down, &routing, mode)
+    }
+
+    /// The routed experts of `x` `(n, hidden)` through [`Self::forward_tc`] (GPU tests
+    /// and timings against the other paths).
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn forward_tc_for_test(&self, x: &Tensor) -> Result<Tensor> {
+        let Some((gate_up, down)) = &self.fused else {
+            candle_core::bail!("no stacked experts (a GPU in bf16/f16 has them)");
+        };
+        let xs = x.contiguous()?;
+        self.forward_tc(&xs, &self.gate.forward(&xs)?, gate_up, down)
     }
 
     /// The routed experts of `x` `(n, hidden)` through the grouped kernel in its
@@ -1232,6 +1326,9 @@ impl Module for SparseMoe {
         let mut out = match &self.fused {
             Some((gate_up, down)) if self.decode_kernels(&xs, n) => {
                 self.forward_decode(&xs, &logits, gate_up, down)?
+            }
+            Some((gate_up, down)) if self.tc_kernels(gate_up, down) => {
+                self.forward_tc(&xs, &logits, gate_up, down)?
             }
             _ => {
                 let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;

@@ -267,6 +267,23 @@ pub fn samples_on_device(cfg: &SamplingConfig) -> bool {
     cfg.repetition_penalty == 1.0 && cfg.suppress_tokens.is_empty()
 }
 
+/// Whether a request with `cfg` is served by [`argmax_rows`] on the device (greedy,
+/// nothing the host's history changes), so its step copies an id, not its logits.
+pub fn greedy_on_device(cfg: &SamplingConfig) -> bool {
+    !cfg.do_sample && samples_on_device(cfg)
+}
+
+/// Each row's first largest logit of `(b, vocab)` f32, `(b,)` u32, where the logits
+/// are: the engine's kernel on a GPU (torch's choice among ties, as [`argmax`]),
+/// candle's argmax elsewhere (a first-index scan on the CPU).
+pub fn argmax_rows(logits: &Tensor) -> Result<Tensor> {
+    if logits.device().is_cuda() {
+        super::kernels::argmax(logits)
+    } else {
+        logits.argmax(candle_core::D::Minus1)
+    }
+}
+
 /// One id per row of `logits` `(b, vocab)`, drawn where the logits are (the GPU),
 /// with no host round-trip: argmax, or temperature, top-k, top-p (the same
 /// transforms as [`Sampler`]) and a Gumbel-max draw from what is kept. The noise
@@ -294,7 +311,7 @@ pub fn sample_on_device_with(
 ) -> Result<Tensor> {
     let logits = logits.to_dtype(DType::F32)?;
     if !cfg.do_sample {
-        return logits.argmax(candle_core::D::Minus1);
+        return argmax_rows(&logits);
     }
     let (b, v) = logits.dims2()?;
     let l = (logits / cfg.temperature.max(1e-6) as f64)?;

@@ -10,18 +10,29 @@
 // Softmax in f32 throughout.
 
 #define D 128
-#define CHUNK 256
-#define THREADS 256
+#define CHUNK 64
+#define THREADS 128
 #define MAX_REP 16
 #define HIDDEN (-1.0e38f)
+// A key row in shared memory: D / 2 words (bf16 pairs) and one of padding, so
+// the score loop's 32 lanes (32 positions, one column) hit 32 banks.
+#define KW (D / 2 + 1)
+#define SOFTMAX_THREADS 256
 
 #include "bf16.cuh"
 
-// Grid: (b * kvh, splits), splits = ceil(kv_len / CHUNK); block: THREADS.
+static_assert(THREADS == D, "the value loop takes a thread a dimension");
+static_assert(CHUNK == 64, "the softmax takes two positions a lane");
+
+// Grid: (b * kvh, splits), splits = ceil(kv_len / CHUNK); block: THREADS (= D).
+// Short chunks and small blocks: a decode step has few rows, so the kernel is
+// bound by its chain of dependent steps, not by bandwidth; many blocks, each
+// one load of its chunk into shared memory and no cross-warp reduction, keep
+// that chain short. A block whose positions are all hidden loads nothing.
 // With one split the normalised output goes to `out`; else each split leaves
 // its unnormalised sum (part_o, (b * H, splits, D) f32) and its max and
 // denominator (part_ml, (b * H, splits, 2) f32) for `decode_attention_combine`.
-extern "C" __global__ void decode_attention_bf16(
+extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_bf16(
     const unsigned short* __restrict__ q,
     const unsigned short* __restrict__ kc,
     const unsigned short* __restrict__ vc,
@@ -32,130 +43,143 @@ extern "C" __global__ void decode_attention_bf16(
     float* __restrict__ part_ml,
     int kvh, int rep, int max_len, int kv_len, float scale)
 {
-    constexpr int NW = THREADS / 32;
+    __shared__ unsigned int ks[CHUNK][KW];
+    __shared__ __align__(16) unsigned short vs[CHUNK][D];
     __shared__ __align__(16) float qs[MAX_REP][D];
-    __shared__ float sc[MAX_REP][CHUNK];
+    __shared__ __align__(16) float sc[MAX_REP][CHUNK];
     __shared__ float ml[MAX_REP][2];
-    __shared__ float red[NW][D];
-    __shared__ unsigned char vis[CHUNK];
-    __shared__ int end;
+    __shared__ float mk[CHUNK];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int row = blockIdx.x / kvh, kh = blockIdx.x % kvh;
     const int split = blockIdx.y, splits = gridDim.y;
     const int heads = kvh * rep;
-    const int slot = slot_of_row ? (int)slot_of_row[row] : row;
     const int c0 = split * CHUNK;
     const int clen = min(CHUNK, kv_len - c0);
-    const size_t base = ((size_t)slot * kvh + kh) * max_len + c0;
-    if (tid == 0) end = 0;
-    for (int i = tid; i < rep * D; i += THREADS)
-        qs[i / D][i % D] = bf(q[((size_t)row * heads + kh * rep) * D + i]);
-    __syncthreads();
-    // Scores: a thread a position (its key row loaded whole), every head of the group.
+    const size_t head0 = (size_t)row * heads + kh * rep;
+    // The chunk's mask and the group's queries (in f32), loaded together.
+    float m = HIDDEN;
+    if (tid < CHUNK) {
+        m = tid < clen ? mask[(size_t)row * kv_len + c0 + tid] : HIDDEN;
+        mk[tid] = m;
+    }
+    const uint4* q4 = reinterpret_cast<const uint4*>(q + head0 * D);
+    for (int i = tid; i < rep * D / 8; i += THREADS) {
+        const uint4 v = q4[i];
+        float* dst = &qs[0][0] + i * 8;
+        dst[0] = bf_lo(v.x); dst[1] = bf_hi(v.x); dst[2] = bf_lo(v.y); dst[3] = bf_hi(v.y);
+        dst[4] = bf_lo(v.z); dst[5] = bf_hi(v.z); dst[6] = bf_lo(v.w); dst[7] = bf_hi(v.w);
+    }
+    if (!__syncthreads_or(m > HIDDEN)) {
+        // Nothing visible here: no weight for the combine, zeros for a lone split.
+        for (int r = 0; r < rep; ++r) {
+            const size_t head = head0 + r;
+            if (splits == 1) {
+                out[head * D + tid] = 0;
+            } else if (tid == 0) {
+                part_ml[(head * splits + split) * 2] = -INFINITY;
+                part_ml[(head * splits + split) * 2 + 1] = 0.f;
+            }
+        }
+        return;
+    }
+    // The visible keys and values of the chunk, each row once, coalesced; hidden
+    // rows (never read from memory) are zeros.
     {
-        const float m = tid < clen ? mask[(size_t)row * kv_len + c0 + tid] : HIDDEN;
-        const bool seen = m > HIDDEN;
-        vis[tid] = seen;
-        if (seen) atomicMax(&end, tid + 1);
-        float acc[MAX_REP];
+        const int slot = slot_of_row ? (int)slot_of_row[row] : row;
+        const size_t base = ((size_t)slot * kvh + kh) * max_len + c0;
+        const uint4* k4 = reinterpret_cast<const uint4*>(kc + base * D);
+        const uint4* v4 = reinterpret_cast<const uint4*>(vc + base * D);
+        constexpr int PER = CHUNK * D / 8 / THREADS;
+        uint4 kr[PER], vr[PER];
 #pragma unroll
-        for (int r = 0; r < MAX_REP; ++r) acc[r] = 0.f;
-        if (seen) {
-            const uint4* kr = reinterpret_cast<const uint4*>(kc + (base + tid) * D);
-            uint4 kv[D / 8];
+        for (int u = 0; u < PER; ++u) {
+            const int i = tid + u * THREADS, p = i / (D / 8);
+            const bool seen = p < clen && mk[p] > HIDDEN;
+            kr[u] = seen ? __ldg(k4 + i) : make_uint4(0u, 0u, 0u, 0u);
+            vr[u] = seen ? __ldg(v4 + i) : make_uint4(0u, 0u, 0u, 0u);
+        }
 #pragma unroll
-            for (int c = 0; c < D / 8; ++c) kv[c] = __ldg(kr + c);
+        for (int u = 0; u < PER; ++u) {
+            const int i = tid + u * THREADS, p = i / (D / 8), c = i % (D / 8);
+            ks[p][c * 4] = kr[u].x; ks[p][c * 4 + 1] = kr[u].y;
+            ks[p][c * 4 + 2] = kr[u].z; ks[p][c * 4 + 3] = kr[u].w;
+            *reinterpret_cast<uint4*>(&vs[p][c * 8]) = vr[u];
+        }
+    }
+    __syncthreads();
+    // Scores: a thread a position and every other head of the group.
+    {
+        constexpr int GROUPS = THREADS / CHUNK;
+        const int p = tid % CHUNK, g = tid / CHUNK;
+        float acc[MAX_REP / GROUPS];
 #pragma unroll
-            for (int c = 0; c < D / 8; ++c) {
-                const float k8[8] = {bf_lo(kv[c].x), bf_hi(kv[c].x), bf_lo(kv[c].y), bf_hi(kv[c].y),
-                                     bf_lo(kv[c].z), bf_hi(kv[c].z), bf_lo(kv[c].w), bf_hi(kv[c].w)};
+        for (int i = 0; i < MAX_REP / GROUPS; ++i) acc[i] = 0.f;
+#pragma unroll 8
+        for (int w = 0; w < D / 2; ++w) {
+            const unsigned int kw = ks[p][w];
+            const float k0 = bf_lo(kw), k1 = bf_hi(kw);
 #pragma unroll
-                for (int r = 0; r < MAX_REP; ++r) {
-                    if (r < rep) {
-                        const float4 a = *reinterpret_cast<const float4*>(&qs[r][c * 8]);
-                        const float4 b = *reinterpret_cast<const float4*>(&qs[r][c * 8 + 4]);
-                        acc[r] += a.x * k8[0] + a.y * k8[1] + a.z * k8[2] + a.w * k8[3]
-                                + b.x * k8[4] + b.y * k8[5] + b.z * k8[6] + b.w * k8[7];
-                    }
+            for (int i = 0; i < MAX_REP / GROUPS; ++i) {
+                const int r = g + GROUPS * i;
+                if (r < rep) {
+                    const float2 qq = *reinterpret_cast<const float2*>(&qs[r][2 * w]);
+                    acc[i] += qq.x * k0 + qq.y * k1;
                 }
             }
         }
+        const float mp = mk[p];
 #pragma unroll
-        for (int r = 0; r < MAX_REP; ++r)
-            if (r < rep) sc[r][tid] = seen ? acc[r] * scale + m : -INFINITY;
+        for (int i = 0; i < MAX_REP / GROUPS; ++i) {
+            const int r = g + GROUPS * i;
+            if (r < rep) sc[r][p] = mp > HIDDEN ? acc[i] * scale + mp : -INFINITY;
+        }
     }
     __syncthreads();
     // Softmax numerators per head (a warp a head), with each head's max and sum.
-    for (int r = warp; r < rep; r += NW) {
-        float mx = -INFINITY;
-        for (int j = lane; j < CHUNK; j += 32) mx = fmaxf(mx, sc[r][j]);
+    for (int r = warp; r < rep; r += THREADS / 32) {
+        float a = sc[r][lane], b = sc[r][lane + 32];
+        float mx = fmaxf(a, b);
         for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        float s = 0.f;
-        for (int j = lane; j < CHUNK; j += 32) {
-            const float p = mx == -INFINITY ? 0.f : expf(sc[r][j] - mx);
-            sc[r][j] = p;
-            s += p;
-        }
+        a = mx == -INFINITY ? 0.f : expf(a - mx);
+        b = mx == -INFINITY ? 0.f : expf(b - mx);
+        sc[r][lane] = a;
+        sc[r][lane + 32] = b;
+        float s = a + b;
         for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
         if (lane == 0) { ml[r][0] = mx; ml[r][1] = s; }
     }
     __syncthreads();
-    // Weighted values: the warps split the positions, a lane holds four
-    // dimensions of every head; each value row is read once, hidden ones never.
-    // Loads go out UNROLL_V rows at a time, ahead of their use (latency, not
-    // bandwidth, bounds a decode step's few blocks).
-    constexpr int UNROLL_V = 16;
-    float o[MAX_REP][4];
+    // Weighted values: a thread a dimension, four positions at a time (hidden
+    // ones weigh 0 against zero rows).
+    float o[MAX_REP];
 #pragma unroll
-    for (int r = 0; r < MAX_REP; ++r) o[r][0] = o[r][1] = o[r][2] = o[r][3] = 0.f;
-    const uint2* vr = reinterpret_cast<const uint2*>(vc + base * D) + lane;
-    const int jend = end;
-    for (int j0 = warp; j0 < jend; j0 += NW * UNROLL_V) {
-        uint2 v[UNROLL_V];
+    for (int r = 0; r < MAX_REP; ++r) o[r] = 0.f;
+    const int jend = (clen + 3) & ~3;
+    for (int j = 0; j < jend; j += 4) {
+        const float v0 = bf(vs[j][tid]), v1 = bf(vs[j + 1][tid]);
+        const float v2 = bf(vs[j + 2][tid]), v3 = bf(vs[j + 3][tid]);
 #pragma unroll
-        for (int u = 0; u < UNROLL_V; ++u) {
-            const int j = j0 + u * NW;
-            v[u] = j < jend && vis[j] ? __ldg(vr + (size_t)j * (D / 4)) : make_uint2(0u, 0u);
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL_V; ++u) {
-            const int j = j0 + u * NW;
-            if (j >= jend || !vis[j]) continue;
-            const float v4[4] = {bf_lo(v[u].x), bf_hi(v[u].x), bf_lo(v[u].y), bf_hi(v[u].y)};
-#pragma unroll
-            for (int r = 0; r < MAX_REP; ++r) {
-                if (r < rep) {
-                    const float p = sc[r][j];
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) o[r][i] += p * v4[i];
-                }
+        for (int r = 0; r < MAX_REP; ++r) {
+            if (r < rep) {
+                const float4 p = *reinterpret_cast<const float4*>(&sc[r][j]);
+                o[r] += p.x * v0 + p.y * v1 + p.z * v2 + p.w * v3;
             }
         }
     }
-    // The warps' sums, added in a fixed order (deterministic), a thread a dimension.
 #pragma unroll
     for (int r = 0; r < MAX_REP; ++r) {
         if (r >= rep) break;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[warp][lane * 4 + i] = o[r][i];
-        __syncthreads();
-        if (tid < D) {
-            float acc = 0.f;
-#pragma unroll
-            for (int w = 0; w < NW; ++w) acc += red[w][tid];
-            const size_t head = (size_t)row * heads + kh * rep + r;
-            if (splits == 1) {
-                const float l = ml[r][1];
-                out[head * D + tid] = to_bf16(l > 0.f ? acc / l : 0.f);
-            } else {
-                part_o[(head * splits + split) * D + tid] = acc;
-                if (tid == 0) {
-                    part_ml[(head * splits + split) * 2] = ml[r][0];
-                    part_ml[(head * splits + split) * 2 + 1] = ml[r][1];
-                }
+        const size_t head = head0 + r;
+        if (splits == 1) {
+            const float l = ml[r][1];
+            out[head * D + tid] = to_bf16(l > 0.f ? o[r] / l : 0.f);
+        } else {
+            part_o[(head * splits + split) * D + tid] = o[r];
+            if (tid == 0) {
+                part_ml[(head * splits + split) * 2] = ml[r][0];
+                part_ml[(head * splits + split) * 2 + 1] = ml[r][1];
             }
         }
-        __syncthreads();
     }
 }
 
@@ -242,14 +266,14 @@ extern "C" __global__ void qk_norm_rope_bf16(
 // (b * heads * q, kv) bf16 (q . k, unscaled), the additive mask (b, 1, q, kv) f32
 // shared by the heads (or none), `scale`; softmax in f32 per row to probs bf16.
 // A row whose every key is hidden comes out as zeros (as torch's SDPA gives).
-// Grid: rows; block: THREADS.
+// Grid: rows; block: SOFTMAX_THREADS.
 extern "C" __global__ void masked_softmax_bf16(
     const unsigned short* __restrict__ scores,
     const float* __restrict__ mask,
     unsigned short* __restrict__ probs,
     int heads, int q_len, int kv, float scale)
 {
-    constexpr int NW = THREADS / 32;
+    constexpr int NW = SOFTMAX_THREADS / 32;
     __shared__ float red[NW];
     __shared__ float bcast;
     const size_t row = blockIdx.x;
@@ -279,13 +303,13 @@ extern "C" __global__ void masked_softmax_bf16(
         return bcast;
     };
     float mx = -INFINITY;
-    for (int j = tid; j < kv; j += THREADS) mx = fmaxf(mx, value(j));
+    for (int j = tid; j < kv; j += SOFTMAX_THREADS) mx = fmaxf(mx, value(j));
     mx = block_reduce(mx, true);
     float sum = 0.f;
     if (mx != -INFINITY)
-        for (int j = tid; j < kv; j += THREADS) sum += expf(value(j) - mx);
+        for (int j = tid; j < kv; j += SOFTMAX_THREADS) sum += expf(value(j) - mx);
     sum = block_reduce(sum, false);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    for (int j = tid; j < kv; j += THREADS)
+    for (int j = tid; j < kv; j += SOFTMAX_THREADS)
         p[j] = to_bf16(mx == -INFINITY ? 0.f : expf(value(j) - mx) * inv);
 }

@@ -146,8 +146,9 @@ extern "C" __global__ void moe_gemv_bf16(
 // Routing of n <= ROUTE_MAX_TOKENS tokens, one block of ROUTE_THREADS: per token
 // (a warp each) the softmax of its router logits (f32, as the reference), its
 // top-k (descending, ties to the lower expert) and their weights, renormalised
-// when `norm`; then the pairs counted per expert, ordered by expert (by pair
-// index within one), and the routed experts listed in `meta`.
+// when `norm`; then (warp 0 alone, no atomics) the pairs ranked within their
+// expert in pair order, the experts' offsets by a warp scan, the pairs ordered
+// by expert (by pair index within one), and the routed experts listed in `meta`.
 // Outputs: weights (n * topk) f32, sorted (n * topk) u32, meta (1 + 3 * E) u32.
 extern "C" __global__ void moe_route_bf16(
     const unsigned short* __restrict__ logits,
@@ -157,12 +158,12 @@ extern "C" __global__ void moe_route_bf16(
     int n, int n_experts, int topk, int norm)
 {
     __shared__ unsigned int pair_expert[ROUTE_MAX_TOKENS * ROUTE_MAX_TOPK];
+    __shared__ unsigned short pair_rank[ROUTE_MAX_TOKENS * ROUTE_MAX_TOPK];
     __shared__ int count[ROUTE_MAX_EXPERTS];
     __shared__ int offset[ROUTE_MAX_EXPERTS];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int pairs = n * topk;
-    for (int e = tid; e < n_experts; e += ROUTE_THREADS) count[e] = 0;
-    __syncthreads();
+    for (int e = tid; e < ROUTE_MAX_EXPERTS; e += ROUTE_THREADS) count[e] = 0;
     constexpr int PER_LANE = ROUTE_MAX_EXPERTS / 32;
     for (int t = warp; t < n; t += ROUTE_THREADS / 32) {
         float v[PER_LANE];
@@ -183,8 +184,8 @@ extern "C" __global__ void moe_route_bf16(
         s = warp_sum(s);
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) v[i] = lane + 32 * i < n_experts ? v[i] / s : -1.f;
-        float picked[ROUTE_MAX_TOPK];
-        float total = 0.f;
+        // Lane j keeps choice j's weight; the total is the same on every lane.
+        float mine = 0.f, total = 0.f;
         for (int j = 0; j < topk; ++j) {
             float best = -2.f;
             int bi = 0x7fffffff;
@@ -199,46 +200,66 @@ extern "C" __global__ void moe_route_bf16(
 #pragma unroll
             for (int i = 0; i < PER_LANE; ++i)
                 if (lane + 32 * i == bi) v[i] = -2.f;
-            picked[j] = best;
+            if (lane == j) { mine = best; pair_expert[t * topk + j] = (unsigned int)bi; }
             total += best;
-            if (lane == 0) pair_expert[t * topk + j] = (unsigned int)bi;
         }
-        if (lane == 0) {
-            for (int j = 0; j < topk; ++j) {
-                weights[t * topk + j] = norm ? picked[j] / total : picked[j];
-                atomicAdd(&count[pair_expert[t * topk + j]], 1);
-            }
-        }
+        if (lane < topk) weights[t * topk + lane] = norm ? mine / total : mine;
     }
     __syncthreads();
-    if (tid == 0) {
-        int off = 0, routed = 0;
-        for (int e = 0; e < n_experts; ++e) {
-            offset[e] = off;
-            if (count[e] > 0) {
-                meta[1 + 3 * routed] = e;
-                meta[2 + 3 * routed] = off;
-                meta[3 + 3 * routed] = off + count[e];
-                ++routed;
-            }
-            off += count[e];
+    if (warp != 0) return;
+    // Ranks: 32 pairs at a time, lanes of one expert ranked by lane, after the
+    // expert's earlier pairs.
+    const unsigned int below = (1u << lane) - 1u;
+    for (int p0 = 0; p0 < pairs; p0 += 32) {
+        const int p = p0 + lane;
+        const bool live = p < pairs;
+        const unsigned int e = live ? pair_expert[p] : 0xffffffffu;
+        const unsigned int same = __match_any_sync(0xffffffffu, e);
+        const int before = live ? count[e] : 0;
+        __syncwarp();
+        if (live) {
+            pair_rank[p] = (unsigned short)(before + __popc(same & below));
+            if ((same & below) == 0) count[e] = before + __popc(same);
         }
-        meta[0] = routed;
+        __syncwarp();
     }
-    __syncthreads();
-    // One thread an expert walks the pairs in order: a deterministic order.
-    for (int e = tid; e < n_experts; e += ROUTE_THREADS) {
-        if (count[e] == 0) continue;
-        int at = offset[e];
-        for (int p = 0; p < pairs; ++p)
-            if (pair_expert[p] == (unsigned int)e) sorted[at++] = p;
+    // Offsets and the routed list: PER_LANE consecutive experts a lane, scanned.
+    int local = 0, routed_local = 0;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        const int c = count[lane * PER_LANE + i];
+        local += c;
+        routed_local += c > 0;
     }
+    int incl = local, rincl = routed_local;
+    for (int o = 1; o < 32; o *= 2) {
+        const int u = __shfl_up_sync(0xffffffffu, incl, o);
+        const int ru = __shfl_up_sync(0xffffffffu, rincl, o);
+        if (lane >= o) { incl += u; rincl += ru; }
+    }
+    int off = incl - local, routed = rincl - routed_local;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        const int e = lane * PER_LANE + i;
+        const int c = count[e];
+        offset[e] = off;
+        if (c > 0) {
+            meta[1 + 3 * routed] = e;
+            meta[2 + 3 * routed] = off;
+            meta[3 + 3 * routed] = off + c;
+            ++routed;
+        }
+        off += c;
+    }
+    if (lane == 31) meta[0] = rincl;
+    __syncwarp();
+    for (int p = lane; p < pairs; p += 32) sorted[offset[pair_expert[p]] + pair_rank[p]] = p;
 }
 
 // Down projection over the routed experts of `meta`: out (P, n) gets each pair's
 // row (one input row per pair) through its expert, times its weight.
 // Grid: (min(P, E), ceil(n / (WARPS * ROWS_PER_WARP))); block: WARPS * 32.
-extern "C" __global__ void moe_down_bf16(
+__device__ __forceinline__ void down_gemv(
     const unsigned short* __restrict__ x,
     const unsigned short* __restrict__ w,
     const unsigned int* __restrict__ sorted,
@@ -276,7 +297,7 @@ extern "C" __global__ void moe_sum_bf16(
 // silu(gate . x) * (up . x), rounded as candle rounds the separate ops (each
 // projection to bf16, the silu to bf16, the product to bf16).
 // Grid: (min(P, E), ceil(inter / (WARPS * ROWS_PER_WARP / 2))); block: WARPS * 32.
-extern "C" __global__ void moe_gate_up_bf16(
+__device__ __forceinline__ void gate_up_gemv(
     const unsigned short* __restrict__ x,
     const unsigned short* __restrict__ w,
     const unsigned int* __restrict__ sorted,
@@ -311,3 +332,192 @@ extern "C" __global__ void moe_gate_up_bf16(
             }
         });
 }
+
+// The GEMV kernels at several register budgets (launch bounds: at least MINB
+// blocks a multiprocessor): fewer registers, more warps resident and more
+// loads in flight, against fewer loads in flight per warp. The host picks one
+// (kernels.rs, `GemvBlocks`).
+#define MOE_GEMV_KERNELS(SUFFIX, MINB)                                                          \
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) moe_gate_up##SUFFIX(             \
+    const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,                 \
+    const unsigned int* __restrict__ sorted, const unsigned int* __restrict__ meta,             \
+    unsigned short* __restrict__ h, int inter, int k, int topk)                                 \
+{                                                                                               \
+    gate_up_gemv(x, w, sorted, meta, h, inter, k, topk);                                        \
+}                                                                                               \
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) moe_down##SUFFIX(                \
+    const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,                 \
+    const unsigned int* __restrict__ sorted, const unsigned int* __restrict__ meta,             \
+    const float* __restrict__ pair_weights, unsigned short* __restrict__ out, int n, int k)     \
+{                                                                                               \
+    down_gemv(x, w, sorted, meta, pair_weights, out, n, k);                                     \
+}
+MOE_GEMV_KERNELS(_bf16, 1)
+MOE_GEMV_KERNELS(_b4_bf16, 4)
+MOE_GEMV_KERNELS(_b6_bf16, 6)
+MOE_GEMV_KERNELS(_b8_bf16, 8)
+
+// ---------------------------------------------------------------------------
+// Tensor-core grouped GEMM for MoE steps of many tokens (prefills): the same
+// contract as moe_gate_up_bf16 / moe_down_bf16 (pairs `sorted` by expert, the
+// routed ranges in `meta`: count, then (expert, lo, hi) per range), but each
+// block multiplies a tile of up to TC_BM gathered input rows by TC_BN weight
+// rows with bf16 mma (f32 accumulation), the tiles streamed through shared
+// memory with cp.async, two stages. A range longer than TC_BM is walked tile by
+// tile (host routing splits ranges to TC_BM rows, so each block has one).
+// Requires k % TC_BK == 0 and the output width a multiple of the block's columns.
+
+#include <mma.h>
+
+#define TC_BM 64
+#define TC_BN 128
+#define TC_BK 32
+#define TC_LD (TC_BK + 8)        // smem row pitch (bf16): skews the banks, keeps 16-byte rows
+#define TC_CLD (TC_BN + 4)       // epilogue pitch (f32)
+#define TC_THREADS 256
+#define TC_STAGE ((TC_BM + TC_BN) * TC_LD)
+#define TC_SMEM_C (TC_BM * TC_CLD * 4)
+// Shared memory of a STAGES-deep pipeline (bf16 tiles), reused by the epilogue.
+#define TC_SMEM(STAGES) ((STAGES) * TC_STAGE * 2 > TC_SMEM_C ? (STAGES) * TC_STAGE * 2 : TC_SMEM_C)
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+    const int bytes = valid ? 16 : 0; // 0: the 16 bytes are zero-filled, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// GATE_UP: B rows are the block's TC_BN/2 gate rows then the same up rows of the
+// (E, 2 * n_out, k) weights, A rows are the pairs' tokens, and the epilogue writes
+// the SwiGLU (rounded as moe_gate_up_bf16) to out (P, n_out). Else (down): B rows
+// are TC_BN rows of (E, n_out, k), A rows the pairs' own rows, and out (P, n_out)
+// gets the products times the pair weights.
+template <bool GATE_UP, int STAGES>
+__device__ __forceinline__ void moe_tc(
+    const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
+    const unsigned int* __restrict__ sorted, const unsigned int* __restrict__ meta,
+    const float* __restrict__ pair_weights, unsigned short* __restrict__ out,
+    int n_out, int k, int topk)
+{
+    using namespace nvcuda;
+    __shared__ __align__(128) unsigned char smem[TC_SMEM(STAGES)];
+    unsigned short* ab = reinterpret_cast<unsigned short*>(smem);
+    float* cs = reinterpret_cast<float*>(smem);
+    const unsigned int a = blockIdx.x;
+    if (a >= meta[0]) return;
+    const unsigned int e = meta[1 + 3 * a];
+    const int lo = (int)meta[2 + 3 * a], hi = (int)meta[3 + 3 * a];
+    const int tid = threadIdx.x, warp = tid / 32;
+    const int wm = warp / 4, wn = warp % 4; // 2 x 4 warps, 32 x 32 outputs each
+    constexpr int OUT_COLS = GATE_UP ? TC_BN / 2 : TC_BN;
+    const int n0 = blockIdx.y * OUT_COLS;
+    // This thread's two B rows (the same for every tile of the range).
+    const unsigned short* brow[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int c = tid / 4 + 64 * i;
+        size_t row;
+        if (GATE_UP) row = (size_t)e * 2 * n_out + (c < TC_BN / 2 ? n0 + c : n_out + n0 + c - TC_BN / 2);
+        else row = (size_t)e * n_out + n0 + c;
+        brow[i] = w + row * (size_t)k + (tid % 4) * 8;
+    }
+    const int nk = k / TC_BK;
+    for (int m0 = lo; m0 < hi; m0 += TC_BM) {
+        const int m = min(TC_BM, hi - m0);
+        const int ar = tid / 4;
+        const bool avalid = ar < m;
+        const unsigned int pair = avalid ? sorted[m0 + ar] : 0u;
+        const unsigned short* arow = x + (size_t)(GATE_UP ? pair / topk : pair) * (size_t)k + (tid % 4) * 8;
+        auto load = [&](int kt, int s) {
+            unsigned short* as = ab + s * TC_STAGE;
+            unsigned short* bs = as + TC_BM * TC_LD;
+            const int k0 = kt * TC_BK;
+            cp_async16(as + ar * TC_LD + (tid % 4) * 8, arow + k0, avalid);
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+                cp_async16(bs + (tid / 4 + 64 * i) * TC_LD + (tid % 4) * 8, brow[i] + k0, true);
+            cp_async_commit();
+        };
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+        // STAGES - 1 tiles in flight ahead of the one multiplied; one group
+        // committed per step (empty past the end) keeps the wait's count right.
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < nk) load(s, s);
+            else cp_async_commit();
+        }
+        for (int kt = 0; kt < nk; ++kt) {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads(); // tile kt landed; every warp is done with tile kt - 1
+            const int next = kt + STAGES - 1;
+            if (next < nk) load(next, next % STAGES);
+            else cp_async_commit();
+            const __nv_bfloat16* as = reinterpret_cast<const __nv_bfloat16*>(ab + (kt % STAGES) * TC_STAGE);
+            const __nv_bfloat16* bs = as + TC_BM * TC_LD;
+#pragma unroll
+            for (int kk = 0; kk < TC_BK; kk += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb[2];
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    wmma::load_matrix_sync(fa[i], as + (wm * 32 + i * 16) * TC_LD + kk, TC_LD);
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                    wmma::load_matrix_sync(fb[j], bs + (wn * 32 + j * 16) * TC_LD + kk, TC_LD);
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads(); // the epilogue reuses the tiles' shared memory
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                wmma::store_matrix_sync(cs + (wm * 32 + i * 16) * TC_CLD + wn * 32 + j * 16, acc[i][j],
+                                        TC_CLD, wmma::mem_row_major);
+        __syncthreads();
+        for (int idx = tid; idx < m * OUT_COLS; idx += TC_THREADS) {
+            const int r = idx / OUT_COLS, c = idx % OUT_COLS;
+            const unsigned int p = sorted[m0 + r];
+            if (GATE_UP) {
+                const float g = bf(to_bf16(cs[r * TC_CLD + c]));
+                const float u = bf(to_bf16(cs[r * TC_CLD + TC_BN / 2 + c]));
+                const float s = bf(to_bf16(g / (1.0f + expf(-g))));
+                out[(size_t)p * n_out + n0 + c] = to_bf16(s * u);
+            } else {
+                out[(size_t)p * n_out + n0 + c] = to_bf16(cs[r * TC_CLD + c] * pair_weights[p]);
+            }
+        }
+        __syncthreads(); // the next tile's loads reuse the epilogue's smem
+    }
+}
+
+// Grid: (ranges bound, n_out / (TC_BN / 2)) for gate/up, h (P, inter);
+// (ranges bound, n / TC_BN) for down, out (P, n); block: TC_THREADS. Two or
+// three pipeline stages (the host picks, kernels.rs `tc_stages`).
+#define MOE_TC_KERNELS(SUFFIX, STAGES)                                                          \
+extern "C" __global__ void moe_gate_up_tc##SUFFIX(                                              \
+    const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,                 \
+    const unsigned int* __restrict__ sorted, const unsigned int* __restrict__ meta,             \
+    unsigned short* __restrict__ h, int inter, int k, int topk)                                 \
+{                                                                                               \
+    moe_tc<true, STAGES>(x, w, sorted, meta, nullptr, h, inter, k, topk);                       \
+}                                                                                               \
+extern "C" __global__ void moe_down_tc##SUFFIX(                                                 \
+    const unsigned short* __restrict__ h, const unsigned short* __restrict__ w,                 \
+    const unsigned int* __restrict__ sorted, const unsigned int* __restrict__ meta,             \
+    const float* __restrict__ pair_weights, unsigned short* __restrict__ out, int n, int k)     \
+{                                                                                               \
+    moe_tc<false, STAGES>(h, w, sorted, meta, pair_weights, out, n, k, 1);                      \
+}
+MOE_TC_KERNELS(_bf16, 2)
+MOE_TC_KERNELS(_s3_bf16, 3)

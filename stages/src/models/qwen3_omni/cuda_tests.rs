@@ -508,13 +508,14 @@ fn decode_moe_kernels_match_f32_experts() {
     }
 }
 
-/// The tensor-core MoE kernels against the GEMV at the released Thinker's and
-/// Talker's shapes: the same device routing through both up to 128 tokens, and
-/// past that the host-routed prefill path against the gathered cuBLAS GEMMs (the
-/// same router top-k; bf16 products summed in another order). Every variant
-/// (the GEMV's register budgets, the tensor cores' pipeline depths) is checked.
+/// The tensor-core MoE kernels against the GEMV (checked against f32 experts in
+/// decode_moe_kernels_match_f32_experts) at the released Thinker's and Talker's
+/// shapes: the same routing through both, the decode routing up to 128 tokens
+/// and the prefill routing past that (bf16 products summed in another order).
+/// Every variant (the GEMV's register budgets, the tensor cores' pipeline
+/// depths) is checked.
 #[test]
-fn tensor_core_moe_matches_gemv_and_gemms() {
+fn tensor_core_moe_matches_gemv() {
     use super::kernels::{Mode, GEMV_BLOCKS, TC_STAGES};
     let dev = gpu();
     for which in ["thinker", "talker"] {
@@ -556,18 +557,102 @@ fn tensor_core_moe_matches_gemv_and_gemms() {
         }
         for n in [129usize, 700, 2500] {
             let x = bf16_randn((n, cfg.hidden_size), &dev);
-            let want = moe.forward_gathered_for_test(&x).unwrap();
+            // The prefill routing (device_prefill_routing_is_a_sorted_top_k checks
+            // it) through both kinds of kernels.
+            let gemv = moe.routed_many_in_mode(&x, Mode::Gemv).unwrap();
             for &stages in TC_STAGES.choices {
                 TC_STAGES.set(Some(stages));
-                let got = moe.forward_tc_for_test(&x).unwrap();
+                let got = moe.routed_many_in_mode(&x, Mode::Tensor).unwrap();
                 check(
-                    &format!("tensor cores ({stages} stages) vs gathered GEMMs"),
+                    &format!("tensor cores ({stages} stages) vs GEMV, prefill routing"),
                     n,
-                    &want,
+                    &gemv,
                     &got,
                 );
             }
             TC_STAGES.set(None);
+        }
+    }
+}
+
+/// The prefill routing on the device (`moe_route_many`) at the released
+/// Thinker's and Talker's shapes, 129 to 16,384 tokens, against the router's
+/// probabilities computed apart: each token's choices are a top-k in descending
+/// order (equal probabilities in either order: bf16 logits tie often), with
+/// their renormalised weights; every pair once, ordered by expert and by pair
+/// within one, in ranges of at most 64 pairs of one expert.
+#[test]
+fn device_prefill_routing_is_a_sorted_top_k() {
+    use super::kernels::TC_ROWS;
+    let dev = gpu();
+    for which in ["thinker", "talker"] {
+        let cfg = released(which);
+        let moe = SparseMoe::new(&cfg, weights::random(DType::BF16, &dev).pp("moe")).unwrap();
+        let k = cfg.num_experts_per_tok;
+        for n in [129usize, 2500, 16_384] {
+            let x = bf16_randn((n, cfg.hidden_size), &dev);
+            let (routing, probs) = moe.routing_many_for_test(&x).unwrap();
+            let probs: Vec<Vec<f32>> = probs.to_vec2().unwrap();
+            let meta: Vec<u32> = routing.meta.to_vec1().unwrap();
+            let sorted: Vec<u32> = routing.sorted.to_vec1().unwrap();
+            let weights: Vec<f32> = routing.weights.to_vec1().unwrap();
+            let ranges = meta[0] as usize;
+            assert!(
+                ranges <= routing.ranges,
+                "{which}: the launch bound holds the ranges"
+            );
+            // Ranges: consecutive, one expert each, experts ascending, short enough.
+            let mut expert_of = vec![u32::MAX; n * k];
+            let (mut at, mut last) = (0usize, None);
+            for r in meta[1..1 + 3 * ranges].chunks(3) {
+                let (e, lo, hi) = (r[0], r[1] as usize, r[2] as usize);
+                assert!(
+                    lo == at && hi > lo && hi - lo <= TC_ROWS,
+                    "{which}: range {r:?}"
+                );
+                assert!(last.is_none_or(|l| l <= e), "{which}: experts out of order");
+                // Within an expert, pairs ascend (also across its ranges).
+                let prev = (last == Some(e)).then(|| sorted[lo - 1]);
+                let seg = &sorted[lo..hi];
+                assert!(
+                    seg.windows(2).all(|w| w[0] < w[1]) && prev.is_none_or(|p| p < seg[0]),
+                    "{which}: pairs of expert {e} out of order"
+                );
+                for &p in seg {
+                    assert_eq!(expert_of[p as usize], u32::MAX, "{which}: pair {p} twice");
+                    expert_of[p as usize] = e;
+                }
+                (at, last) = (hi, Some(e));
+            }
+            assert_eq!(at, n * k, "{which}: every pair routed");
+            let mut max_w = 0f32;
+            for (t, pr) in probs.iter().enumerate() {
+                let chosen: Vec<usize> = (0..k).map(|j| expert_of[t * k + j] as usize).collect();
+                let floor = chosen.iter().map(|&e| pr[e]).fold(f32::INFINITY, f32::min);
+                let above = (0..pr.len())
+                    .filter(|e| !chosen.contains(e))
+                    .map(|e| pr[e])
+                    .fold(0f32, f32::max);
+                assert!(above <= floor + 1e-6, "{which}, token {t}: not a top-{k}");
+                assert!(
+                    chosen.windows(2).all(|w| pr[w[0]] >= pr[w[1]] - 1e-6),
+                    "{which}, token {t}: choices not descending"
+                );
+                let total: f32 = chosen.iter().map(|&e| pr[e]).sum();
+                for (j, &e) in chosen.iter().enumerate() {
+                    let want = if cfg.norm_topk_prob {
+                        pr[e] / total
+                    } else {
+                        pr[e]
+                    };
+                    max_w = max_w.max((weights[t * k + j] - want).abs());
+                }
+            }
+            eprintln!("{which} prefill routing, {n} tokens: {ranges} ranges, max |weight diff| {max_w:.2e}");
+            assert!(
+                max_w <= 1e-5,
+                "{which}, {n} tokens: weights differ by {max_w}"
+            );
         }
     }
 }
@@ -611,6 +696,61 @@ fn argmax_kernel_takes_the_first_largest() {
     assert_eq!(&want[..4], &[5, 39, 70_001, 17]);
     assert_eq!(want[4], 0);
     assert_eq!(got, want, "device argmax vs host");
+}
+
+/// A prefill's attention through the engine's kernels (one q/k/v projection,
+/// norms + rotary in one launch, grouped heads without repeated keys, the
+/// one-pass softmax) against candle's ops, at the released Thinker's and
+/// Talker's heads: left padding, a second chunk over the first one's cache, and
+/// rows of 57 and 700 keys (the warp's and the block's softmax).
+#[test]
+fn prefill_attention_kernels_match_candle_ops() {
+    use super::kernels;
+    use super::layers::{attention_mask, Attention, KvCache};
+    let dev = gpu();
+    for which in ["thinker", "talker"] {
+        let cfg = released(which);
+        let attn = Attention::new(&cfg, weights::random(DType::BF16, &dev).pp("attn")).unwrap();
+        let hd = cfg.head_dim();
+        for (b, first, second) in [(3usize, 37usize, 20usize), (1, 600, 100)] {
+            let mut caches = [KvCache::new(), KvCache::new()];
+            let mut past = 0;
+            for s in [first, second] {
+                let x = bf16_randn((b, s, cfg.hidden_size), &dev);
+                let rot = || {
+                    Tensor::rand(-1f32, 1.0, (b, s, hd / 2), &dev)
+                        .unwrap()
+                        .to_dtype(DType::BF16)
+                        .unwrap()
+                };
+                let (cos, sin) = (rot(), rot());
+                let kv = past + s;
+                // Row 0 left-padded by 5 positions: its first queries see no key.
+                let pad: Vec<f32> = (0..b * kv).map(|i| if i < 5 { 0.0 } else { 1.0 }).collect();
+                let pad = Tensor::from_vec(pad, (b, kv), &dev).unwrap();
+                let mask = attention_mask(Some(&pad), b, s, kv, &dev).unwrap();
+                let mut outs = Vec::new();
+                for (on, cache) in [true, false].into_iter().zip(caches.iter_mut()) {
+                    kernels::set_enabled(on);
+                    let out = attn
+                        .forward(&x, &cos, &sin, mask.as_ref(), Some(cache))
+                        .unwrap();
+                    outs.push(out.to_dtype(DType::F32).unwrap());
+                }
+                kernels::set_enabled(true);
+                let err = max_abs_diff(&outs[0], &outs[1]);
+                let scale = max_abs_diff(&outs[1], &outs[1].zeros_like().unwrap());
+                eprintln!(
+                    "{which} prefill attention, {b} x {s} after {past}: max |diff| {err:.2e} (max |value| {scale:.2e})"
+                );
+                assert!(
+                    err <= 2e-2 * scale,
+                    "{which} prefill attention differs by {err}"
+                );
+                past = kv;
+            }
+        }
+    }
 }
 
 /// The decode attention kernel against the same attention in f32 through candle,
@@ -946,7 +1086,9 @@ fn profile_released_thinker_layer() {
             for &stages in kernels::TC_STAGES.choices {
                 kernels::TC_STAGES.set(Some(stages));
                 eager(
-                    &format!("prefill {rows}x{n} MoE, host routing, tensor cores, {stages} stages"),
+                    &format!(
+                        "prefill {rows}x{n} MoE, prefill routing, tensor cores, {stages} stages"
+                    ),
                     &mut || {
                         moe.forward_tc_for_test(&xs).unwrap();
                     },

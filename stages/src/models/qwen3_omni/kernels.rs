@@ -120,7 +120,7 @@ const ATTENTION_MAX_REP: usize = 16;
 /// descending order) its weight, the pairs ordered by expert, and the routed
 /// ranges (`meta`: count, then expert, first and end pair per range; one range
 /// per routed expert from [`moe_route`], ranges of at most [`TC_ROWS`] pairs from
-/// [`Routing::from_choices`]); `ranges` bounds their count (the launches' width).
+/// [`moe_route_many`]); `ranges` bounds their count (the launches' width).
 #[derive(Debug)]
 pub struct Routing {
     pub weights: Tensor,
@@ -134,68 +134,6 @@ pub struct Routing {
 
 /// The input rows one block of the tensor-core MoE kernels multiplies at once.
 pub const TC_ROWS: usize = 64;
-
-impl Routing {
-    /// The routing of `choices` (per token its top-k experts, descending) with their
-    /// router probabilities `top`, renormalised when `norm`, built on the host and
-    /// copied to `dev` in three transfers: for prefills, whose tokens are too many
-    /// for [`moe_route`]'s one block. Pairs keep token order within an expert, as
-    /// [`moe_route`] orders them; each expert's pairs are cut into ranges of
-    /// [`TC_ROWS`], so every block of the tensor-core kernels gets one tile.
-    pub fn from_choices(
-        choices: &[Vec<u32>],
-        top: &[Vec<f32>],
-        n_experts: usize,
-        norm: bool,
-        dev: &candle_core::Device,
-    ) -> Result<Self> {
-        let top_k = choices.first().map_or(0, Vec::len);
-        let pairs = choices.len() * top_k;
-        let mut weights = Vec::with_capacity(pairs);
-        let mut start = vec![0usize; n_experts + 1];
-        for (c, t) in choices.iter().zip(top) {
-            if c.len() != top_k || t.len() != top_k {
-                candle_core::bail!("routing: every token needs {top_k} choices and weights");
-            }
-            let sum: f32 = t.iter().sum();
-            weights.extend(t.iter().map(|&p| if norm { p / sum } else { p }));
-            for &e in c {
-                let e = e as usize;
-                if e >= n_experts {
-                    candle_core::bail!("routing: expert {e} of {n_experts}");
-                }
-                start[e + 1] += 1;
-            }
-        }
-        for e in 0..n_experts {
-            start[e + 1] += start[e];
-        }
-        let mut at = start.clone();
-        let mut sorted = vec![0u32; pairs];
-        for (p, &e) in choices.iter().flatten().enumerate() {
-            sorted[at[e as usize]] = p as u32;
-            at[e as usize] += 1;
-        }
-        let mut meta = vec![0u32];
-        for e in 0..n_experts {
-            for lo in (start[e]..start[e + 1]).step_by(TC_ROWS) {
-                let hi = (lo + TC_ROWS).min(start[e + 1]);
-                meta.extend([e as u32, lo as u32, hi as u32]);
-            }
-        }
-        let ranges = (meta.len() - 1) / 3;
-        meta[0] = ranges as u32;
-        let n_meta = meta.len();
-        Ok(Self {
-            weights: Tensor::from_vec(weights, pairs, dev)?,
-            sorted: Tensor::from_vec(sorted, pairs, dev)?,
-            meta: Tensor::from_vec(meta, n_meta, dev)?,
-            top_k,
-            ranges,
-            n_experts,
-        })
-    }
-}
 
 /// Whether the tensor-core MoE kernels take experts of `hidden` inputs and
 /// outputs and `inter` intermediate width (their tiles' multiples).
@@ -236,9 +174,11 @@ mod imp {
     const WARPS: u32 = 4;
     const ROWS_PER_WARP: u32 = 4;
     const ROUTE_THREADS: u32 = 1024;
+    const ROUTE_TOKENS_PER_BLOCK: usize = 8;
     const CHUNK: usize = 64;
     const ATTN_THREADS: u32 = 128;
     const SOFTMAX_THREADS: u32 = 256;
+    const SOFTMAX_WARP_ROW: usize = 32 * 16; // kernels/attention.cu, 32 * SM_PER
 
     /// A view of `t`'s storage from its offset; the guard must outlive it.
     fn view<'a, T: CudaDType>(st: &'a Storage, l: &Layout) -> Result<CudaView<'a, T>> {
@@ -384,6 +324,67 @@ mod imp {
             top_k,
             // One range per routed expert: at most the pairs, at most the experts.
             ranges: p.min(n_experts),
+            n_experts,
+        })
+    }
+
+    pub fn moe_route_many(logits: &Tensor, top_k: usize, norm: bool) -> Result<Routing> {
+        let logits = checked(logits, DType::BF16, "moe_route_many logits")?;
+        let (n, n_experts) = logits.dims2()?;
+        let p = n * top_k;
+        if n == 0
+            || n_experts > ROUTE_MAX_EXPERTS
+            || !(1..=ROUTE_MAX_TOPK.min(n_experts)).contains(&top_k)
+            || p > i32::MAX as usize
+        {
+            candle_core::bail!(
+                "moe_route_many: {n} tokens of {n_experts} experts, top {top_k} (at most \
+                 {ROUTE_MAX_EXPERTS} experts, top {ROUTE_MAX_TOPK})"
+            );
+        }
+        let dev = logits.device().as_cuda_device()?;
+        let topk = dev.get_or_load_custom_func("moe_topk_bf16", "omnistream_moe", MOE_PTX)?;
+        let sort = dev.get_or_load_custom_func("moe_sort_bf16", "omnistream_moe", MOE_PTX)?;
+        // One range per TC_ROWS pairs of an expert: at most this many.
+        let ranges = p.div_ceil(TC_ROWS) + n_experts;
+        let weights = unsafe { dev.alloc::<f32>(p) }?;
+        let pair_expert = unsafe { dev.alloc::<u32>(p) }?;
+        let rank = unsafe { dev.alloc::<u32>(p) }?;
+        let sorted = unsafe { dev.alloc::<u32>(p) }?;
+        let meta = unsafe { dev.alloc::<u32>(1 + 3 * ranges) }?;
+        let (l_st, l_l) = logits.storage_and_layout();
+        let ls = view::<half::bf16>(&l_st, l_l)?;
+        let (n_i, e_i, k_i, norm_i) = (n as i32, n_experts as i32, top_k as i32, norm as i32);
+        let mut b = topk.builder();
+        b.arg(&ls).arg(&weights).arg(&pair_expert);
+        b.arg(&n_i).arg(&e_i).arg(&k_i).arg(&norm_i);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(ROUTE_TOKENS_PER_BLOCK) as u32, 1, 1),
+            block_dim: (32 * ROUTE_TOKENS_PER_BLOCK as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: a warp per token of the checked shapes.
+        unsafe { b.launch(cfg) }.w()?;
+        drop(b);
+        let (p_i, rows_i) = (p as i32, TC_ROWS as i32);
+        let mut b = sort.builder();
+        b.arg(&pair_expert).arg(&rank).arg(&sorted).arg(&meta);
+        b.arg(&p_i).arg(&e_i).arg(&rows_i);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (ROUTE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every pair's expert is below n_experts (moe_topk keeps them so);
+        // meta holds the most ranges the pairs can make.
+        unsafe { b.launch(cfg) }.w()?;
+        drop(b);
+        Ok(Routing {
+            weights: wrap(weights, dev, p),
+            sorted: wrap(sorted, dev, p),
+            meta: wrap(meta, dev, 1 + 3 * ranges),
+            top_k,
+            ranges,
             n_experts,
         })
     }
@@ -626,11 +627,14 @@ mod imp {
             .map(|m| checked(m, DType::F32, "masked_softmax mask"))
             .transpose()?;
         let dev = scores.device().as_cuda_device()?;
-        let func = dev.get_or_load_custom_func(
-            "masked_softmax_bf16",
-            "omnistream_attention",
-            ATTENTION_PTX,
-        )?;
+        // Rows of up to 512 scores held in a warp's registers, read once; longer
+        // rows take a block and three passes.
+        let warp_rows = kv <= SOFTMAX_WARP_ROW;
+        let name = match warp_rows {
+            true => "masked_softmax_warp_bf16",
+            false => "masked_softmax_bf16",
+        };
+        let func = dev.get_or_load_custom_func(name, "omnistream_attention", ATTENTION_PTX)?;
         let n = scores.elem_count();
         let probs = unsafe { dev.alloc::<half::bf16>(n) }?;
         let (s_st, s_l) = scores.storage_and_layout();
@@ -641,6 +645,8 @@ mod imp {
             None => None,
         };
         let (h_i, q_i, kv_i, scale) = (heads as i32, q_len as i32, kv as i32, scale as f32);
+        let rows = b * heads * q_len;
+        let rows_u = rows as u64;
         let null = 0u64;
         let mut bld = func.builder();
         bld.arg(&ss);
@@ -648,13 +654,22 @@ mod imp {
             Some(v) => bld.arg(v),
             None => bld.arg(&null),
         };
-        bld.arg(&probs).arg(&h_i).arg(&q_i).arg(&kv_i).arg(&scale);
+        bld.arg(&probs);
+        if warp_rows {
+            bld.arg(&rows_u);
+        }
+        bld.arg(&h_i).arg(&q_i).arg(&kv_i).arg(&scale);
+        let blocks = match warp_rows {
+            true => rows.div_ceil(SOFTMAX_THREADS as usize / 32),
+            false => rows,
+        };
         let cfg = LaunchConfig {
-            grid_dim: ((b * heads * q_len) as u32, 1, 1),
+            grid_dim: (blocks as u32, 1, 1),
             block_dim: (SOFTMAX_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: one block per row of the checked shapes.
+        // SAFETY: a warp (rows it holds whole) or a block per row of the checked
+        // shapes.
         unsafe { bld.launch(cfg) }.w()?;
         drop(bld);
         Ok(wrap(probs, dev, (b, heads, q_len, kv)))
@@ -676,33 +691,97 @@ mod imp {
     ) -> Result<Tensor> {
         let d = ATTENTION_HEAD_DIM;
         let b = qkv.dim(0)?;
-        let width = (heads + 2 * kvh) * d;
-        let bad = qkv.elem_count() != b * width
-            || q_norm.elem_count() != d
-            || k_norm.elem_count() != d
-            || cos.elem_count() != b * d / 2
-            || sin.elem_count() != b * d / 2
-            || scatter.elem_count() != b * kvh * d
-            || scatter.dtype() != DType::U32
-            || k_slots.dims() != v_slots.dims()
-            || k_slots.dims().last() != Some(&d);
-        if bad {
-            candle_core::bail!(
-                "qk_norm_rope: qkv {:?}, cos {:?}, scatter {:?}, slots {:?}, {heads}/{kvh} heads",
-                qkv.dims(),
-                cos.dims(),
-                scatter.dims(),
-                k_slots.dims()
-            );
+        if scatter.elem_count() != b * kvh * d || scatter.dtype() != DType::U32 {
+            candle_core::bail!("qk_norm_rope: scatter {:?} for {b} rows", scatter.dims());
         }
-        let qkv = checked(qkv, DType::BF16, "qk_norm_rope qkv")?;
-        let (qw, kw) = (q_norm.contiguous()?, k_norm.contiguous()?);
-        let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
         let scatter = scatter.contiguous()?;
         let (k_slots, v_slots) = (
             checked(k_slots, DType::BF16, "qk_norm_rope k")?,
             checked(v_slots, DType::BF16, "qk_norm_rope v")?,
         );
+        if k_slots.dims() != v_slots.dims() || k_slots.dims().last() != Some(&d) {
+            candle_core::bail!("qk_norm_rope: slots {:?}", k_slots.dims());
+        }
+        let norms = (q_norm, k_norm, eps);
+        let q = launch_qk_norm_rope(
+            qkv,
+            norms,
+            cos,
+            sin,
+            Some(&scatter),
+            &k_slots,
+            &v_slots,
+            heads,
+            kvh,
+            b,
+            1,
+        )?;
+        q.reshape((b, heads, d))
+    }
+
+    /// A prefill's queries `(b, heads, s, D)` and keys and values `(b, kvh, s, D)`
+    /// from the fused projection `qkv` `(b, s, (heads + 2 * kvh) * D)`, as
+    /// [`qk_norm_rope`] makes a decode step's (cos/sin `(b, s, D / 2)`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_norm_rope_prefill(
+        qkv: &Tensor,
+        q_norm: &Tensor,
+        k_norm: &Tensor,
+        eps: f32,
+        cos: &Tensor,
+        sin: &Tensor,
+        heads: usize,
+        kvh: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let d = ATTENTION_HEAD_DIM;
+        let (b, s, _) = qkv.dims3()?;
+        let dev = qkv.device().as_cuda_device()?;
+        let n = b * kvh * s * d;
+        // SAFETY: the kernel writes every element (each (token, kv head) row).
+        let (kc, vc) = unsafe { (dev.alloc::<half::bf16>(n)?, dev.alloc::<half::bf16>(n)?) };
+        let (k, v) = (wrap(kc, dev, (b, kvh, s, d)), wrap(vc, dev, (b, kvh, s, d)));
+        let qkv = qkv.reshape((b * s, ()))?;
+        let norms = (q_norm, k_norm, eps);
+        let q = launch_qk_norm_rope(&qkv, norms, cos, sin, None, &k, &v, heads, kvh, b, s)?;
+        Ok((q.reshape((b, heads, s, d))?, k, v))
+    }
+
+    /// [`qk_norm_rope`]'s launch over `b * seq` token rows: keys and values to the
+    /// scatter rows of `kc`/`vc`, or without scatter to `(b, kvh, seq, D)` layouts.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_qk_norm_rope(
+        qkv: &Tensor,
+        (q_norm, k_norm, eps): (&Tensor, &Tensor, f32),
+        cos: &Tensor,
+        sin: &Tensor,
+        scatter: Option<&Tensor>,
+        kc: &Tensor,
+        vc: &Tensor,
+        heads: usize,
+        kvh: usize,
+        b: usize,
+        seq: usize,
+    ) -> Result<Tensor> {
+        let d = ATTENTION_HEAD_DIM;
+        let rows = b * seq;
+        let width = (heads + 2 * kvh) * d;
+        let bad = qkv.elem_count() != rows * width
+            || q_norm.elem_count() != d
+            || k_norm.elem_count() != d
+            || cos.elem_count() != rows * d / 2
+            || sin.elem_count() != rows * d / 2
+            || (scatter.is_none() && kc.elem_count() != rows * kvh * d);
+        if bad {
+            candle_core::bail!(
+                "qk_norm_rope: qkv {:?}, cos {:?}, out {:?}, {heads}/{kvh} heads, {b} x {seq} rows",
+                qkv.dims(),
+                cos.dims(),
+                kc.dims()
+            );
+        }
+        let qkv = checked(qkv, DType::BF16, "qk_norm_rope qkv")?;
+        let (qw, kw) = (q_norm.contiguous()?, k_norm.contiguous()?);
+        let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
         for t in [&qw, &kw, &cos, &sin] {
             if t.dtype() != DType::BF16 {
                 candle_core::bail!("qk_norm_rope: {:?} weights or rotary tables", t.dtype());
@@ -714,15 +793,19 @@ mod imp {
             "omnistream_attention",
             ATTENTION_PTX,
         )?;
-        let q = unsafe { dev.alloc::<half::bf16>(b * heads * d) }?;
+        let q = unsafe { dev.alloc::<half::bf16>(rows * heads * d) }?;
         let (a_st, a_l) = qkv.storage_and_layout();
         let (qw_st, qw_l) = qw.storage_and_layout();
         let (kw_st, kw_l) = kw.storage_and_layout();
         let (c_st, c_l) = cos.storage_and_layout();
         let (s_st, s_l) = sin.storage_and_layout();
-        let (sc_st, sc_l) = scatter.storage_and_layout();
-        let (k_st, k_l) = k_slots.storage_and_layout();
-        let (v_st, v_l) = v_slots.storage_and_layout();
+        let sc_guard = scatter.map(|t| t.storage_and_layout());
+        let sc_view = match &sc_guard {
+            Some((st, l)) => Some(view::<u32>(st, l)?),
+            None => None,
+        };
+        let (k_st, k_l) = kc.storage_and_layout();
+        let (v_st, v_l) = vc.storage_and_layout();
         let views = [
             view::<half::bf16>(&a_st, a_l)?,
             view::<half::bf16>(&qw_st, qw_l)?,
@@ -730,28 +813,33 @@ mod imp {
             view::<half::bf16>(&c_st, c_l)?,
             view::<half::bf16>(&s_st, s_l)?,
         ];
-        let scs = view::<u32>(&sc_st, sc_l)?;
         let (ks, vs) = (
             view::<half::bf16>(&k_st, k_l)?,
             view::<half::bf16>(&v_st, v_l)?,
         );
-        let (heads_i, kvh_i) = (heads as i32, kvh as i32);
+        let (heads_i, kvh_i, seq_i) = (heads as i32, kvh as i32, seq as i32);
+        let null = 0u64;
         let mut bld = func.builder();
         for v in &views {
             bld.arg(v);
         }
-        bld.arg(&scs).arg(&q).arg(&ks).arg(&vs);
-        bld.arg(&heads_i).arg(&kvh_i).arg(&eps);
+        match &sc_view {
+            Some(v) => bld.arg(v),
+            None => bld.arg(&null),
+        };
+        bld.arg(&q).arg(&ks).arg(&vs);
+        bld.arg(&heads_i).arg(&kvh_i).arg(&seq_i).arg(&eps);
         let cfg = LaunchConfig {
-            grid_dim: (b as u32, (heads + kvh) as u32, 1),
+            grid_dim: (rows as u32, (heads + kvh) as u32, 1),
             block_dim: (d as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: shapes checked above; the scatter rows index the slot tensors
-        // (SlotBatch checked them against the slots' shape).
+        // (SlotBatch checked them against the slots' shape), or the outputs hold
+        // (b, kvh, seq, D).
         unsafe { bld.launch(cfg) }.w()?;
         drop(bld);
-        Ok(wrap(q, dev, (b, heads, d)))
+        Ok(wrap(q, dev, rows * heads * d))
     }
 
     pub fn decode_attention(
@@ -889,6 +977,10 @@ mod imp {
         no_cuda()
     }
 
+    pub fn moe_route_many(_logits: &Tensor, _top_k: usize, _norm: bool) -> Result<Routing> {
+        no_cuda()
+    }
+
     /// As the cuda build's (the CPU paths never launch).
     #[derive(Clone, Copy, PartialEq)]
     pub enum Mode {
@@ -933,6 +1025,20 @@ mod imp {
         no_cuda()
     }
 
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_norm_rope_prefill(
+        _qkv: &Tensor,
+        _q_norm: &Tensor,
+        _k_norm: &Tensor,
+        _eps: f32,
+        _cos: &Tensor,
+        _sin: &Tensor,
+        _heads: usize,
+        _kvh: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        no_cuda()
+    }
+
     pub fn decode_attention(
         _q: &Tensor,
         _k: &Tensor,
@@ -953,6 +1059,11 @@ pub use imp::moe_gemv;
 /// Routes `(n, experts)` bf16 router logits (softmax in f32, top-k, renormalised
 /// when `norm`), for the sizes of [`route_supported`].
 pub use imp::moe_route;
+
+/// The routing of any number of tokens `(n, experts)` (prefills), as
+/// [`moe_route`]'s but in two launches and with ranges of at most [`TC_ROWS`]
+/// pairs, for the tensor-core kernels: nothing goes through the host.
+pub use imp::moe_route_many;
 
 /// `silu(gate(x)) * up(x)` `(pairs, inter)` for every routed pair, from `x`
 /// `(tokens, hidden)` and the stacked `(experts, 2 * inter, hidden)` gate/up weights,
@@ -985,6 +1096,11 @@ pub use imp::argmax;
 /// row's `cos`/`sin` `(b, 64)`; its keys (normed, rotated) and values go straight
 /// into the slots at the batch's `scatter` rows.
 pub use imp::qk_norm_rope;
+
+/// A prefill's queries `(b, heads, s, 128)`, keys and values `(b, kv_heads, s, 128)`
+/// from the fused projection `qkv` `(b, s, (heads + 2 * kv_heads) * 128)`, normed
+/// and rotated as [`qk_norm_rope`] does a decode step's (cos/sin `(b, s, 64)`).
+pub use imp::qk_norm_rope_prefill;
 
 /// Attention of `q` `(b, heads, 128)` over keys/values `(slots, kv_heads, max_len, 128)`
 /// through the additive `mask` `(b, 1, 1, kv_len)` (row `i` in slot `slot_of_row[i]`,

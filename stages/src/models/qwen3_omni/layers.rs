@@ -683,6 +683,9 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, s, _) = x.dims3()?;
         let hd = self.head_dim;
+        if let Some(qkv) = self.fused_qkv() {
+            return self.forward_fused(qkv, x, cos, sin, mask, cache);
+        }
         let q = self
             .q_proj
             .forward(x)?
@@ -734,6 +737,59 @@ impl Attention {
 }
 
 impl Attention {
+    /// The stacked q/k/v projection when the engine's attention kernels take
+    /// this layer (a GPU in bf16, head shapes they are built for).
+    fn fused_qkv(&self) -> Option<&Linear> {
+        let (heads, kvh) = (self.num_heads, self.num_kv_heads);
+        self.qkv.as_ref().filter(|_| {
+            kernels::enabled() && kernels::attention_supported(heads, kvh, self.head_dim)
+        })
+    }
+
+    /// [`Self::forward`] on a GPU in bf16 through the engine's kernels: one q/k/v
+    /// projection, the norms and rotary embedding in one launch (q, k and v come
+    /// out in the attention's layouts, nothing transposed after), grouped query
+    /// heads against their shared key/value head through a reshape of the
+    /// queries (no repeated keys or values), the scaled, masked softmax in one
+    /// pass.
+    fn forward_fused(
+        &self,
+        qkv: &Linear,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let (b, s, _) = x.dims3()?;
+        let (hd, heads, kvh) = (self.head_dim, self.num_heads, self.num_kv_heads);
+        let (q, k, v) = kernels::qk_norm_rope_prefill(
+            &qkv.forward(x)?,
+            &self.q_norm.weight_native,
+            &self.k_norm.weight_native,
+            self.q_norm.eps,
+            cos,
+            sin,
+            heads,
+            kvh,
+        )?;
+        let (k, v) = match cache {
+            Some(c) => c.append(&k, &v)?,
+            None => (k, v),
+        };
+        let kv = k.dim(2)?;
+        // (b, kvh, rep * s, d): each key/value head's query rows together.
+        let q = q.reshape((b, kvh, (heads / kvh) * s, hd))?;
+        let scores = q.matmul(&k.t()?)?.reshape((b, heads, s, kv))?;
+        let probs = kernels::masked_softmax(&scores, mask, self.scaling)?;
+        let out = probs
+            .reshape((b, kvh, (heads / kvh) * s, kv))?
+            .matmul(&v.contiguous()?)?
+            .reshape((b, heads, s, hd))?;
+        let out = out.transpose(1, 2)?.reshape((b, s, heads * hd))?;
+        self.o_proj.forward(&out)
+    }
+
     /// One decode step of a running batch: `x` `(b, 1, hidden)`, cos/sin `(b, 1, d / 2)` at
     /// each row's own position; keys/values go into `slots` at the rows' lengths.
     /// Grouped heads share their key/value head through a reshape of the queries, so
@@ -755,15 +811,7 @@ impl Attention {
             );
         }
         let (hd, kvh) = (self.head_dim, self.num_kv_heads);
-        let fused = match &self.qkv {
-            Some(qkv)
-                if kernels::enabled() && kernels::attention_supported(self.num_heads, kvh, hd) =>
-            {
-                Some(qkv)
-            }
-            _ => None,
-        };
-        if let Some(qkv) = fused {
+        if let Some(qkv) = self.fused_qkv() {
             // Three launches (kernels/attention.cu): the q/k/v projection, norms +
             // rotary + KV writes, attention over each row's own positions.
             let qkv = qkv.forward(x)?.reshape((b, ()))?;
@@ -1095,9 +1143,9 @@ impl SparseMoe {
     }
 
     /// A prefill's routed experts on the tensor cores: routed on the device
-    /// (softmax, top-k), the routing's pairs ordered on the host (one copy each
-    /// way: more tokens than [`kernels::moe_route`]'s one block takes), then the
-    /// kernels of [`Self::experts_routed`].
+    /// ([`kernels::moe_route_many`]: more tokens than [`kernels::moe_route`]'s one
+    /// block takes, nothing through the host), then the kernels of
+    /// [`Self::experts_routed`].
     fn forward_tc(
         &self,
         xs: &Tensor,
@@ -1105,16 +1153,29 @@ impl SparseMoe {
         gate_up: &Tensor,
         down: &Tensor,
     ) -> Result<Tensor> {
-        let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
-        let (idx, top) = self.route(&probs)?;
-        let routing = kernels::Routing::from_choices(
-            &idx.to_vec2::<u32>()?,
-            &top.to_vec2::<f32>()?,
-            probs.dim(1)?,
-            self.norm_topk_prob,
-            xs.device(),
-        )?;
+        let routing = kernels::moe_route_many(logits, self.top_k, self.norm_topk_prob)?;
         self.experts_routed(xs, gate_up, down, &routing, kernels::Mode::Tensor)
+    }
+
+    /// The routing [`Self::forward_tc`] makes of `x` `(n, hidden)`, and the router's
+    /// probabilities `(n, experts)` f32 (GPU tests).
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn routing_many_for_test(&self, x: &Tensor) -> Result<(kernels::Routing, Tensor)> {
+        let logits = self.gate.forward(&x.contiguous()?)?;
+        let routing = kernels::moe_route_many(&logits, self.top_k, self.norm_topk_prob)?;
+        let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+        Ok((routing, probs))
+    }
+
+    /// The routed experts of `x` `(n, hidden)` (any number of tokens) by the
+    /// prefill routing, through the GEMV or the tensor-core kernels (GPU tests).
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn routed_many_in_mode(&self, x: &Tensor, mode: kernels::Mode) -> Result<Tensor> {
+        let Some((gate_up, down)) = &self.fused else {
+            candle_core::bail!("no stacked experts (a GPU in bf16/f16 has them)");
+        };
+        let (routing, _) = self.routing_many_for_test(x)?;
+        self.experts_routed(&x.contiguous()?, gate_up, down, &routing, mode)
     }
 
     /// The routed experts of `x` `(n, hidden)` (at most 128 tokens), routed on the

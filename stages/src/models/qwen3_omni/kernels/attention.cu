@@ -207,13 +207,15 @@ extern "C" __global__ void decode_attention_combine(
     out[head * D + d] = to_bf16(l > 0.f ? o / l : 0.f);
 }
 
-// The step's new queries and keys/values, from the fused q/k/v projection
-// qkv (b, (heads + 2 * kvh) * D) bf16: per head RMSNorm (q_norm / k_norm weights,
-// in f32, rounded once as candle's kernel), then the rotary embedding
-// (rotate-half form, cos/sin (b, D / 2), rounded per op as candle's bf16 rope);
-// queries to q (b, heads, D), keys and the raw values into the KV slots at the
-// flat row scatter[(row * kvh + kh) * D] of (rows, D) (the row SlotBatch made).
-// Grid: (b, heads + kvh); block: D. Block (row, h) does query head h, or for
+// New queries and keys/values of `rows` tokens (rows = b * seq: a decode step's
+// b rows with seq = 1, or a prefill's b prompts of seq tokens), from the fused
+// q/k/v projection qkv (rows, (heads + 2 * kvh) * D) bf16: per head RMSNorm
+// (q_norm / k_norm weights, in f32, rounded once as candle's kernel), then the
+// rotary embedding (rotate-half form, cos/sin (rows, D / 2), rounded per op as
+// candle's bf16 rope); queries to q (b, heads, seq, D); keys and the raw values
+// to the flat row scatter[(row * kvh + kh) * D] of kc/vc (rows, D) (the KV-slot
+// rows SlotBatch made), or without scatter to (b, kvh, seq, D).
+// Grid: (rows, heads + kvh); block: D. Block (row, h) does query head h, or for
 // h >= heads key/value head h - heads.
 extern "C" __global__ void qk_norm_rope_bf16(
     const unsigned short* __restrict__ qkv,
@@ -225,7 +227,7 @@ extern "C" __global__ void qk_norm_rope_bf16(
     unsigned short* __restrict__ q,
     unsigned short* __restrict__ kc,
     unsigned short* __restrict__ vc,
-    int heads, int kvh, float eps)
+    int heads, int kvh, int seq, float eps)
 {
     __shared__ float part[D / 32];
     __shared__ float normed[D];
@@ -253,12 +255,69 @@ extern "C" __global__ void qk_norm_rope_bf16(
     const float r = i < half ? bf(to_bf16(n * c)) - bf(to_bf16(other * s))
                              : bf(to_bf16(other * s)) + bf(to_bf16(n * c));
     const unsigned short out = to_bf16(r);
+    const size_t bi = row / seq, si = row % seq;
     if (is_q) {
-        q[((size_t)row * heads + h) * D + i] = out;
+        q[((bi * heads + h) * seq + si) * D + i] = out;
     } else {
-        const size_t dst = (size_t)scatter[((size_t)row * kvh + kh) * D] * D + i;
+        const size_t dst = scatter ? (size_t)scatter[((size_t)row * kvh + kh) * D] * D + i
+                                   : ((bi * kvh + kh) * seq + si) * D + i;
         kc[dst] = out;
         vc[dst] = src[(size_t)kvh * D + i];
+    }
+}
+
+// Prefill attention's probabilities for rows of at most 32 * SM_PER keys, a warp
+// a row (8 rows a block), the row's scores read once into registers; the same
+// contract as masked_softmax_bf16 below, which takes longer rows (a block
+// version of this one measured slower than that kernel on the H200 at 2,500
+// keys). Grid: ceil(rows / 8); block: SOFTMAX_THREADS.
+#define SM_PER 16
+extern "C" __global__ void __launch_bounds__(SOFTMAX_THREADS) masked_softmax_warp_bf16(
+    const unsigned short* __restrict__ scores, const float* __restrict__ mask,
+    unsigned short* __restrict__ probs, unsigned long long rows, int heads, int q_len, int kv,
+    float scale)
+{
+    constexpr int NW = SOFTMAX_THREADS / 32;
+    const int lane = threadIdx.x % 32;
+    const size_t row = (size_t)blockIdx.x * NW + threadIdx.x / 32;
+    if (row >= rows) return; // a whole warp
+    const size_t b = row / ((size_t)heads * q_len), qi = row % q_len;
+    const unsigned short* s = scores + row * kv;
+    const float* m = mask ? mask + (b * q_len + qi) * kv : nullptr;
+    auto reduce = [&](float v, bool is_max) {
+        for (int o = 16; o > 0; o /= 2) {
+            const float u = __shfl_xor_sync(0xffffffffu, v, o);
+            v = is_max ? fmaxf(v, u) : v + u;
+        }
+        return v;
+    };
+    float v[SM_PER];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < SM_PER; ++i) {
+        const int j = lane + i * 32;
+        float x = -INFINITY;
+        if (j < kv) {
+            const float mj = m ? m[j] : 0.f;
+            x = mj > HIDDEN ? bf(s[j]) * scale + mj : -INFINITY;
+        }
+        v[i] = x;
+        mx = fmaxf(mx, x);
+    }
+    mx = reduce(mx, true);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < SM_PER; ++i) {
+        v[i] = mx == -INFINITY ? 0.f : expf(v[i] - mx);
+        sum += v[i];
+    }
+    sum = reduce(sum, false);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    unsigned short* p = probs + row * kv;
+#pragma unroll
+    for (int i = 0; i < SM_PER; ++i) {
+        const int j = lane + i * 32;
+        if (j < kv) p[j] = to_bf16(v[i] * inv);
     }
 }
 

@@ -143,6 +143,58 @@ extern "C" __global__ void moe_gemv_bf16(
     gemv_rows(x, w, sorted, pair_weights, out, e, seg[0], seg[1], n, k, topk);
 }
 
+// Token t's router softmax (f32, as the reference) and top-k, by one warp:
+// choice j's expert to pair_expert[t * topk + j] (shared or global memory) and
+// its weight, renormalised when `norm`, to weights[t * topk + j]. Descending,
+// ties to the lower expert.
+__device__ __forceinline__ void route_token(
+    const unsigned short* __restrict__ logits, int t, int n_experts, int topk, int norm,
+    unsigned int* pair_expert, float* __restrict__ weights)
+{
+    constexpr int PER_LANE = ROUTE_MAX_EXPERTS / 32;
+    const int lane = threadIdx.x % 32;
+    float v[PER_LANE];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        v[i] = e < n_experts ? bf(logits[(size_t)t * n_experts + e]) : -INFINITY;
+        mx = fmaxf(mx, v[i]);
+    }
+    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        v[i] = lane + 32 * i < n_experts ? expf(v[i] - mx) : 0.f;
+        s += v[i];
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) v[i] = lane + 32 * i < n_experts ? v[i] / s : -1.f;
+    // Lane j keeps choice j's weight; the total is the same on every lane.
+    float mine = 0.f, total = 0.f;
+    for (int j = 0; j < topk; ++j) {
+        float best = -2.f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i)
+            if (v[i] > best) { best = v[i]; bi = lane + 32 * i; }
+        for (int o = 16; o > 0; o /= 2) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+        }
+        // NaN logits pick nothing: a weightless valid expert keeps the indices in range.
+        if (bi >= n_experts) { bi = j % n_experts; best = 0.f; }
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i)
+            if (lane + 32 * i == bi) v[i] = -2.f;
+        if (lane == j) { mine = best; pair_expert[(size_t)t * topk + j] = (unsigned int)bi; }
+        total += best;
+    }
+    if (lane < topk) weights[(size_t)t * topk + lane] = norm ? mine / total : mine;
+}
+
 // Routing of n <= ROUTE_MAX_TOKENS tokens, one block of ROUTE_THREADS: per token
 // (a warp each) the softmax of its router logits (f32, as the reference), its
 // top-k (descending, ties to the lower expert) and their weights, renormalised
@@ -161,50 +213,12 @@ extern "C" __global__ void moe_route_bf16(
     __shared__ unsigned short pair_rank[ROUTE_MAX_TOKENS * ROUTE_MAX_TOPK];
     __shared__ int count[ROUTE_MAX_EXPERTS];
     __shared__ int offset[ROUTE_MAX_EXPERTS];
+    constexpr int PER_LANE = ROUTE_MAX_EXPERTS / 32;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int pairs = n * topk;
     for (int e = tid; e < ROUTE_MAX_EXPERTS; e += ROUTE_THREADS) count[e] = 0;
-    constexpr int PER_LANE = ROUTE_MAX_EXPERTS / 32;
-    for (int t = warp; t < n; t += ROUTE_THREADS / 32) {
-        float v[PER_LANE];
-        float mx = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-            const int e = lane + 32 * i;
-            v[i] = e < n_experts ? bf(logits[(size_t)t * n_experts + e]) : -INFINITY;
-            mx = fmaxf(mx, v[i]);
-        }
-        for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-            v[i] = lane + 32 * i < n_experts ? expf(v[i] - mx) : 0.f;
-            s += v[i];
-        }
-        s = warp_sum(s);
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) v[i] = lane + 32 * i < n_experts ? v[i] / s : -1.f;
-        // Lane j keeps choice j's weight; the total is the same on every lane.
-        float mine = 0.f, total = 0.f;
-        for (int j = 0; j < topk; ++j) {
-            float best = -2.f;
-            int bi = 0x7fffffff;
-#pragma unroll
-            for (int i = 0; i < PER_LANE; ++i)
-                if (v[i] > best) { best = v[i]; bi = lane + 32 * i; }
-            for (int o = 16; o > 0; o /= 2) {
-                const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-            }
-#pragma unroll
-            for (int i = 0; i < PER_LANE; ++i)
-                if (lane + 32 * i == bi) v[i] = -2.f;
-            if (lane == j) { mine = best; pair_expert[t * topk + j] = (unsigned int)bi; }
-            total += best;
-        }
-        if (lane < topk) weights[t * topk + lane] = norm ? mine / total : mine;
-    }
+    for (int t = warp; t < n; t += ROUTE_THREADS / 32)
+        route_token(logits, t, n_experts, topk, norm, pair_expert, weights);
     __syncthreads();
     if (warp != 0) return;
     // Ranks: 32 pairs at a time, lanes of one expert ranked by lane, after the
@@ -254,6 +268,101 @@ extern "C" __global__ void moe_route_bf16(
     if (lane == 31) meta[0] = rincl;
     __syncwarp();
     for (int p = lane; p < pairs; p += 32) sorted[offset[pair_expert[p]] + pair_rank[p]] = p;
+}
+
+// Routing of any number of tokens (prefills) in two launches, for the
+// tensor-core kernels: `moe_topk_bf16` routes each token (a warp a token, 8 a
+// block) into pair_expert (n * topk u32) and weights; `moe_sort_bf16` (one block
+// of ROUTE_THREADS) orders the pairs by expert, by pair index within one (each
+// warp ranks a contiguous segment of pairs, the segments' counts are summed per
+// expert in warp order: no atomics, a fixed order), and lists in `meta` ranges
+// of at most `max_rows` pairs of one expert: count, then (expert, lo, hi) each.
+// `rank` (pairs u32) is scratch.
+extern "C" __global__ void moe_topk_bf16(
+    const unsigned short* __restrict__ logits,
+    float* __restrict__ weights,
+    unsigned int* __restrict__ pair_expert,
+    int n, int n_experts, int topk, int norm)
+{
+    const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (t < n) route_token(logits, t, n_experts, topk, norm, pair_expert, weights);
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_sort_bf16(
+    const unsigned int* __restrict__ pair_expert,
+    unsigned int* __restrict__ rank,
+    unsigned int* __restrict__ sorted,
+    unsigned int* __restrict__ meta,
+    int pairs, int n_experts, int max_rows)
+{
+    constexpr int NW = ROUTE_THREADS / 32;
+    constexpr int PER_LANE = ROUTE_MAX_EXPERTS / 32;
+    __shared__ int cnt[NW][ROUTE_MAX_EXPERTS]; // per warp, then its exclusive prefix
+    __shared__ int offset[ROUTE_MAX_EXPERTS];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    for (int i = tid; i < NW * ROUTE_MAX_EXPERTS; i += ROUTE_THREADS) (&cnt[0][0])[i] = 0;
+    __syncthreads();
+    const int seg = (pairs + NW - 1) / NW;
+    const int lo = min(pairs, warp * seg), hi = min(pairs, lo + seg);
+    const unsigned int below = (1u << lane) - 1u;
+    for (int p0 = lo; p0 < hi; p0 += 32) {
+        const int p = p0 + lane;
+        const bool live = p < hi;
+        const unsigned int e = live ? pair_expert[p] : 0xffffffffu;
+        const unsigned int same = __match_any_sync(0xffffffffu, e);
+        const int before = live ? cnt[warp][e] : 0;
+        __syncwarp();
+        if (live) {
+            rank[p] = before + __popc(same & below);
+            if ((same & below) == 0) cnt[warp][e] = before + __popc(same);
+        }
+        __syncwarp();
+    }
+    __syncthreads();
+    for (int e = tid; e < ROUTE_MAX_EXPERTS; e += ROUTE_THREADS) {
+        int run = 0;
+        for (int w = 0; w < NW; ++w) {
+            const int c = cnt[w][e];
+            cnt[w][e] = run;
+            run += c;
+        }
+        offset[e] = run; // the expert's total, until the scan below
+    }
+    __syncthreads();
+    if (warp == 0) {
+        int local = 0, ranges_local = 0;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int c = offset[lane * PER_LANE + i];
+            local += c;
+            ranges_local += (c + max_rows - 1) / max_rows;
+        }
+        int incl = local, rincl = ranges_local;
+        for (int o = 1; o < 32; o *= 2) {
+            const int u = __shfl_up_sync(0xffffffffu, incl, o);
+            const int ru = __shfl_up_sync(0xffffffffu, rincl, o);
+            if (lane >= o) { incl += u; rincl += ru; }
+        }
+        int off = incl - local, r = rincl - ranges_local;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int e = lane * PER_LANE + i;
+            const int c = offset[e];
+            offset[e] = off;
+            for (int a = 0; a < c; a += max_rows, ++r) {
+                meta[1 + 3 * r] = e;
+                meta[2 + 3 * r] = off + a;
+                meta[3 + 3 * r] = off + min(c, a + max_rows);
+            }
+            off += c;
+        }
+        if (lane == 31) meta[0] = rincl;
+    }
+    __syncthreads();
+    for (int p = lo + lane; p < hi; p += 32) {
+        const unsigned int e = pair_expert[p];
+        sorted[offset[e] + cnt[warp][e] + rank[p]] = p;
+    }
 }
 
 // Down projection over the routed experts of `meta`: out (P, n) gets each pair's

@@ -147,9 +147,13 @@ const TC_BK: usize = 32;
 /// Whether [`moe_route`] takes `tokens` tokens of `experts` experts, top `top_k`:
 /// one block routes them all, so each is bounded.
 pub fn route_supported(tokens: usize, experts: usize, top_k: usize) -> bool {
-    (1..=ROUTE_MAX_TOKENS).contains(&tokens)
-        && experts <= ROUTE_MAX_EXPERTS
-        && (1..=ROUTE_MAX_TOPK.min(experts)).contains(&top_k)
+    (1..=ROUTE_MAX_TOKENS).contains(&tokens) && route_many_supported(experts, top_k)
+}
+
+/// Whether [`moe_route_many`] routes among `experts` with `top_k` choices (any
+/// number of tokens).
+pub fn route_many_supported(experts: usize, top_k: usize) -> bool {
+    experts <= ROUTE_MAX_EXPERTS && (1..=ROUTE_MAX_TOPK.min(experts)).contains(&top_k)
 }
 
 const ROUTE_MAX_TOKENS: usize = 128;
@@ -332,11 +336,7 @@ mod imp {
         let logits = checked(logits, DType::BF16, "moe_route_many logits")?;
         let (n, n_experts) = logits.dims2()?;
         let p = n * top_k;
-        if n == 0
-            || n_experts > ROUTE_MAX_EXPERTS
-            || !(1..=ROUTE_MAX_TOPK.min(n_experts)).contains(&top_k)
-            || p > i32::MAX as usize
-        {
+        if n == 0 || !route_many_supported(n_experts, top_k) || p > i32::MAX as usize {
             candle_core::bail!(
                 "moe_route_many: {n} tokens of {n_experts} experts, top {top_k} (at most \
                  {ROUTE_MAX_EXPERTS} experts, top {ROUTE_MAX_TOPK})"

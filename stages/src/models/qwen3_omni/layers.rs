@@ -1131,15 +1131,16 @@ impl SparseMoe {
     }
 
     /// Whether the tensor-core kernels take these stacked experts (bf16 on a GPU,
-    /// SiLU, widths their tiles divide).
+    /// SiLU, widths their tiles divide, a router the device routing takes).
     fn tc_kernels(&self, gate_up: &Tensor, down: &Tensor) -> bool {
-        let Ok((_, hidden, inter)) = down.dims3() else {
+        let Ok((experts, hidden, inter)) = down.dims3() else {
             return false;
         };
         gate_up.dtype() == DType::BF16
             && self.act == Activation::Silu
             && kernels::enabled()
             && kernels::tc_supported(hidden, inter)
+            && kernels::route_many_supported(experts, self.top_k)
     }
 
     /// A prefill's routed experts on the tensor cores: routed on the device

@@ -6,9 +6,12 @@
 //! - [`moe_gemv`]: grouped GEMV with candle's `moe_gemm` contract.
 //! - [`moe_route`], [`moe_gate_up`], [`moe_down`], [`moe_sum`]: a decode MoE layer
 //!   in four launches (router top-k and sort; gate/up with the SwiGLU; down; the
-//!   sum over each token's choices).
+//!   sum over each token's choices); gate/up and down by GEMV or, for prefills,
+//!   on the tensor cores ([`Mode`]), whose routing of any number of tokens is
+//!   [`moe_route_many`].
 //! - [`qk_norm_rope`]: a decode step's q/k norms, rotary embedding and KV-slot
-//!   writes in one launch.
+//!   writes in one launch; [`qk_norm_rope_prefill`] the same for a prefill's
+//!   tokens, in the attention's layouts.
 //! - [`decode_attention`]: one query per row over KV slots, each row's visible
 //!   positions only.
 //! - [`masked_softmax`]: a prefill's scaled, masked softmax in one pass.

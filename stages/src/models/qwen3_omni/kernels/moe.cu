@@ -1,7 +1,8 @@
-// MoE kernels for decode steps (a few tokens, each routed to top-k of E experts):
-// every routed expert's weights are read once per step for all the (token,
-// choice) pairs routed to it, with 16-byte loads, bf16 in and out, f32
-// accumulation (bf16 helpers in bf16.cuh).
+// MoE kernels: for decode steps (a few tokens, each routed to top-k of E
+// experts) every routed expert's weights are read once per step for all the
+// (token, choice) pairs routed to it, with 16-byte loads, bf16 in and out, f32
+// accumulation (bf16 helpers in bf16.cuh); for prefills, the routing of any
+// number of tokens and a tensor-core grouped GEMM (the end of this file).
 //
 // Two ways to find an expert's pairs:
 // - `moe_gemv_bf16`: candle's `moe_gemm` contract (candle-nn/src/moe.rs): pairs
@@ -367,7 +368,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_sort_bf16(
 
 // Down projection over the routed experts of `meta`: out (P, n) gets each pair's
 // row (one input row per pair) through its expert, times its weight.
-// Grid: (min(P, E), ceil(n / (WARPS * ROWS_PER_WARP))); block: WARPS * 32.
+// Grid: (the routing's range bound, ceil(n / (WARPS * ROWS_PER_WARP)));
+// block: WARPS * 32.
 __device__ __forceinline__ void down_gemv(
     const unsigned short* __restrict__ x,
     const unsigned short* __restrict__ w,
@@ -405,7 +407,8 @@ extern "C" __global__ void moe_sum_bf16(
 // w (E, 2 * inter, k) holds gate rows then up rows; h (P, inter) gets
 // silu(gate . x) * (up . x), rounded as candle rounds the separate ops (each
 // projection to bf16, the silu to bf16, the product to bf16).
-// Grid: (min(P, E), ceil(inter / (WARPS * ROWS_PER_WARP / 2))); block: WARPS * 32.
+// Grid: (the routing's range bound, ceil(inter / (WARPS * ROWS_PER_WARP / 2)));
+// block: WARPS * 32.
 __device__ __forceinline__ void gate_up_gemv(
     const unsigned short* __restrict__ x,
     const unsigned short* __restrict__ w,
@@ -445,7 +448,7 @@ __device__ __forceinline__ void gate_up_gemv(
 // The GEMV kernels at several register budgets (launch bounds: at least MINB
 // blocks a multiprocessor): fewer registers, more warps resident and more
 // loads in flight, against fewer loads in flight per warp. The host picks one
-// (kernels.rs, `GemvBlocks`).
+// (kernels.rs, `GEMV_BLOCKS`).
 #define MOE_GEMV_KERNELS(SUFFIX, MINB)                                                          \
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) moe_gate_up##SUFFIX(             \
     const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,                 \
@@ -472,8 +475,8 @@ MOE_GEMV_KERNELS(_b8_bf16, 8)
 // routed ranges in `meta`: count, then (expert, lo, hi) per range), but each
 // block multiplies a tile of up to TC_BM gathered input rows by TC_BN weight
 // rows with bf16 mma (f32 accumulation), the tiles streamed through shared
-// memory with cp.async, two stages. A range longer than TC_BM is walked tile by
-// tile (host routing splits ranges to TC_BM rows, so each block has one).
+// memory with cp.async, two or three stages. A range longer than TC_BM is walked
+// tile by tile (moe_route_many cuts ranges to TC_BM rows, so each block has one).
 // Requires k % TC_BK == 0 and the output width a multiple of the block's columns.
 
 #include <mma.h>

@@ -532,9 +532,11 @@ fn tensor_core_moe_matches_gemv() {
                 "{which} MoE {what} differs by {err} at {n} tokens"
             );
         };
-        for n in [1usize, 8, 33, 64, 100, 128] {
+        // The decode routing up to 128 tokens, the prefill routing past that
+        // (device_prefill_routing_is_a_sorted_top_k checks it); both are
+        // deterministic, so every variant sees the same routing.
+        for n in [1usize, 8, 33, 64, 100, 128, 129, 700, 2500] {
             let x = bf16_randn((n, cfg.hidden_size), &dev);
-            // moe_route is deterministic: every variant sees the same routing.
             let gemv = moe.routed_in_mode(&x, Mode::Gemv).unwrap();
             for &blocks in GEMV_BLOCKS.choices {
                 GEMV_BLOCKS.set(Some(blocks));
@@ -551,23 +553,6 @@ fn tensor_core_moe_matches_gemv() {
                     n,
                     &gemv,
                     &tc,
-                );
-            }
-            TC_STAGES.set(None);
-        }
-        for n in [129usize, 700, 2500] {
-            let x = bf16_randn((n, cfg.hidden_size), &dev);
-            // The prefill routing (device_prefill_routing_is_a_sorted_top_k checks
-            // it) through both kinds of kernels.
-            let gemv = moe.routed_many_in_mode(&x, Mode::Gemv).unwrap();
-            for &stages in TC_STAGES.choices {
-                TC_STAGES.set(Some(stages));
-                let got = moe.routed_many_in_mode(&x, Mode::Tensor).unwrap();
-                check(
-                    &format!("tensor cores ({stages} stages) vs GEMV, prefill routing"),
-                    n,
-                    &gemv,
-                    &got,
                 );
             }
             TC_STAGES.set(None);
@@ -1062,39 +1047,21 @@ fn profile_released_thinker_layer() {
                 moe.forward_gathered_for_test(&xs).unwrap();
             },
         );
+        // Routed on the device as the engine routes this many tokens.
         if rows * n <= 128 {
-            kernels::TC_STAGES.set(Some(2));
+            eager(&format!("prefill {rows}x{n} MoE, GEMV"), &mut || {
+                moe.routed_in_mode(&xs, kernels::Mode::Gemv).unwrap();
+            });
+        }
+        for &stages in kernels::TC_STAGES.choices {
+            kernels::TC_STAGES.set(Some(stages));
             eager(
-                &format!("prefill {rows}x{n} MoE, device routing, tensor cores, 2 stages"),
+                &format!("prefill {rows}x{n} MoE, tensor cores, {stages} stages"),
                 &mut || {
                     moe.routed_in_mode(&xs, kernels::Mode::Tensor).unwrap();
                 },
             );
-            kernels::TC_STAGES.set(None);
-            for (mode, which) in [
-                (kernels::Mode::Gemv, "GEMV"),
-                (kernels::Mode::Tensor, "tensor cores"),
-            ] {
-                eager(
-                    &format!("prefill {rows}x{n} MoE, device routing, {which}"),
-                    &mut || {
-                        moe.routed_in_mode(&xs, mode).unwrap();
-                    },
-                );
-            }
-        } else {
-            for &stages in kernels::TC_STAGES.choices {
-                kernels::TC_STAGES.set(Some(stages));
-                eager(
-                    &format!(
-                        "prefill {rows}x{n} MoE, prefill routing, tensor cores, {stages} stages"
-                    ),
-                    &mut || {
-                        moe.forward_tc_for_test(&xs).unwrap();
-                    },
-                );
-            }
-            kernels::TC_STAGES.set(None);
         }
+        kernels::TC_STAGES.set(None);
     }
 }

@@ -419,12 +419,32 @@ mod imp {
         }
     }
 
-    /// How a gate/up or down launch multiplies: the GEMV's warps, or the
-    /// tensor-core tiles.
-    #[derive(Clone, Copy, PartialEq)]
-    pub enum Mode {
-        Gemv,
-        Tensor,
+    /// A gate/up or down launch over `r`'s ranges: `gemv_y` block rows down the
+    /// output for the GEMV, `tc_y` for the tensor tiles; `r` must route among at
+    /// most the weights' `n_experts`.
+    fn experts_launch(
+        r: &Routing,
+        n_experts: usize,
+        mode: Mode,
+        gemv_y: u32,
+        tc_y: usize,
+        what: &str,
+    ) -> Result<LaunchConfig> {
+        if r.n_experts > n_experts {
+            candle_core::bail!(
+                "{what}: a routing of {} experts for {n_experts}",
+                r.n_experts
+            );
+        }
+        let (y, threads) = match mode {
+            Mode::Gemv => (gemv_y, WARPS * 32),
+            Mode::Tensor => (tc_y as u32, TC_THREADS),
+        };
+        Ok(LaunchConfig {
+            grid_dim: (r.ranges as u32, y, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        })
     }
 
     pub fn moe_gate_up(x: &Tensor, gate_up: &Tensor, r: &Routing, mode: Mode) -> Result<Tensor> {
@@ -463,28 +483,15 @@ mod imp {
         let mut b = func.builder();
         b.arg(&xs).arg(&ws).arg(&ss).arg(&ms).arg(&h);
         b.arg(&inter_i).arg(&k_i).arg(&topk_i);
-        let cfg = match mode {
-            Mode::Gemv => LaunchConfig {
-                grid_dim: (
-                    r.ranges as u32,
-                    (inter as u32).div_ceil(WARPS * ROWS_PER_WARP / 2),
-                    1,
-                ),
-                block_dim: (WARPS * 32, 1, 1),
-                shared_mem_bytes: 0,
-            },
-            Mode::Tensor => LaunchConfig {
-                grid_dim: (r.ranges as u32, (inter / (TC_BN / 2)) as u32, 1),
-                block_dim: (TC_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            },
-        };
-        if r.n_experts > n_experts {
-            candle_core::bail!(
-                "moe_gate_up: a routing of {} experts for {n_experts}",
-                r.n_experts
-            );
-        }
+        let gemv_y = (inter as u32).div_ceil(WARPS * ROWS_PER_WARP / 2);
+        let cfg = experts_launch(
+            r,
+            n_experts,
+            mode,
+            gemv_y,
+            inter / (TC_BN / 2),
+            "moe_gate_up",
+        )?;
         // SAFETY: pairs index rows of x (token = pair / top_k < rows); meta's experts
         // are below the weights' expert count (the routing was made for them); the
         // tensor tiles divide the widths (checked above).
@@ -525,28 +532,8 @@ mod imp {
         let mut b = func.builder();
         b.arg(&hs).arg(&ws).arg(&ss).arg(&ms).arg(&pws).arg(&out);
         b.arg(&n_i).arg(&k_i);
-        let cfg = match mode {
-            Mode::Gemv => LaunchConfig {
-                grid_dim: (
-                    r.ranges as u32,
-                    (n as u32).div_ceil(WARPS * ROWS_PER_WARP),
-                    1,
-                ),
-                block_dim: (WARPS * 32, 1, 1),
-                shared_mem_bytes: 0,
-            },
-            Mode::Tensor => LaunchConfig {
-                grid_dim: (r.ranges as u32, (n / TC_BN) as u32, 1),
-                block_dim: (TC_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            },
-        };
-        if r.n_experts > n_experts {
-            candle_core::bail!(
-                "moe_down: a routing of {} experts for {n_experts}",
-                r.n_experts
-            );
-        }
+        let gemv_y = (n as u32).div_ceil(WARPS * ROWS_PER_WARP);
+        let cfg = experts_launch(r, n_experts, mode, gemv_y, n / TC_BN, "moe_down")?;
         // SAFETY: as for moe_gate_up, with one input row per pair.
         unsafe { b.launch(cfg) }.w()?;
         drop(b);
@@ -984,13 +971,6 @@ mod imp {
         no_cuda()
     }
 
-    /// As the cuda build's (the CPU paths never launch).
-    #[derive(Clone, Copy, PartialEq)]
-    pub enum Mode {
-        Gemv,
-        Tensor,
-    }
-
     pub fn moe_gate_up(_x: &Tensor, _gate_up: &Tensor, _r: &Routing, _m: Mode) -> Result<Tensor> {
         no_cuda()
     }
@@ -1073,8 +1053,13 @@ pub use imp::moe_route_many;
 /// by the GEMV (decode steps) or the tensor-core tiles ([`tc_supported`] widths).
 pub use imp::moe_gate_up;
 
-/// Which kernel [`moe_gate_up`] and [`moe_down`] launch.
-pub use imp::Mode;
+/// How [`moe_gate_up`] and [`moe_down`] multiply: the GEMV's warps (decode
+/// steps), or the tensor-core tiles (prefills).
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Mode {
+    Gemv,
+    Tensor,
+}
 
 /// Each pair's row of `h` `(pairs, inter)` through its expert's down projection
 /// `(experts, hidden, inter)`, times the pair's weight: `(pairs, hidden)`.

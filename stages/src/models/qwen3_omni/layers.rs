@@ -1168,19 +1168,10 @@ impl SparseMoe {
         Ok((routing, probs))
     }
 
-    /// The routed experts of `x` `(n, hidden)` (any number of tokens) by the
-    /// prefill routing, through the GEMV or the tensor-core kernels (GPU tests).
-    #[cfg(all(test, feature = "cuda"))]
-    pub(crate) fn routed_many_in_mode(&self, x: &Tensor, mode: kernels::Mode) -> Result<Tensor> {
-        let Some((gate_up, down)) = &self.fused else {
-            candle_core::bail!("no stacked experts (a GPU in bf16/f16 has them)");
-        };
-        let (routing, _) = self.routing_many_for_test(x)?;
-        self.experts_routed(&x.contiguous()?, gate_up, down, &routing, mode)
-    }
-
-    /// The routed experts of `x` `(n, hidden)` (at most 128 tokens), routed on the
-    /// device, through the GEMV or the tensor-core kernels (GPU tests and timings).
+    /// The routed experts of `x` `(n, hidden)`, routed on the device as the engine
+    /// routes `n` tokens ([`kernels::moe_route`] up to 128, [`kernels::moe_route_many`]
+    /// past that), through the GEMV or the tensor-core kernels (GPU tests and
+    /// timings).
     #[cfg(all(test, feature = "cuda"))]
     pub(crate) fn routed_in_mode(&self, x: &Tensor, mode: kernels::Mode) -> Result<Tensor> {
         let Some((gate_up, down)) = &self.fused else {
@@ -1188,19 +1179,12 @@ impl SparseMoe {
         };
         let xs = x.contiguous()?;
         let logits = self.gate.forward(&xs)?;
-        let routing = kernels::moe_route(&logits, self.top_k, self.norm_topk_prob)?;
-        self.experts_routed(&xs, gate_up, down, &routing, mode)
-    }
-
-    /// The routed experts of `x` `(n, hidden)` through [`Self::forward_tc`] (GPU tests
-    /// and timings against the other paths).
-    #[cfg(all(test, feature = "cuda"))]
-    pub(crate) fn forward_tc_for_test(&self, x: &Tensor) -> Result<Tensor> {
-        let Some((gate_up, down)) = &self.fused else {
-            candle_core::bail!("no stacked experts (a GPU in bf16/f16 has them)");
+        let n_experts = logits.dim(1)?;
+        let routing = match kernels::route_supported(xs.dim(0)?, n_experts, self.top_k) {
+            true => kernels::moe_route(&logits, self.top_k, self.norm_topk_prob)?,
+            false => kernels::moe_route_many(&logits, self.top_k, self.norm_topk_prob)?,
         };
-        let xs = x.contiguous()?;
-        self.forward_tc(&xs, &self.gate.forward(&xs)?, gate_up, down)
+        self.experts_routed(&xs, gate_up, down, &routing, mode)
     }
 
     /// The routed experts of `x` `(n, hidden)` through the grouped kernel in its

@@ -196,6 +196,41 @@ __device__ __forceinline__ void route_token(
     if (lane < topk) weights[(size_t)t * topk + lane] = norm ? mine / total : mine;
 }
 
+// One warp ranks pairs [lo, hi) within their expert, in pair order, 32 at a
+// time: rank[p] = the expert's pairs before p (those already in count[e], then
+// this warp's earlier ones); count[e] ends as the expert's total.
+template <typename Rank>
+__device__ __forceinline__ void rank_pairs(
+    const unsigned int* pair_expert, int lo, int hi, int* count, Rank* rank)
+{
+    const int lane = threadIdx.x % 32;
+    const unsigned int below = (1u << lane) - 1u;
+    for (int p0 = lo; p0 < hi; p0 += 32) {
+        const int p = p0 + lane;
+        const bool live = p < hi;
+        const unsigned int e = live ? pair_expert[p] : 0xffffffffu;
+        const unsigned int same = __match_any_sync(0xffffffffu, e);
+        const int before = live ? count[e] : 0;
+        __syncwarp();
+        if (live) {
+            rank[p] = (Rank)(before + __popc(same & below));
+            if ((same & below) == 0) count[e] = before + __popc(same);
+        }
+        __syncwarp();
+    }
+}
+
+// Inclusive scans of a and b across the warp, in lane order.
+__device__ __forceinline__ void warp_scan2(int& a, int& b)
+{
+    const int lane = threadIdx.x % 32;
+    for (int o = 1; o < 32; o *= 2) {
+        const int u = __shfl_up_sync(0xffffffffu, a, o);
+        const int v = __shfl_up_sync(0xffffffffu, b, o);
+        if (lane >= o) { a += u; b += v; }
+    }
+}
+
 // Routing of n <= ROUTE_MAX_TOKENS tokens, one block of ROUTE_THREADS: per token
 // (a warp each) the softmax of its router logits (f32, as the reference), its
 // top-k (descending, ties to the lower expert) and their weights, renormalised
@@ -222,22 +257,7 @@ extern "C" __global__ void moe_route_bf16(
         route_token(logits, t, n_experts, topk, norm, pair_expert, weights);
     __syncthreads();
     if (warp != 0) return;
-    // Ranks: 32 pairs at a time, lanes of one expert ranked by lane, after the
-    // expert's earlier pairs.
-    const unsigned int below = (1u << lane) - 1u;
-    for (int p0 = 0; p0 < pairs; p0 += 32) {
-        const int p = p0 + lane;
-        const bool live = p < pairs;
-        const unsigned int e = live ? pair_expert[p] : 0xffffffffu;
-        const unsigned int same = __match_any_sync(0xffffffffu, e);
-        const int before = live ? count[e] : 0;
-        __syncwarp();
-        if (live) {
-            pair_rank[p] = (unsigned short)(before + __popc(same & below));
-            if ((same & below) == 0) count[e] = before + __popc(same);
-        }
-        __syncwarp();
-    }
+    rank_pairs(pair_expert, 0, pairs, count, pair_rank);
     // Offsets and the routed list: PER_LANE consecutive experts a lane, scanned.
     int local = 0, routed_local = 0;
 #pragma unroll
@@ -247,11 +267,7 @@ extern "C" __global__ void moe_route_bf16(
         routed_local += c > 0;
     }
     int incl = local, rincl = routed_local;
-    for (int o = 1; o < 32; o *= 2) {
-        const int u = __shfl_up_sync(0xffffffffu, incl, o);
-        const int ru = __shfl_up_sync(0xffffffffu, rincl, o);
-        if (lane >= o) { incl += u; rincl += ru; }
-    }
+    warp_scan2(incl, rincl);
     int off = incl - local, routed = rincl - routed_local;
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
@@ -305,20 +321,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_sort_bf16(
     __syncthreads();
     const int seg = (pairs + NW - 1) / NW;
     const int lo = min(pairs, warp * seg), hi = min(pairs, lo + seg);
-    const unsigned int below = (1u << lane) - 1u;
-    for (int p0 = lo; p0 < hi; p0 += 32) {
-        const int p = p0 + lane;
-        const bool live = p < hi;
-        const unsigned int e = live ? pair_expert[p] : 0xffffffffu;
-        const unsigned int same = __match_any_sync(0xffffffffu, e);
-        const int before = live ? cnt[warp][e] : 0;
-        __syncwarp();
-        if (live) {
-            rank[p] = before + __popc(same & below);
-            if ((same & below) == 0) cnt[warp][e] = before + __popc(same);
-        }
-        __syncwarp();
-    }
+    rank_pairs(pair_expert, lo, hi, cnt[warp], rank);
     __syncthreads();
     for (int e = tid; e < ROUTE_MAX_EXPERTS; e += ROUTE_THREADS) {
         int run = 0;
@@ -339,11 +342,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_sort_bf16(
             ranges_local += (c + max_rows - 1) / max_rows;
         }
         int incl = local, rincl = ranges_local;
-        for (int o = 1; o < 32; o *= 2) {
-            const int u = __shfl_up_sync(0xffffffffu, incl, o);
-            const int ru = __shfl_up_sync(0xffffffffu, rincl, o);
-            if (lane >= o) { incl += u; rincl += ru; }
-        }
+        warp_scan2(incl, rincl);
         int off = incl - local, r = rincl - ranges_local;
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {

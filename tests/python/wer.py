@@ -10,7 +10,8 @@ n-th ref goes with the n-th WAV. `pairs.json` is `[{"wav": ..., "ref": ...}]`
 
 Audio of any sample rate / channel count is decoded and resampled to 16 kHz
 mono by faster-whisper (PyAV). Text is normalised (lower case, no punctuation,
-numbers spelled out) before a word-level Levenshtein distance.
+numbers and clock times spelled out, American spelling, compounds written
+apart on one side joined) before a word-level Levenshtein distance.
 
 Prints `{"items": [{"wav", "ref", "hyp", "wer"}], "wer": aggregate}` (the
 aggregate is total word errors / total reference words) and exits 0; exits 2 on
@@ -64,18 +65,53 @@ def _number_words(match: re.Match) -> str:
     return f" {words} "
 
 
+# British spellings Whisper writes the American way (and the other way round:
+# both sides are mapped), so a spelling is not an error of hearing; shared with
+# tests/lib.rs's word_error_rate.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "spelling.json"), encoding="utf-8") as _f:
+    SPELLING: dict[str, str] = json.load(_f)
+
+
+def _clock(match: re.Match) -> str:
+    """9:10 (or 9.10 before a.m./p.m.) -> nine ten; 9:05 -> nine oh five; 9:00 -> nine."""
+    hour, minute = int(match.group(1)), match.group(2)
+    words = _int_words(hour)
+    if minute != "00":
+        words += (" oh " if minute[0] == "0" else " ") + _int_words(int(minute))
+    return f" {words} "
+
+
+def join_compounds(words: list[str], other: list[str]) -> list[str]:
+    """Two neighbours of `words` that make one word of `other` ("window sill",
+    "windowsill") become that word: a compound's spelling is not an error of
+    hearing either."""
+    vocab, out, i = set(other), [], 0
+    while i < len(words):
+        if i + 1 < len(words) and words[i] + words[i + 1] in vocab and words[i] not in vocab:
+            out.append(words[i] + words[i + 1])
+            i += 2
+        else:
+            out.append(words[i])
+            i += 1
+    return out
+
+
 def normalize(text: str) -> list[str]:
-    """Lower case, accents and punctuation removed, numbers as words; the words."""
+    """Lower case, accents and punctuation removed, numbers and clock times as
+    words, American spelling; the words."""
     text = unicodedata.normalize("NFKD", text)
     text = "".join(c for c in text if not unicodedata.combining(c)).lower()
     text = text.replace("%", " percent ").replace("&", " and ")
+    text = re.sub(r"\b([ap])\.\s?m\b\.?", r"\1m", text)  # a.m. / p. m. -> am / pm
+    text = re.sub(r"\b(\d{1,2}):(\d{2})\b", _clock, text)
+    text = re.sub(r"\b(\d{1,2})\.(\d{2})(?=\s*[ap]m\b)", _clock, text)
     text = re.sub(r"\$\s?(\d[\d,]*(?:\.\d+)?)", r"\1 dollars", text)  # $3.5 -> 3.5 dollars
     # 1,000 / 3.5 / 42 -> words (before punctuation goes).
     text = re.sub(r"\d+(?:,\d{3})*(?:\.\d+)?", _number_words, text)
     # Apostrophes join (don't -> dont); other punctuation separates words.
     text = re.sub(r"['\u2019`]", "", text)
     text = re.sub(r"[^\w\s]|_", " ", text)
-    return text.split()
+    return [SPELLING.get(w, w) for w in text.split()]
 
 
 def edit_distance(ref: list[str], hyp: list[str]) -> int:
@@ -92,6 +128,7 @@ def edit_distance(ref: list[str], hyp: list[str]) -> int:
 def wer(ref: str, hyp: str) -> tuple[float, int, int]:
     """(word error rate, errors, reference words) of one pair."""
     r, h = normalize(ref), normalize(hyp)
+    r, h = join_compounds(r, h), join_compounds(h, r)
     errors = edit_distance(r, h)
     if not r:
         return (0.0 if not h else 1.0), errors, 0

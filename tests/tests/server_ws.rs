@@ -712,6 +712,7 @@ async fn sixteen_concurrent_realtime_sessions_without_cross_talk() {
     }
     // The audio of each session says its own transcript.
     let (wer, detail) = whisper_wer(&pairs);
+    eprintln!("WER {wer:.3}: {detail}");
     assert!(wer <= 0.10, "WER {wer:.3}: {detail}");
     assert_idle(&server).await;
 }

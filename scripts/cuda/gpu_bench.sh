@@ -14,8 +14,9 @@
 #   text       chat text-only c=1,32, the engine's decode kernels
 #   candle     the same with OMNISTREAM_DECODE_KERNELS=candle (side by side)
 #   eager      the same with --enforce-eager
-#   gemv       the same with each other MoE GEMV register budget
-#              (OMNISTREAM_MOE_GEMV_BLOCKS=1, 6, 8; 4 is the default)
+#   gemv       the same with each MoE GEMV variant in GEMV, rows a warp:blocks a
+#              multiprocessor (default "4:4 8:3 16:6 16:8"; 16:4 is the engine's
+#              default; OMNISTREAM_MOE_GEMV_ROWS, OMNISTREAM_MOE_GEMV_BLOCKS)
 #   tc2        the same with the two-stage tensor-core MoE (OMNISTREAM_MOE_TC_STAGES=2;
 #              3 is the default)
 #   chat       chat with audio, c=1,8,32 (deploy/qwen3-omni-h200.yaml)
@@ -56,7 +57,7 @@ if [ -x cuda-bin/stages-tests ]; then
   fi
   if has ncu; then
     step ncu
-    timeout 200 ncu --clock-control none --csv \
+    timeout 300 ncu --clock-control none --csv \
       --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       cuda-bin/stages-tests profile_decode_kernels --ignored --test-threads 1 >"$OUT/ncu.csv" 2>/dev/null
     python3 scripts/cuda/ncu_table.py "$OUT/ncu.csv"
@@ -83,8 +84,9 @@ has text && bench "${TEXT_S:-150}" "${H200[@]}" --name chat "${CHAT[@]}" --concu
 has candle && OMNISTREAM_DECODE_KERNELS=candle bench "${TEXT_S:-150}" "${H200[@]}" --name chat-candle "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
 has eager && bench "${TEXT_S:-150}" "${H200[@]}" --name chat-eager --enforce-eager "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
 if has gemv; then
-  for b in 1 6 8; do
-    OMNISTREAM_MOE_GEMV_BLOCKS=$b bench "${TEXT_S:-150}" "${H200[@]}" --name "chat-gemv$b" "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
+  for v in ${GEMV:-4:4 8:3 16:6 16:8}; do
+    OMNISTREAM_MOE_GEMV_ROWS=${v%:*} OMNISTREAM_MOE_GEMV_BLOCKS=${v#*:} bench "${TEXT_S:-150}" "${H200[@]}" \
+      --name "chat-gemv-r${v%:*}b${v#*:}" "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
   done
 fi
 has tc2 && OMNISTREAM_MOE_TC_STAGES=2 bench "${TEXT_S:-150}" "${H200[@]}" --name chat-tc2 "${CHAT[@]}" --concurrency "$TEXT_C" --text-only

@@ -2,7 +2,11 @@
 //! whatever device the profile names (the GPU benchmark of Qwen3-Omni at its
 //! real shapes). Each level keeps `concurrency` requests in flight until
 //! `requests` have finished; every answer is forced to its full length
-//! (`ignore_eos`), so runs compare like for like. Reports TTFT, TPOT, TTFP,
+//! (`ignore_eos`), so runs compare like for like, and each request has its own
+//! prompt of the set length (words drawn by a seeded RNG): requests batched
+//! together route to different experts, as different conversations do (one
+//! prompt for all, with greedy decoding, gives every row the same tokens and so
+//! the same few experts a layer). Reports TTFT, TPOT, TTFP,
 //! RTF, audio seconds per second and tokens per second, and, for a Qwen3-Omni
 //! Thinker, the memory-bandwidth bound on its decode step.
 
@@ -127,6 +131,10 @@ struct Report {
     /// Decode steps ran eagerly (no CUDA graphs).
     #[serde(default)]
     enforce_eager: bool,
+    /// Each request had its own prompt (reports before this field gave every
+    /// request the same one).
+    #[serde(default)]
+    distinct_prompts: bool,
     levels: Vec<Level>,
     peak_rss_mib: f64,
 }
@@ -173,7 +181,16 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
     );
     let tokenizer = ChatTokenizer::from_hf_dir(&tok_dir)
         .with_context(|| format!("tokenizer in {}", tok_dir.display()))?;
-    let prompt = prompt_of_length(&tokenizer, args.prompt_tokens)?;
+    let most = args
+        .concurrency
+        .iter()
+        .map(|&c| args.requests.unwrap_or(c).max(c))
+        .max()
+        .unwrap_or(1)
+        .max(2);
+    let prompts = (0..most)
+        .map(|i| prompt_of_length(&tokenizer, args.prompt_tokens, i as u64))
+        .collect::<Result<Vec<_>>>()?;
     let cfg =
         Qwen3OmniConfig::from_file(&profile.resolve(&thinker.model.path).join("config.json"))?;
     let weight_bytes = if thinker.model.dtype == omnistream_stages::profile::Dtype::Bf16 {
@@ -196,7 +213,7 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
     };
     // Warm-up: every kernel is compiled (PTX JIT) and every path taken once.
     eprintln!("warm-up");
-    run_level(&pipeline, &prompt, modalities, &sampling, 2, 2)?;
+    run_level(&pipeline, &prompts, modalities, &sampling, 2, 2)?;
 
     let mut levels = Vec::new();
     for &c in &args.concurrency {
@@ -204,7 +221,7 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
         eprintln!("concurrency {c}: {n} requests");
         let start = Instant::now();
         let before = pipeline.stats();
-        let done = run_level(&pipeline, &prompt, modalities, &sampling, c, n)?;
+        let done = run_level(&pipeline, &prompts, modalities, &sampling, c, n)?;
         let wall = start.elapsed().as_secs_f64();
         let stages = stage_levels(&before, &pipeline.stats(), wall);
         for st in &stages {
@@ -271,6 +288,7 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
         output_tokens: args.output_tokens,
         text_only: args.text_only,
         enforce_eager: args.enforce_eager,
+        distinct_prompts: true,
         levels,
         peak_rss_mib: peak_rss_mib(),
     };
@@ -284,16 +302,29 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
     Ok(())
 }
 
-/// A user message whose templated prompt is `n` tokens (or the nearest below).
-fn prompt_of_length(tok: &ChatTokenizer, n: usize) -> Result<String> {
-    let len = |words: usize| -> Result<usize> {
-        let text = "hello ".repeat(words);
-        let t = tok.apply_chat_template(&[ChatMessage::new("user", text.trim_end())], true)?;
+/// Request `seed`'s user message: common words drawn by a seeded RNG, as many
+/// as keep the templated prompt at `n` tokens (or the nearest below).
+fn prompt_of_length(tok: &ChatTokenizer, n: usize, seed: u64) -> Result<String> {
+    use rand::{Rng, SeedableRng};
+    const WORDS: [&str; 48] = [
+        "the", "sea", "river", "light", "stone", "window", "garden", "morning", "city", "road",
+        "music", "paper", "winter", "summer", "friend", "story", "table", "bread", "water",
+        "train", "quiet", "bright", "small", "old", "green", "cold", "fast", "slow", "happy",
+        "long", "walks", "sings", "reads", "opens", "finds", "keeps", "takes", "makes", "and",
+        "with", "under", "over", "near", "every", "night", "house", "cloud", "field",
+    ];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let words: Vec<&str> = (0..n.max(1) * 2)
+        .map(|_| WORDS[rng.gen_range(0..WORDS.len())])
+        .collect();
+    let text = |count: usize| words[..count.min(words.len())].join(" ");
+    let len = |count: usize| -> Result<usize> {
+        let t = tok.apply_chat_template(&[ChatMessage::new("user", text(count))], true)?;
         Ok(tok.encode(&t)?.len())
     };
     let (mut lo, mut hi) = (0usize, n.max(1));
-    while len(hi)? < n {
-        hi *= 2;
+    while len(hi)? < n && hi < words.len() {
+        hi = (hi * 2).min(words.len());
     }
     // The largest word count whose prompt is at most n tokens.
     while lo < hi {
@@ -304,7 +335,7 @@ fn prompt_of_length(tok: &ChatTokenizer, n: usize) -> Result<String> {
             hi = mid - 1;
         }
     }
-    Ok("hello ".repeat(lo).trim_end().to_string())
+    Ok(text(lo))
 }
 
 /// The Thinker's decode step at batch `b`, if it only read its weights once at
@@ -332,7 +363,7 @@ fn thinker_step_bound(cfg: &Qwen3OmniConfig, b: usize, bytes: f64, bandwidth: f6
 /// Keeps `c` requests in flight until `n` have finished.
 fn run_level(
     pipeline: &Pipeline,
-    prompt: &str,
+    prompts: &[String],
     modalities: Modalities,
     sampling: &SamplingOverrides,
     c: usize,
@@ -344,7 +375,12 @@ fn run_level(
             .map(|_| {
                 s.spawn(|| -> Result<Vec<Outcome>> {
                     let mut mine = Vec::new();
-                    while next.fetch_add(1, Ordering::SeqCst) < n {
+                    loop {
+                        let i = next.fetch_add(1, Ordering::SeqCst);
+                        if i >= n {
+                            break;
+                        }
+                        let prompt = &prompts[i % prompts.len()];
                         let spec = chat_spec(prompt, modalities, sampling.clone());
                         mine.push(run_request(pipeline, spec, |_| {})?);
                     }

@@ -516,7 +516,7 @@ fn decode_moe_kernels_match_f32_experts() {
 /// depths) is checked.
 #[test]
 fn tensor_core_moe_matches_gemv() {
-    use super::kernels::{Mode, GEMV_BLOCKS, TC_STAGES};
+    use super::kernels::{Mode, GEMV_BLOCKS, GEMV_BUILT, GEMV_ROWS, TC_STAGES};
     let dev = gpu();
     for which in ["thinker", "talker"] {
         let cfg = released(which);
@@ -537,13 +537,33 @@ fn tensor_core_moe_matches_gemv() {
         // deterministic, so every variant sees the same routing.
         for n in [1usize, 8, 33, 64, 100, 128, 129, 700, 2500] {
             let x = bf16_randn((n, cfg.hidden_size), &dev);
+            // The scalar GEMV at 4 rows a warp is the baseline.
+            GEMV_ROWS.set(Some(4));
+            GEMV_BLOCKS.set(Some(4));
             let gemv = moe.routed_in_mode(&x, Mode::Gemv).unwrap();
-            for &blocks in GEMV_BLOCKS.choices {
+            for (rows, blocks) in GEMV_BUILT {
+                GEMV_ROWS.set(Some(rows));
                 GEMV_BLOCKS.set(Some(blocks));
                 let other = moe.routed_in_mode(&x, Mode::Gemv).unwrap();
-                // The same sums in the same order: equal, whatever the registers.
-                assert_eq!(max_abs_diff(&gemv, &other), 0.0, "GEMV, {blocks} blocks/SM");
+                if rows == 16 {
+                    // The tensor cores' tile sums in its own order.
+                    check(
+                        &format!("tensor-core GEMV ({blocks} blocks/SM) vs GEMV"),
+                        n,
+                        &gemv,
+                        &other,
+                    );
+                    continue;
+                }
+                // The same sums in the same order: equal, whatever the shape
+                // and the registers.
+                assert_eq!(
+                    max_abs_diff(&gemv, &other),
+                    0.0,
+                    "GEMV, {rows} rows a warp, {blocks} blocks/SM"
+                );
             }
+            GEMV_ROWS.set(None);
             GEMV_BLOCKS.set(None);
             for &stages in TC_STAGES.choices {
                 TC_STAGES.set(Some(stages));
@@ -850,10 +870,12 @@ fn profile_code2wav_chunks() {
 }
 
 /// The decode kernels alone at the released Thinker's shapes, a few launches each
-/// at 1, 8 and 32 rows, for `ncu` (scripts/cuda/gpu_bench.sh's `ncu` step).
+/// at 1, 8 and 32 rows, then each MoE GEMV variant at 8 and 32, for `ncu`
+/// (scripts/cuda/gpu_bench.sh's `ncu` step).
 #[test]
 #[ignore]
 fn profile_decode_kernels() {
+    use super::kernels;
     use super::layers::{DecoderLayer, KvSlots, SlotBatch};
     let cfg = released("thinker");
     let dev = gpu();
@@ -870,6 +892,18 @@ fn profile_decode_kernels() {
             layer.forward_slots(&x, &cos, &cos, &slots, &batch).unwrap();
         }
     }
+    // Each MoE GEMV variant at 8 and 32 rows, side by side.
+    let moe = SparseMoe::new(&cfg, vb.pp("moe")).unwrap();
+    for b in [8usize, 32] {
+        let x = bf16_randn((b, cfg.hidden_size), &dev);
+        for (rows, blocks) in kernels::GEMV_BUILT {
+            kernels::GEMV_ROWS.set(Some(rows));
+            kernels::GEMV_BLOCKS.set(Some(blocks));
+            moe.routed_in_mode(&x, kernels::Mode::Gemv).unwrap();
+        }
+    }
+    kernels::GEMV_ROWS.set(None);
+    kernels::GEMV_BLOCKS.set(None);
     dev.synchronize().unwrap();
 }
 
@@ -983,15 +1017,19 @@ fn profile_released_thinker_layer() {
             graphed(&format!("b={b} MoE, {which}"), &mut f);
         }
         kernels::set_enabled(true);
-        for &blocks in kernels::GEMV_BLOCKS.choices {
+        for (rows, blocks) in kernels::GEMV_BUILT {
+            kernels::GEMV_ROWS.set(Some(rows));
             kernels::GEMV_BLOCKS.set(Some(blocks));
             graphed(
-                &format!("b={b} MoE, routed experts by GEMV, >= {blocks} blocks/SM"),
+                &format!(
+                    "b={b} MoE, routed experts by GEMV, {rows} rows a warp, >= {blocks} blocks/SM"
+                ),
                 &mut || {
                     moe.routed_in_mode(&xs, kernels::Mode::Gemv).unwrap();
                 },
             );
         }
+        kernels::GEMV_ROWS.set(None);
         kernels::GEMV_BLOCKS.set(None);
         graphed(
             &format!("b={b} MoE, routed experts by tensor cores"),

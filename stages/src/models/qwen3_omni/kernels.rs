@@ -91,11 +91,54 @@ impl Variant {
 }
 
 /// The register budget of the MoE GEMV launches: the kernels are built for at
-/// least 1, 4, 6 or 8 resident blocks a multiprocessor (kernels/moe.cu,
-/// `MOE_GEMV_KERNELS`); more blocks keep more loads in flight, fewer registers
-/// each keep fewer. `OMNISTREAM_MOE_GEMV_BLOCKS` picks; 4, the default, spills
-/// nothing.
-pub static GEMV_BLOCKS: Variant = Variant::new("OMNISTREAM_MOE_GEMV_BLOCKS", &[1, 4, 6, 8], 4);
+/// least 1, 4, 6 or 8 resident blocks a multiprocessor at 4 rows a warp, 1 to 4
+/// at 8 (kernels/moe.cu, `MOE_GEMV_KERNELS`); more blocks keep more loads in
+/// flight, fewer registers each keep fewer. `OMNISTREAM_MOE_GEMV_BLOCKS` picks;
+/// 4, the default, spills nothing at 4 rows.
+pub static GEMV_BLOCKS: Variant =
+    Variant::new("OMNISTREAM_MOE_GEMV_BLOCKS", &[1, 2, 3, 4, 6, 8], 4);
+
+/// The weight rows a warp of the MoE GEMV streams at once, 4, 8 or 16
+/// (`OMNISTREAM_MOE_GEMV_ROWS`; kernels/moe.cu): 8 keeps twice the loads in
+/// flight and halves the input loads and reductions per weight byte, taking 4
+/// pairs a pass over the weights instead of 8 (`MOE_GEMV_KERNELS`); 16 is the
+/// tensor cores' tile (`MOE_MMA_GEMV_KERNELS`, mma.m16n8k16 over 8 pairs a
+/// pass, weights straight into the fragments), for widths that are multiples
+/// of 32. 16, the default, read the released Thinker's experts at 1, 8 and 32
+/// rows in 85%, 87% and 74% of the time 4 took (docs/bench/gpu.md, run 13).
+pub static GEMV_ROWS: Variant = Variant::new("OMNISTREAM_MOE_GEMV_ROWS", &[4, 8, 16], 16);
+
+/// The GEMV variants built (kernels/moe.cu, `MOE_GEMV_KERNELS`,
+/// `MOE_MMA_GEMV_KERNELS`): (rows a warp, blocks a multiprocessor).
+pub const GEMV_BUILT: [(u32, u32); 11] = [
+    (4, 1),
+    (4, 4),
+    (4, 6),
+    (4, 8),
+    (8, 1),
+    (8, 2),
+    (8, 3),
+    (8, 4),
+    (16, 4),
+    (16, 6),
+    (16, 8),
+];
+
+/// The process's GEMV variant for a width of `k`: [`GEMV_ROWS`] and
+/// [`GEMV_BLOCKS`], the budget falling back to 4 blocks where that shape has no
+/// kernel for it, and the tensor cores' tile to 4 rows where `k` is no multiple
+/// of 32.
+pub fn gemv_variant(k: usize) -> (u32, u32) {
+    let (rows, blocks) = match (GEMV_ROWS.get(), GEMV_BLOCKS.get()) {
+        (16, _) if !k.is_multiple_of(32) => (4, 4),
+        v => v,
+    };
+    if GEMV_BUILT.contains(&(rows, blocks)) {
+        (rows, blocks)
+    } else {
+        (rows, 4)
+    }
+}
 
 /// The tensor-core MoE kernels' pipeline depth, 2 or 3 tiles
 /// (`OMNISTREAM_MOE_TC_STAGES`; kernels/moe.cu, `MOE_TC_KERNELS`); 3, the
@@ -392,29 +435,18 @@ mod imp {
         })
     }
 
-    /// The gate/up (`GATE_UP`) or down kernel of `mode` at the process's variant
-    /// ([`GEMV_BLOCKS`], [`TC_STAGES`]).
-    fn moe_kernel(gate_up: bool, mode: Mode) -> &'static str {
-        match (gate_up, mode) {
-            (true, Mode::Gemv) => match GEMV_BLOCKS.get() {
-                1 => "moe_gate_up_bf16",
-                6 => "moe_gate_up_b6_bf16",
-                8 => "moe_gate_up_b8_bf16",
-                _ => "moe_gate_up_b4_bf16",
-            },
-            (false, Mode::Gemv) => match GEMV_BLOCKS.get() {
-                1 => "moe_down_bf16",
-                6 => "moe_down_b6_bf16",
-                8 => "moe_down_b8_bf16",
-                _ => "moe_down_b4_bf16",
-            },
-            (true, Mode::Tensor) => match TC_STAGES.get() {
-                3 => "moe_gate_up_tc_s3_bf16",
-                _ => "moe_gate_up_tc_bf16",
-            },
-            (false, Mode::Tensor) => match TC_STAGES.get() {
-                3 => "moe_down_tc_s3_bf16",
-                _ => "moe_down_tc_bf16",
+    /// The gate/up or down kernel of `mode` over a width of `k` at the process's
+    /// variant ([`gemv_variant`], [`TC_STAGES`]), and the GEMV's rows a warp.
+    fn moe_kernel(gate_up: bool, mode: Mode, k: usize) -> (String, u32) {
+        let what = if gate_up { "gate_up" } else { "down" };
+        match mode {
+            Mode::Gemv => {
+                let (rows, blocks) = gemv_variant(k);
+                (format!("moe_{what}_r{rows}_b{blocks}_bf16"), rows)
+            }
+            Mode::Tensor => match TC_STAGES.get() {
+                3 => (format!("moe_{what}_tc_s3_bf16"), 0),
+                _ => (format!("moe_{what}_tc_bf16"), 0),
             },
         }
     }
@@ -467,8 +499,8 @@ mod imp {
         }
         let p = r.sorted.dim(0)?;
         let dev = x.device().as_cuda_device()?;
-        let name = moe_kernel(true, mode);
-        let func = dev.get_or_load_custom_func(name, "omnistream_moe", MOE_PTX)?;
+        let (name, rows) = moe_kernel(true, mode, k);
+        let func = dev.get_or_load_custom_func(&name, "omnistream_moe", MOE_PTX)?;
         let h = unsafe { dev.alloc::<half::bf16>(p * inter) }?;
         let (x_st, x_l) = x.storage_and_layout();
         let (w_st, w_l) = w.storage_and_layout();
@@ -483,7 +515,7 @@ mod imp {
         let mut b = func.builder();
         b.arg(&xs).arg(&ws).arg(&ss).arg(&ms).arg(&h);
         b.arg(&inter_i).arg(&k_i).arg(&topk_i);
-        let gemv_y = (inter as u32).div_ceil(WARPS * ROWS_PER_WARP / 2);
+        let gemv_y = (inter as u32).div_ceil(WARPS * rows.max(2) / 2);
         let cfg = experts_launch(
             r,
             n_experts,
@@ -514,8 +546,8 @@ mod imp {
             candle_core::bail!("moe_down: the tensor-core tiles take no width {n} of {k}");
         }
         let dev = h.device().as_cuda_device()?;
-        let name = moe_kernel(false, mode);
-        let func = dev.get_or_load_custom_func(name, "omnistream_moe", MOE_PTX)?;
+        let (name, rows) = moe_kernel(false, mode, k);
+        let func = dev.get_or_load_custom_func(&name, "omnistream_moe", MOE_PTX)?;
         let out = unsafe { dev.alloc::<half::bf16>(p * n) }?;
         let (h_st, h_l) = h.storage_and_layout();
         let (w_st, w_l) = w.storage_and_layout();
@@ -532,7 +564,7 @@ mod imp {
         let mut b = func.builder();
         b.arg(&hs).arg(&ws).arg(&ss).arg(&ms).arg(&pws).arg(&out);
         b.arg(&n_i).arg(&k_i);
-        let gemv_y = (n as u32).div_ceil(WARPS * ROWS_PER_WARP);
+        let gemv_y = (n as u32).div_ceil(WARPS * rows.max(1));
         let cfg = experts_launch(r, n_experts, mode, gemv_y, n / TC_BN, "moe_down")?;
         // SAFETY: as for moe_gate_up, with one input row per pair.
         unsafe { b.launch(cfg) }.w()?;

@@ -9,7 +9,7 @@
 //   sorted by expert (`sorted[i]` a pair index, `experts[i]` its expert,
 //   ascending); one block column per expert, which finds its segment by binary
 //   search (most blocks find none at small batches).
-// - `moe_route_bf16` then `moe_gate_up_bf16` / `moe_down_bf16`: the router's top-k,
+// - `moe_route_bf16` then `moe_gate_up_*` / `moe_down_*`: the router's top-k,
 //   the sort and a compact list of the routed experts in one kernel (`meta`:
 //   count, then (expert, lo, hi) per routed expert), so the expert kernels launch
 //   one block column per routed expert, and gate/up ends in the SwiGLU itself.
@@ -53,7 +53,7 @@ __device__ __forceinline__ int lower_bound(const unsigned int* experts, int p, u
 // ROWS rows of expert e's (n, k) matrix per warp, starting at row0, times the
 // inputs of pairs sorted[lo..hi); `store(pair, r, value)` takes each dot product.
 // The rows are streamed together so their loads are in flight at once.
-template <int ROWS, int UNROLL = 2, typename Store>
+template <int ROWS, int UNROLL = 2, int NP = PAIRS, typename Store>
 __device__ __forceinline__ void expert_rows(
     const unsigned short* __restrict__ x, const uint4* const* wrow,
     const unsigned int* __restrict__ sorted, bool per_pair, int topk,
@@ -62,12 +62,12 @@ __device__ __forceinline__ void expert_rows(
     const int lane = threadIdx.x % 32;
     const int k8 = k / 8;
     const uint4* x4 = reinterpret_cast<const uint4*>(x);
-    for (int p0 = lo; p0 < hi; p0 += PAIRS) {
-        const int m = min(PAIRS, hi - p0);
-        int in_row[PAIRS];
-        float acc[ROWS][PAIRS];
+    for (int p0 = lo; p0 < hi; p0 += NP) {
+        const int m = min(NP, hi - p0);
+        int in_row[NP];
+        float acc[ROWS][NP];
 #pragma unroll
-        for (int j = 0; j < PAIRS; ++j) {
+        for (int j = 0; j < NP; ++j) {
             in_row[j] = j < m ? (int)(per_pair ? sorted[p0 + j] : sorted[p0 + j] / topk) : 0;
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) acc[r][j] = 0.f;
@@ -78,7 +78,7 @@ __device__ __forceinline__ void expert_rows(
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) wv[r] = __ldg(wrow[r] + c);
 #pragma unroll
-            for (int j = 0; j < PAIRS; ++j) {
+            for (int j = 0; j < NP; ++j) {
                 if (j < m) {
                     const uint4 xv = x4[(size_t)in_row[j] * k8 + c];
 #pragma unroll
@@ -87,7 +87,7 @@ __device__ __forceinline__ void expert_rows(
             }
         }
 #pragma unroll
-        for (int j = 0; j < PAIRS; ++j) {
+        for (int j = 0; j < NP; ++j) {
             if (j >= m) break; // m is the same across the warp
             float v[ROWS];
 #pragma unroll
@@ -99,26 +99,26 @@ __device__ __forceinline__ void expert_rows(
 
 // out[pair, row0 + r] = W[e][row0 + r] . x[pair's row] (* pair weight), for the
 // warp's rows of pairs sorted[lo..hi).
-template <int UNROLL = 2>
+template <int ROWS = ROWS_PER_WARP, int UNROLL = 2, int NP = PAIRS>
 __device__ __forceinline__ void gemv_rows(
     const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
     const unsigned int* __restrict__ sorted, const float* __restrict__ pair_weights,
     unsigned short* __restrict__ out, unsigned int e, int lo, int hi, int n, int k, int topk)
 {
     const int warp = threadIdx.x / 32;
-    const int row0 = (blockIdx.y * WARPS + warp) * ROWS_PER_WARP;
+    const int row0 = (blockIdx.y * WARPS + warp) * ROWS;
     if (row0 >= n) return;
-    const uint4* wrow[ROWS_PER_WARP];
+    const uint4* wrow[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
         const int row = min(row0 + r, n - 1); // a missing last row repeats one, unstored
         wrow[r] = reinterpret_cast<const uint4*>(w + ((size_t)e * n + row) * (size_t)k);
     }
-    expert_rows<ROWS_PER_WARP, UNROLL>(x, wrow, sorted, pair_weights != nullptr, topk, lo, hi, k,
+    expert_rows<ROWS, UNROLL, NP>(x, wrow, sorted, pair_weights != nullptr, topk, lo, hi, k,
         [&](unsigned int pair, const float* v) {
             const float scale = pair_weights ? pair_weights[pair] : 1.f;
 #pragma unroll
-            for (int r = 0; r < ROWS_PER_WARP; ++r)
+            for (int r = 0; r < ROWS; ++r)
                 if (row0 + r < n) out[(size_t)pair * n + row0 + r] = to_bf16(v[r] * scale);
         });
 }
@@ -367,8 +367,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_sort_bf16(
 
 // Down projection over the routed experts of `meta`: out (P, n) gets each pair's
 // row (one input row per pair) through its expert, times its weight.
-// Grid: (the routing's range bound, ceil(n / (WARPS * ROWS_PER_WARP)));
-// block: WARPS * 32.
+// Grid: (the routing's range bound, ceil(n / (WARPS * ROWS))); block: WARPS * 32.
+template <int ROWS, int NP>
 __device__ __forceinline__ void down_gemv(
     const unsigned short* __restrict__ x,
     const unsigned short* __restrict__ w,
@@ -381,9 +381,10 @@ __device__ __forceinline__ void down_gemv(
     const unsigned int a = blockIdx.x;
     if (a >= meta[0]) return;
     // The down projection's rows are short (k = the experts' width): all of a
-    // lane's loads of a row group go out at once.
-    gemv_rows<4>(x, w, sorted, pair_weights, out, meta[1 + 3 * a], meta[2 + 3 * a],
-                 meta[3 + 3 * a], n, k, 1);
+    // lane's loads of a row group go out at once (all of a 768-wide row's at 8
+    // rows).
+    gemv_rows<ROWS, ROWS == 4 ? 4 : 3, NP>(x, w, sorted, pair_weights, out, meta[1 + 3 * a],
+                                          meta[2 + 3 * a], meta[3 + 3 * a], n, k, 1);
 }
 
 // The routed experts' sum per token: out (tokens, n) = sum over the token's topk
@@ -406,8 +407,9 @@ extern "C" __global__ void moe_sum_bf16(
 // w (E, 2 * inter, k) holds gate rows then up rows; h (P, inter) gets
 // silu(gate . x) * (up . x), rounded as candle rounds the separate ops (each
 // projection to bf16, the silu to bf16, the product to bf16).
-// Grid: (the routing's range bound, ceil(inter / (WARPS * ROWS_PER_WARP / 2)));
+// Grid: (the routing's range bound, ceil(inter / (WARPS * ROWS / 2)));
 // block: WARPS * 32.
+template <int ROWS, int NP>
 __device__ __forceinline__ void gate_up_gemv(
     const unsigned short* __restrict__ x,
     const unsigned short* __restrict__ w,
@@ -416,14 +418,14 @@ __device__ __forceinline__ void gate_up_gemv(
     unsigned short* __restrict__ h,
     int inter, int k, int topk)
 {
-    constexpr int HALF = ROWS_PER_WARP / 2;
+    constexpr int HALF = ROWS / 2;
     const unsigned int a = blockIdx.x;
     if (a >= meta[0]) return;
     const unsigned int e = meta[1 + 3 * a];
     const int warp = threadIdx.x / 32;
     const int row0 = (blockIdx.y * WARPS + warp) * HALF;
     if (row0 >= inter) return;
-    const uint4* wrow[ROWS_PER_WARP];
+    const uint4* wrow[ROWS];
 #pragma unroll
     for (int r = 0; r < HALF; ++r) {
         const int row = min(row0 + r, inter - 1);
@@ -431,7 +433,7 @@ __device__ __forceinline__ void gate_up_gemv(
         wrow[r] = reinterpret_cast<const uint4*>(w + gate * (size_t)k);
         wrow[HALF + r] = reinterpret_cast<const uint4*>(w + (gate + inter) * (size_t)k);
     }
-    expert_rows<ROWS_PER_WARP>(x, wrow, sorted, false, topk, meta[2 + 3 * a], meta[3 + 3 * a], k,
+    expert_rows<ROWS, 2, NP>(x, wrow, sorted, false, topk, meta[2 + 3 * a], meta[3 + 3 * a], k,
         [&](unsigned int pair, const float* v) {
 #pragma unroll
             for (int r = 0; r < HALF; ++r) {
@@ -444,33 +446,158 @@ __device__ __forceinline__ void gate_up_gemv(
         });
 }
 
-// The GEMV kernels at several register budgets (launch bounds: at least MINB
-// blocks a multiprocessor): fewer registers, more warps resident and more
-// loads in flight, against fewer loads in flight per warp. The host picks one
-// (kernels.rs, `GEMV_BLOCKS`).
-#define MOE_GEMV_KERNELS(SUFFIX, MINB)                                                          \
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) moe_gate_up##SUFFIX(             \
+// The same products on the tensor cores, for a few pairs an expert (decode
+// steps): each warp runs mma.m16n8k16 over 16 weight rows and up to 8 pairs,
+// the weights loaded straight from global memory into the A fragments. Lane
+// (g = lane / 4, c = lane % 4) loads 16 bytes at k offset 8c of each 32-wide
+// chunk from A rows g and g + 8 and from pair g's input row; the first two of
+// its four 32-bit words feed one mma and the last two the next, which sums each
+// chunk over a permutation of its k that A and B share, so the products are the
+// same. No shuffles: the accumulators hold whole dot products. Gate/up: A rows
+// g and g + 8 are gate and up row `row0 + g`, so the SwiGLU is in-thread.
+// More than 8 pairs take another pass over the weights. Requires k % 32 == 0.
+__device__ __forceinline__ void mma_bf16(float* d, const uint4& a_lo, const uint4& a_hi,
+                                         const uint4& b, bool second)
+{
+    const unsigned int a0 = second ? a_lo.z : a_lo.x, a2 = second ? a_lo.w : a_lo.y;
+    const unsigned int a1 = second ? a_hi.z : a_hi.x, a3 = second ? a_hi.w : a_hi.y;
+    const unsigned int b0 = second ? b.z : b.x, b1 = second ? b.w : b.y;
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Grid: (the routing's range bound, ceil(n_out / (WARPS * 8))) for gate/up (h
+// (P, inter)), (bound, ceil(n_out / (WARPS * 16))) for down (out (P, n));
+// block: WARPS * 32. U chunks of 32 are loaded before they are multiplied.
+template <bool GATE_UP, int U>
+__device__ __forceinline__ void mma_gemv(
+    const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
+    const unsigned int* __restrict__ sorted, const unsigned int* __restrict__ meta,
+    const float* __restrict__ pair_weights, unsigned short* __restrict__ out,
+    int n_out, int k, int topk)
+{
+    const unsigned int a = blockIdx.x;
+    if (a >= meta[0]) return;
+    const size_t e = meta[1 + 3 * a];
+    const int lo = (int)meta[2 + 3 * a], hi = (int)meta[3 + 3 * a];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    constexpr int WROWS = GATE_UP ? 8 : 16;
+    const int row0 = (blockIdx.y * WARPS + warp) * WROWS;
+    if (row0 >= n_out) return;
+    size_t ra, rb; // A rows g and g + 8 (a missing last row repeats one, unstored)
+    if (GATE_UP) {
+        ra = e * 2 * n_out + min(row0 + g, n_out - 1);
+        rb = ra + n_out;
+    } else {
+        ra = e * n_out + min(row0 + g, n_out - 1);
+        rb = e * n_out + min(row0 + g + 8, n_out - 1);
+    }
+    const uint4* wa = reinterpret_cast<const uint4*>(w + ra * (size_t)k + 8 * c);
+    const uint4* wb = reinterpret_cast<const uint4*>(w + rb * (size_t)k + 8 * c);
+    const int chunks = k / 32;
+    for (int p0 = lo; p0 < hi; p0 += 8) {
+        const int m = min(8, hi - p0);
+        const bool live = g < m;
+        const unsigned int pg = live ? sorted[p0 + g] : 0u;
+        const uint4* xr = reinterpret_cast<const uint4*>(
+            x + (size_t)(GATE_UP ? pg / topk : pg) * (size_t)k + 8 * c);
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int q0 = 0; q0 < chunks; q0 += U) {
+            uint4 av[U], bv[U], xv[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (q0 + u < chunks) { // the same across the warp
+                    av[u] = __ldg(wa + 4 * (q0 + u));
+                    bv[u] = __ldg(wb + 4 * (q0 + u));
+                    xv[u] = live ? xr[4 * (q0 + u)] : make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (q0 + u < chunks) {
+                    mma_bf16(d, av[u], bv[u], xv[u], false);
+                    mma_bf16(d, av[u], bv[u], xv[u], true);
+                }
+            }
+        }
+        // d: rows (g, g + 8) x pairs (2c, 2c + 1) of this pass.
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int pj = 2 * c + j;
+            if (pj >= m) continue;
+            const unsigned int pair = sorted[p0 + pj];
+            if (GATE_UP) {
+                if (row0 + g >= n_out) continue;
+                const float gv = bf(to_bf16(d[j]));
+                const float uv = bf(to_bf16(d[2 + j]));
+                const float sv = bf(to_bf16(gv / (1.0f + expf(-gv))));
+                out[(size_t)pair * n_out + row0 + g] = to_bf16(sv * uv);
+            } else {
+                const float scale = pair_weights[pair];
+                if (row0 + g < n_out) out[(size_t)pair * n_out + row0 + g] = to_bf16(d[j] * scale);
+                if (row0 + g + 8 < n_out)
+                    out[(size_t)pair * n_out + row0 + g + 8] = to_bf16(d[2 + j] * scale);
+            }
+        }
+    }
+}
+
+#define MOE_MMA_GEMV_KERNELS(MINB, U)                                                           \
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) moe_gate_up_r16_b##MINB##_bf16(  \
     const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,                 \
     const unsigned int* __restrict__ sorted, const unsigned int* __restrict__ meta,             \
     unsigned short* __restrict__ h, int inter, int k, int topk)                                 \
 {                                                                                               \
-    gate_up_gemv(x, w, sorted, meta, h, inter, k, topk);                                        \
+    mma_gemv<true, U>(x, w, sorted, meta, nullptr, h, inter, k, topk);                          \
 }                                                                                               \
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) moe_down##SUFFIX(                \
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) moe_down_r16_b##MINB##_bf16(     \
     const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,                 \
     const unsigned int* __restrict__ sorted, const unsigned int* __restrict__ meta,             \
     const float* __restrict__ pair_weights, unsigned short* __restrict__ out, int n, int k)     \
 {                                                                                               \
-    down_gemv(x, w, sorted, meta, pair_weights, out, n, k);                                     \
+    mma_gemv<false, U>(x, w, sorted, meta, pair_weights, out, n, k, 1);                         \
 }
-MOE_GEMV_KERNELS(_bf16, 1)
-MOE_GEMV_KERNELS(_b4_bf16, 4)
-MOE_GEMV_KERNELS(_b6_bf16, 6)
-MOE_GEMV_KERNELS(_b8_bf16, 8)
+MOE_MMA_GEMV_KERNELS(4, 8)
+MOE_MMA_GEMV_KERNELS(6, 4)
+MOE_MMA_GEMV_KERNELS(8, 2)
+
+// The GEMV kernels at several shapes and register budgets: ROWS weight rows a
+// warp (gate/up: half gate, half up), NP pairs a pass over them, launch bounds
+// of at least MINB blocks a multiprocessor. More rows a warp: more loads in
+// flight per lane and fewer input loads and reductions per weight byte, with
+// fewer pairs a pass to fit the registers; fewer registers, more warps
+// resident. The sums are the same whatever the shape. The host picks one
+// (kernels.rs, `GEMV_ROWS`, `GEMV_BLOCKS`).
+#define MOE_GEMV_KERNELS(ROWS, NP, MINB)                                                        \
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) moe_gate_up_r##ROWS##_b##MINB##_bf16( \
+    const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,                 \
+    const unsigned int* __restrict__ sorted, const unsigned int* __restrict__ meta,             \
+    unsigned short* __restrict__ h, int inter, int k, int topk)                                 \
+{                                                                                               \
+    gate_up_gemv<ROWS, NP>(x, w, sorted, meta, h, inter, k, topk);                              \
+}                                                                                               \
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) moe_down_r##ROWS##_b##MINB##_bf16( \
+    const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,                 \
+    const unsigned int* __restrict__ sorted, const unsigned int* __restrict__ meta,             \
+    const float* __restrict__ pair_weights, unsigned short* __restrict__ out, int n, int k)     \
+{                                                                                               \
+    down_gemv<ROWS, NP>(x, w, sorted, meta, pair_weights, out, n, k);                           \
+}
+MOE_GEMV_KERNELS(4, 8, 1)
+MOE_GEMV_KERNELS(4, 8, 4)
+MOE_GEMV_KERNELS(4, 8, 6)
+MOE_GEMV_KERNELS(4, 8, 8)
+MOE_GEMV_KERNELS(8, 4, 1)
+MOE_GEMV_KERNELS(8, 4, 2)
+MOE_GEMV_KERNELS(8, 4, 3)
+MOE_GEMV_KERNELS(8, 4, 4)
 
 // ---------------------------------------------------------------------------
 // Tensor-core grouped GEMM for MoE steps of many tokens (prefills): the same
-// contract as moe_gate_up_bf16 / moe_down_bf16 (pairs `sorted` by expert, the
+// contract as the moe_gate_up_* / moe_down_* GEMVs (pairs `sorted` by expert, the
 // routed ranges in `meta`: count, then (expert, lo, hi) per range), but each
 // block multiplies a tile of up to TC_BM gathered input rows by TC_BN weight
 // rows with bf16 mma (f32 accumulation), the tiles streamed through shared
@@ -502,7 +629,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // GATE_UP: B rows are the block's TC_BN/2 gate rows then the same up rows of the
 // (E, 2 * n_out, k) weights, A rows are the pairs' tokens, and the epilogue writes
-// the SwiGLU (rounded as moe_gate_up_bf16) to out (P, n_out). Else (down): B rows
+// the SwiGLU (rounded as the GEMV) to out (P, n_out). Else (down): B rows
 // are TC_BN rows of (E, n_out, k), A rows the pairs' own rows, and out (P, n_out)
 // gets the products times the pair weights.
 template <bool GATE_UP, int STAGES>

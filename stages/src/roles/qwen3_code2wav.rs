@@ -14,14 +14,15 @@ use candle_core::{DType, Tensor};
 
 use super::{ChunkPolicy, Requests};
 use crate::engine::{Event, Payload, RequestCtx, RequestId, StageModel, StepOutput};
-use crate::models::qwen3_omni::code2wav::Code2WavState;
+use crate::models::qwen3_omni::code2wav::Code2WavSlots;
 use crate::models::qwen3_omni::graphs;
 use crate::models::qwen3_omni::omni::Qwen3Omni;
 use crate::models::{ModelError, Result};
 
 struct Req {
     ctx: Arc<RequestCtx>,
-    state: Code2WavState,
+    /// Its streaming state's slot in `Qwen3OmniCode2Wav::slots`.
+    slot: usize,
     /// Frames `(groups, n)` received and not yet decoded, oldest first.
     pending: VecDeque<Tensor>,
     pending_frames: usize,
@@ -34,6 +35,10 @@ pub struct Qwen3OmniCode2Wav {
     policy: ChunkPolicy,
     max_num_seqs: usize,
     reqs: Requests<Req>,
+    /// Every stream's decoder state, batched on the device.
+    slots: Code2WavSlots,
+    /// The request in each slot (a slot is free when its request is gone).
+    owners: Vec<Option<RequestId>>,
 }
 
 /// The sample rate of Qwen3-Omni's audio.
@@ -41,24 +46,48 @@ pub const QWEN3_OMNI_SAMPLE_RATE: u32 = 24_000;
 
 impl Qwen3OmniCode2Wav {
     pub fn new(model: Arc<Qwen3Omni>, policy: ChunkPolicy, max_num_seqs: usize) -> Self {
+        let slots = model.code2wav().new_slots(max_num_seqs.max(1));
         Self {
             model,
             policy,
             max_num_seqs,
             reqs: Requests::default(),
+            owners: vec![None; slots.capacity()],
+            slots,
         }
     }
 
-    fn chunk(&self, r: &Req) -> usize {
+    /// A free slot, reset for a new stream (more slots when all are taken).
+    fn take_slot(&mut self, id: RequestId) -> Result<usize> {
+        let reqs = &mut self.reqs;
+        let free = self
+            .owners
+            .iter()
+            .position(|o| o.is_none_or(|o| reqs.get_mut(o).is_none()));
+        let slot = match free {
+            Some(slot) => slot,
+            None => {
+                let slot = self.owners.len();
+                self.slots.reserve(slot + 1)?;
+                self.owners.resize(self.slots.capacity(), None);
+                slot
+            }
+        };
+        self.owners[slot] = Some(id);
+        self.slots.reset(slot);
+        Ok(slot)
+    }
+
+    fn chunk(policy: &ChunkPolicy, r: &Req) -> usize {
         if r.chunks == 0 {
-            self.policy.initial_frames
+            policy.initial_frames
         } else {
-            self.policy.chunk_frames
+            policy.chunk_frames
         }
     }
 
-    fn is_ready(&self, r: &Req) -> bool {
-        r.upstream_done || (self.policy.async_chunk && r.pending_frames >= self.chunk(r))
+    fn is_ready(policy: &ChunkPolicy, r: &Req) -> bool {
+        r.upstream_done || (policy.async_chunk && r.pending_frames >= Self::chunk(policy, r))
     }
 
     /// Takes the next chunk's codes `(groups, n)` (everything left once upstream is
@@ -68,7 +97,7 @@ impl Qwen3OmniCode2Wav {
         let want = if r.upstream_done {
             r.pending_frames
         } else {
-            self.chunk(r).min(r.pending_frames)
+            Self::chunk(&self.policy, r).min(r.pending_frames)
         };
         let mut parts = Vec::new();
         let mut got = 0;
@@ -96,8 +125,8 @@ impl Qwen3OmniCode2Wav {
     }
 
     /// Decodes the ready requests' next chunks: requests with chunks of one length
-    /// share a forward (`Code2Wav::step_many`), each with its own exact state.
-    fn decode_all(&self, batch: &mut [(RequestId, Req)]) -> Vec<Result<bool>> {
+    /// share a forward (`Code2Wav::step_slots`), each with its own exact state.
+    fn decode_all(&mut self, batch: &mut [(RequestId, Req)]) -> Vec<Result<bool>> {
         let mut results: Vec<Option<Result<bool>>> = (0..batch.len()).map(|_| None).collect();
         let mut chunks: Vec<(usize, Tensor, bool)> = Vec::new();
         for (i, (_, r)) in batch.iter_mut().enumerate() {
@@ -119,37 +148,27 @@ impl Qwen3OmniCode2Wav {
                 .iter()
                 .filter(|(_, c, _)| c.dim(1).is_ok_and(|m| m == n))
                 .collect();
-            let mut states: Vec<_> = group
-                .iter()
-                .map(|(i, _, _)| {
-                    std::mem::replace(&mut batch[*i].1.state, self.model.code2wav().new_state())
-                })
-                .collect();
+            let slots: Vec<usize> = group.iter().map(|(i, _, _)| batch[*i].1.slot).collect();
             let codes: Vec<Tensor> = group.iter().map(|(_, c, _)| c.clone()).collect();
-            let decoded = self.model.code2wav().step_many(&mut states, &codes);
-            for ((i, _, done), state) in group.iter().zip(states) {
-                batch[*i].1.state = state;
-                results[*i] = Some(Ok(*done));
-            }
+            // One copy to the host for the whole group.
+            let decoded = Tensor::stack(&codes, 0)
+                .and_then(|codes| {
+                    self.model
+                        .code2wav()
+                        .step_slots(&mut self.slots, &slots, &codes)
+                })
+                .and_then(|wav| wav.flatten_from(1)?.to_dtype(DType::F32)?.to_vec2::<f32>());
             match decoded {
                 Ok(wavs) => {
-                    for ((i, _, _), wav) in group.iter().zip(wavs) {
+                    for ((i, _, done), samples) in group.iter().zip(wavs) {
                         let r = &mut batch[*i].1;
-                        let pcm = wav
-                            .flatten_all()
-                            .and_then(|w| w.to_dtype(DType::F32))
-                            .and_then(|w| w.to_vec1::<f32>());
-                        match pcm {
-                            Ok(samples) => {
-                                r.ctx.emit(Event::Audio {
-                                    samples,
-                                    sample_rate: QWEN3_OMNI_SAMPLE_RATE,
-                                    seq: r.chunks,
-                                });
-                                r.chunks += 1;
-                            }
-                            Err(e) => results[*i] = Some(Err(e.into())),
-                        }
+                        r.ctx.emit(Event::Audio {
+                            samples,
+                            sample_rate: QWEN3_OMNI_SAMPLE_RATE,
+                            seq: r.chunks,
+                        });
+                        r.chunks += 1;
+                        results[*i] = Some(Ok(*done));
                     }
                 }
                 Err(e) => {
@@ -168,11 +187,12 @@ impl Qwen3OmniCode2Wav {
 
 impl StageModel for Qwen3OmniCode2Wav {
     fn admit(&mut self, ctx: Arc<RequestCtx>) -> Result<()> {
+        let slot = self.take_slot(ctx.id)?;
         self.reqs.insert(
             ctx.id,
             Req {
                 ctx,
-                state: self.model.code2wav().new_state(),
+                slot,
                 pending: VecDeque::new(),
                 pending_frames: 0,
                 upstream_done: false,
@@ -208,10 +228,11 @@ impl StageModel for Qwen3OmniCode2Wav {
         // Ahead of the Thinker's next step on a shared GPU (graphs::yield_to_urgent).
         let _urgent = graphs::UrgentSection::on(self.model.thinker().device());
         let mut reqs = std::mem::take(&mut self.reqs);
+        let policy = self.policy;
         reqs.step(
             self.max_num_seqs,
             out,
-            |r| self.is_ready(r),
+            |r| Self::is_ready(&policy, r),
             |batch, _| self.decode_all(batch),
         );
         self.reqs = reqs;
@@ -222,7 +243,7 @@ impl StageModel for Qwen3OmniCode2Wav {
     }
 
     fn has_ready_work(&self) -> bool {
-        self.reqs.any(|r| self.is_ready(r))
+        self.reqs.any(|r| Self::is_ready(&self.policy, r))
     }
 
     fn active(&self) -> usize {

@@ -58,6 +58,7 @@ use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Activation, LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
+use super::kernels;
 use super::layers::Mlp;
 
 /// `rope_parameters` of transformers 5 (only the default RoPE is used by Code2Wav).
@@ -329,6 +330,14 @@ impl SnakeBeta {
 
 impl Module for SnakeBeta {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // One pass on the GPU (kernels::snake_beta) where the shapes allow.
+        if x.device().is_cuda()
+            && x.dtype() == DType::BF16
+            && x.dim(2)?.is_multiple_of(8)
+            && kernels::enabled()
+        {
+            return kernels::snake_beta(x, &self.alpha, &self.inv_beta);
+        }
         let sin = x.broadcast_mul(&self.alpha)?.sin()?.sqr()?;
         x + sin.broadcast_mul(&self.inv_beta)?
     }
@@ -433,13 +442,16 @@ impl Attention {
         })
     }
 
-    /// x: (batch, n, hidden) at absolute positions pos..pos+n; cos/sin: (n, head_dim/2).
+    /// x: (batch, n, hidden), row r at absolute positions pos[r]..pos[r]+n (one
+    /// entry serves every row); cos/sin: (n, head_dim/2) or (batch, n, head_dim/2).
+    /// A row's cache may be longer than its history: the keys before its position
+    /// 0 are zero padding (a slot's, see [`Code2WavSlots`]) and masked out.
     fn step(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        pos: usize,
+        pos: &[usize],
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let (b, n, _) = x.dims3()?;
@@ -465,22 +477,31 @@ impl Attention {
         ));
 
         // Query at absolute position p sees keys at (p - window, p] (transformers'
-        // sliding_window_overlay on top of the causal mask).
-        let first = pos + n - total;
-        let mask: Vec<f32> = (0..n)
-            .flat_map(|i| {
-                let p = pos + i;
-                (0..total).map(move |j| {
-                    let kp = first + j;
-                    if kp <= p && kp + self.window > p {
-                        0.0
-                    } else {
-                        f32::NEG_INFINITY
-                    }
+        // sliding_window_overlay on top of the causal mask) and none before 0.
+        let window = self.window as i64;
+        let mask: Vec<f32> = pos
+            .iter()
+            .flat_map(|&pos| {
+                let first = (pos + n) as i64 - total as i64;
+                (0..n as i64).flat_map(move |i| {
+                    let p = pos as i64 + i;
+                    (0..total as i64).map(move |j| {
+                        let kp = first + j;
+                        if kp >= 0 && kp <= p && kp + window > p {
+                            0.0
+                        } else {
+                            f32::NEG_INFINITY
+                        }
+                    })
                 })
             })
             .collect();
-        let mask = Tensor::from_vec(mask, (n, total), x.device())?.to_dtype(x.dtype())?;
+        let mask = if pos.len() == 1 {
+            Tensor::from_vec(mask, (n, total), x.device())?
+        } else {
+            Tensor::from_vec(mask, (pos.len(), 1, n, total), x.device())?
+        };
+        let mask = mask.to_dtype(x.dtype())?;
 
         let rep = self.num_heads / self.num_kv_heads;
         let (k, v) = (repeat_kv(k, rep)?, repeat_kv(v, rep)?);
@@ -542,7 +563,7 @@ impl TransformerLayer {
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        pos: usize,
+        pos: &[usize],
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
@@ -586,8 +607,7 @@ impl TransformerModel {
     }
 
     /// x: (batch, n, hidden); row r's frames are pos[r]..pos[r]+n (one entry serves
-    /// every row). Rows with different positions must have the same cached length
-    /// (see [`Code2Wav::step_many`]), so one mask serves them all.
+    /// every row), all rows with caches of one length.
     fn step(&self, x: &Tensor, pos: &[usize], caches: &mut [KvCache]) -> Result<Tensor> {
         let (b, n, _) = x.dims3()?;
         // Like the reference: float32 position times float32 frequency, then
@@ -609,10 +629,10 @@ impl TransformerModel {
         } else {
             (cos, sin)
         };
-        let first = pos.first().copied().unwrap_or(0);
+        let pos = &pos[..rows];
         let mut h = x.clone();
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.step(&h, &cos, &sin, first, cache)?;
+            h = layer.step(&h, &cos, &sin, pos, cache)?;
         }
         self.norm.forward(&h)
     }
@@ -637,11 +657,22 @@ impl DecoderResidualUnit {
         })
     }
 
-    fn step(&self, x: &Tensor, state: &mut Pending) -> Result<Tensor> {
-        let h = self.conv1.step(&self.act1.forward(x)?, state)?;
+    fn step(
+        &self,
+        x: &Tensor,
+        state: &mut Pending,
+        mark: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Tensor> {
+        let a = self.act1.forward(x)?;
+        mark("snake")?;
+        let h = self.conv1.step(&a, state)?;
+        mark("conv k7")?;
+        let a = self.act2.forward(&h)?;
+        mark("snake")?;
         // Kernel 1: no left context.
-        let h = self.conv2.step(&self.act2.forward(&h)?, &mut None)?;
-        h + x
+        let h = (self.conv2.step(&a, &mut None)? + x)?;
+        mark("conv k1 + residual")?;
+        Ok(h)
     }
 }
 
@@ -679,12 +710,18 @@ impl DecoderBlock {
         })
     }
 
-    fn step(&self, x: &Tensor, state: &mut DecoderBlockState) -> Result<Tensor> {
-        let mut h = self
-            .upsample
-            .step(&self.act.forward(x)?, &mut state.upsample)?;
+    fn step(
+        &self,
+        x: &Tensor,
+        state: &mut DecoderBlockState,
+        mark: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Tensor> {
+        let a = self.act.forward(x)?;
+        mark("snake")?;
+        let mut h = self.upsample.step(&a, &mut state.upsample)?;
+        mark("transposed conv")?;
         for (unit, s) in self.units.iter().zip(state.units.iter_mut()) {
-            h = unit.step(&h, s)?;
+            h = unit.step(&h, s, mark)?;
         }
         Ok(h)
     }
@@ -721,51 +758,159 @@ impl Code2WavState {
         all.push(&mut self.decoder_out);
         all
     }
+}
 
-    /// The states of several streams as one batch (row i = stream i); every state
-    /// must be past its first chunk, with K/V of one length.
-    fn stack(states: &mut [Code2WavState]) -> Result<Self> {
-        let mut out = states[0].clone();
-        out.kv = (0..out.kv.len())
-            .map(|l| {
-                let parts: Option<Vec<(Tensor, Tensor)>> =
-                    states.iter().map(|s| s.kv[l].clone()).collect();
-                let parts = parts
-                    .ok_or_else(|| candle_core::Error::Msg("code2wav: no K/V to batch".into()))?;
-                let k: Vec<&Tensor> = parts.iter().map(|(k, _)| k).collect();
-                let v: Vec<&Tensor> = parts.iter().map(|(_, v)| v).collect();
-                Ok(Some((Tensor::cat(&k, 0)?, Tensor::cat(&v, 0)?)))
+/// The streaming states of many streams, one slot each, kept on the device as
+/// batched tensors: a step of any set of slots gathers their rows with one
+/// `index_select` per state tensor and writes them back with one scatter, where
+/// concatenating and splitting per-stream states took a copy per stream and
+/// tensor (thousands of launches a step at 32 streams). A slot's K/V is always
+/// `sliding_window - 1` frames long, zero-padded on the left (and masked) until
+/// the stream has that many, so streams at any frame count share a forward.
+/// Create with [`Code2Wav::new_slots`]; step with [`Code2Wav::step_slots`].
+#[derive(Debug, Clone)]
+pub struct Code2WavSlots {
+    /// Frames decoded per slot; 0 is a fresh stream.
+    frames: Vec<usize>,
+    /// A fresh state: the layout the gathered rows fill.
+    fresh: Code2WavState,
+    /// K/V frames a slot keeps (`sliding_window - 1`).
+    kv_len: usize,
+    /// Per layer K and V, (slots, kv_heads, window - 1, head_dim); empty until
+    /// the first chunk gives the shapes.
+    kv: Vec<(Tensor, Tensor)>,
+    /// Every convolution state in [`Code2WavState::tensors_mut`]'s order, (slots, ...).
+    conv: Vec<Tensor>,
+}
+
+impl Code2WavSlots {
+    pub fn capacity(&self) -> usize {
+        self.frames.len()
+    }
+
+    /// Frames slot `slot` has decoded.
+    pub fn frames(&self, slot: usize) -> usize {
+        self.frames.get(slot).copied().unwrap_or(0)
+    }
+
+    /// Starts a new stream in `slot` (its old rows are overwritten by its first chunk).
+    pub fn reset(&mut self, slot: usize) {
+        if let Some(f) = self.frames.get_mut(slot) {
+            *f = 0;
+        }
+    }
+
+    /// Grows to at least `capacity` slots (doubling), the new ones fresh.
+    pub fn reserve(&mut self, capacity: usize) -> Result<()> {
+        let old = self.capacity();
+        if capacity <= old {
+            return Ok(());
+        }
+        let new = capacity.max(2 * old);
+        let grow = |t: &Tensor| -> Result<Tensor> {
+            let mut dims = t.dims().to_vec();
+            dims[0] = new - old;
+            Tensor::cat(&[t, &Tensor::zeros(dims, t.dtype(), t.device())?], 0)
+        };
+        for (k, v) in self.kv.iter_mut() {
+            *k = grow(k)?;
+            *v = grow(v)?;
+        }
+        for t in self.conv.iter_mut() {
+            *t = grow(t)?;
+        }
+        self.frames.resize(new, 0);
+        Ok(())
+    }
+
+    /// The rows of `ids` (u32 slot numbers) as one batched state.
+    fn gather(&self, ids: &Tensor, frames: usize) -> Result<Code2WavState> {
+        let take = |t: &Tensor| t.index_select(ids, 0);
+        let mut state = self.fresh.clone();
+        state.frames = frames;
+        for (dst, (k, v)) in state.kv.iter_mut().zip(&self.kv) {
+            *dst = Some((take(k)?, take(v)?));
+        }
+        for (dst, src) in state.tensors_mut().into_iter().zip(&self.conv) {
+            *dst = Some(take(src)?);
+        }
+        Ok(state)
+    }
+
+    /// Writes batched `state`'s rows into the slots `ids` (u32 slot numbers),
+    /// left-padding K/V shorter than a slot's with zeros; on the first write the
+    /// slots take their shapes from `state`.
+    fn scatter(&mut self, ids: &Tensor, state: &mut Code2WavState) -> Result<()> {
+        let cap = self.capacity();
+        let kv: Vec<(Tensor, Tensor)> = state
+            .kv
+            .iter()
+            .map(|kv| {
+                let (k, v) = kv
+                    .as_ref()
+                    .ok_or_else(|| candle_core::Error::Msg("code2wav: no K/V to keep".into()))?;
+                Ok((pad_left(k, self.kv_len)?, pad_left(v, self.kv_len)?))
             })
             .collect::<Result<_>>()?;
-        let n = out.tensors_mut().len();
-        for i in 0..n {
-            let parts: Option<Vec<Tensor>> = states
-                .iter_mut()
-                .map(|s| s.tensors_mut()[i].clone())
-                .collect();
-            let parts = parts
-                .ok_or_else(|| candle_core::Error::Msg("code2wav: no state to batch".into()))?;
-            *out.tensors_mut()[i] = Some(Tensor::cat(&parts, 0)?);
+        let conv: Vec<Tensor> = state
+            .tensors_mut()
+            .into_iter()
+            .map(|t| {
+                t.clone()
+                    .ok_or_else(|| candle_core::Error::Msg("code2wav: no state to keep".into()))
+            })
+            .collect::<Result<_>>()?;
+        let empty = |t: &Tensor| {
+            let mut dims = t.dims().to_vec();
+            dims[0] = cap;
+            Tensor::zeros(dims, t.dtype(), t.device())
+        };
+        if self.kv.is_empty() {
+            self.kv = kv
+                .iter()
+                .map(|(k, v)| Ok((empty(k)?, empty(v)?)))
+                .collect::<Result<_>>()?;
+            self.conv = conv.iter().map(empty).collect::<Result<_>>()?;
         }
-        Ok(out)
+        // scatter_set wants an index per element: one per distinct shape.
+        let mut index: Vec<(Vec<usize>, Tensor)> = Vec::new();
+        let mut set = |dst: &Tensor, src: &Tensor| -> Result<()> {
+            let src = src.contiguous()?;
+            let dims = src.dims().to_vec();
+            let at = match index.iter().position(|(d, _)| *d == dims) {
+                Some(at) => at,
+                None => {
+                    let mut one = vec![1; dims.len()];
+                    one[0] = dims[0];
+                    let full = ids
+                        .reshape(one)?
+                        .broadcast_as(dims.as_slice())?
+                        .contiguous()?;
+                    index.push((dims, full));
+                    index.len() - 1
+                }
+            };
+            dst.scatter_set(&index[at].1, &src, 0)
+        };
+        for ((dk, dv), (k, v)) in self.kv.iter().zip(&kv) {
+            set(dk, k)?;
+            set(dv, v)?;
+        }
+        for (dst, src) in self.conv.iter().zip(&conv) {
+            set(dst, src)?;
+        }
+        Ok(())
     }
+}
 
-    /// Row `i` of a batched state, as its own (contiguous) state.
-    fn row(&mut self, i: usize) -> Result<Self> {
-        let take = |t: &Tensor| t.narrow(0, i, 1)?.contiguous();
-        let mut out = self.clone();
-        for kv in out.kv.iter_mut() {
-            if let Some((k, v)) = kv {
-                *kv = Some((take(k)?, take(v)?));
-            }
-        }
-        for t in out.tensors_mut() {
-            if let Some(x) = t {
-                *t = Some(take(x)?);
-            }
-        }
-        Ok(out)
+/// `t` (batch, heads, len, dim) left-padded with zeros to `len` positions.
+fn pad_left(t: &Tensor, len: usize) -> Result<Tensor> {
+    let (b, h, l, d) = t.dims4()?;
+    if l >= len {
+        return t.narrow(2, l - len, len);
     }
+    let zeros = Tensor::zeros((b, h, len - l, d), t.dtype(), t.device())?;
+    Tensor::cat(&[&zeros, t], 2)
 }
 
 /// `Qwen3OmniMoeCode2Wav`.
@@ -793,6 +938,9 @@ impl Code2Wav {
         // first step would leave nothing after the reference's left trim.
         if cfg.upsampling_ratios.iter().product::<usize>() < 2 {
             candle_core::bail!("code2wav: upsampling_ratios must upsample at least 2x")
+        }
+        if cfg.sliding_window < 2 {
+            candle_core::bail!("code2wav: sliding_window must be at least 2")
         }
         if cfg.decoder_dim >> cfg.upsample_rates.len() == 0 {
             candle_core::bail!("code2wav: decoder_dim too small for the decoder blocks")
@@ -871,45 +1019,101 @@ impl Code2Wav {
         self.step_unclamped(state, codes, None)?.clamp(-1f32, 1f32)
     }
 
-    /// Decodes the next chunk of several independent streams in one forward when
-    /// they can share it (the same chunk length; and all at their first chunk, or
-    /// all past it with the same decoded frames or a full attention window), else
-    /// one by one.
-    /// `codes[i]` is stream i's `(num_quantizers, n)`; returns its `(1, n * 1920)`.
-    pub fn step_many(&self, states: &mut [Code2WavState], codes: &[Tensor]) -> Result<Vec<Tensor>> {
-        if states.len() != codes.len() {
-            candle_core::bail!("{} states for {} chunks", states.len(), codes.len());
+    /// Slots for `capacity` streams (more with [`Code2WavSlots::reserve`]).
+    pub fn new_slots(&self, capacity: usize) -> Code2WavSlots {
+        Code2WavSlots {
+            frames: vec![0; capacity],
+            fresh: self.new_state(),
+            kv_len: self.window - 1,
+            kv: Vec::new(),
+            conv: Vec::new(),
         }
-        let n = codes.first().map(|c| c.dim(1)).transpose()?.unwrap_or(0);
-        let window = self.window.saturating_sub(1);
-        let same_n = codes.iter().all(|c| c.dim(1).is_ok_and(|m| m == n));
-        let started = states.iter().all(|s| s.frames > 0);
-        let fresh = states.iter().all(|s| s.frames == 0);
-        let aligned = states.iter().all(|s| s.frames == states[0].frames)
-            || states.iter().all(|s| s.frames >= window);
-        if states.len() < 2 || n == 0 || !same_n || !(fresh || (started && aligned)) {
-            return states
-                .iter_mut()
-                .zip(codes)
-                .map(|(s, c)| self.step(s, &c.unsqueeze(0)?)?.squeeze(0))
-                .collect();
+    }
+
+    /// Decodes the next chunk of the streams in `slots` (distinct) in one forward,
+    /// each with its own exact state: codes (slots.len(), num_quantizers, n) to
+    /// (slots.len(), 1, n * 1920). Streams at their first chunk and streams past it
+    /// take one forward each (a first chunk is shorter before the left trim).
+    pub fn step_slots(
+        &self,
+        state: &mut Code2WavSlots,
+        slots: &[usize],
+        codes: &Tensor,
+    ) -> Result<Tensor> {
+        self.step_slots_marked(state, slots, codes, &mut |_| Ok(()))
+    }
+
+    /// [`Self::step_slots`], calling `mark` after each part of the step (the GPU
+    /// profile syncs and times there).
+    pub(crate) fn step_slots_marked(
+        &self,
+        state: &mut Code2WavSlots,
+        slots: &[usize],
+        codes: &Tensor,
+        mark: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Tensor> {
+        let b = codes.dim(0)?;
+        if b != slots.len() {
+            candle_core::bail!("code2wav: {} slots for {b} streams", slots.len())
         }
-        let pos: Vec<usize> = states.iter().map(|s| s.frames).collect();
-        // First chunks: fresh states are all alike, so the batch starts from one.
-        let (mut batch, positions) = if fresh {
-            (self.new_state(), None)
+        let mut seen = vec![false; state.capacity()];
+        for &s in slots {
+            match seen.get_mut(s) {
+                Some(seen) if !*seen => *seen = true,
+                Some(_) => candle_core::bail!("code2wav: slot {s} twice in one step"),
+                None => candle_core::bail!("code2wav: slot {s} of {}", state.capacity()),
+            }
+        }
+        let n = codes.dim(2)?;
+        if n == 0 || b == 0 {
+            return Tensor::zeros((b, 1, 0), self.code_embedding.dtype(), codes.device());
+        }
+        let fresh: Vec<usize> = (0..b).filter(|&i| state.frames[slots[i]] == 0).collect();
+        if !fresh.is_empty() && fresh.len() < b {
+            // Two forwards, then the rows back in the callers' order.
+            let started: Vec<usize> = (0..b).filter(|&i| state.frames[slots[i]] > 0).collect();
+            let mut out = Vec::new();
+            for rows in [&fresh, &started] {
+                let sub: Vec<usize> = rows.iter().map(|&i| slots[i]).collect();
+                let ids = Tensor::from_vec(
+                    rows.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+                    rows.len(),
+                    codes.device(),
+                )?;
+                let codes = codes.index_select(&ids, 0)?;
+                out.push(self.step_slots_marked(state, &sub, &codes, mark)?);
+            }
+            let order: Vec<u32> = fresh.iter().chain(&started).map(|&i| i as u32).collect();
+            let mut back = vec![0u32; b];
+            for (at, &i) in order.iter().enumerate() {
+                back[i as usize] = at as u32;
+            }
+            let wav = Tensor::cat(&out, 0)?;
+            let back = Tensor::from_vec(back, b, wav.device())?;
+            return wav.index_select(&back, 0);
+        }
+        let device = self.code_embedding.device();
+        let ids = Tensor::from_vec(
+            slots.iter().map(|&s| s as u32).collect::<Vec<_>>(),
+            b,
+            device,
+        )?;
+        let pos: Vec<usize> = slots.iter().map(|&s| state.frames[s]).collect();
+        let (mut batch, positions) = if fresh.is_empty() {
+            let first = pos.iter().copied().max().unwrap_or(1);
+            (state.gather(&ids, first)?, Some(pos.as_slice()))
         } else {
-            (Code2WavState::stack(states)?, Some(pos.as_slice()))
+            // Fresh states are all alike: the batch starts from one.
+            (self.new_state(), None)
         };
-        let codes = Tensor::stack(codes, 0)?;
-        let wav = self
-            .step_unclamped(&mut batch, &codes, positions)?
-            .clamp(-1f32, 1f32)?;
-        for (i, s) in states.iter_mut().enumerate() {
-            *s = batch.row(i)?;
-            s.frames = pos[i] + n;
+        mark("gather")?;
+        let wav = self.step_parts(&mut batch, codes, positions, mark)?;
+        state.scatter(&ids, &mut batch)?;
+        for (&s, p) in slots.iter().zip(&pos) {
+            state.frames[s] = p + n;
         }
-        (0..pos.len()).map(|i| wav.get(i)).collect()
+        mark("scatter")?;
+        wav.clamp(-1f32, 1f32)
     }
 
     /// [`Self::step`] before the final clamp (tests compare the signal itself).
@@ -918,6 +1122,16 @@ impl Code2Wav {
         state: &mut Code2WavState,
         codes: &Tensor,
         positions: Option<&[usize]>,
+    ) -> Result<Tensor> {
+        self.step_parts(state, codes, positions, &mut |_| Ok(()))
+    }
+
+    fn step_parts(
+        &self,
+        state: &mut Code2WavState,
+        codes: &Tensor,
+        positions: Option<&[usize]>,
+        mark: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<Tensor> {
         let (b, nq, n) = codes.dims3()?;
         if nq != self.num_quantizers {
@@ -931,9 +1145,12 @@ impl Code2Wav {
         if n == 0 {
             return Tensor::zeros((b, 1, 0), dtype, device);
         }
-        let codes = codes.to_device(device)?.to_dtype(DType::U32)?;
-        // Negative i64 codes wrap to large u32 values and fail here too.
+        // Checked where the codes are (the host, from the Talker): on the device
+        // the check would wait for the stream every step. Negative i64 codes wrap
+        // to large u32 values and fail here too.
+        let codes = codes.to_dtype(DType::U32)?;
         let max = codes.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+        let codes = codes.to_device(device)?;
         if max as usize >= self.codebook_size {
             candle_core::bail!("code2wav: code {max} outside the codebook")
         }
@@ -947,23 +1164,30 @@ impl Code2Wav {
             .index_select(&ids, 0)?
             .reshape((b, nq, n, ()))?
             .mean(1)?;
+        mark("embed")?;
 
         let pos = match positions {
             Some(p) => p.to_vec(),
             None => vec![state.frames],
         };
         let h = self.pre_transformer.step(&h, &pos, &mut state.kv)?;
+        mark("pre_transformer")?;
         let mut h = h.transpose(1, 2)?.contiguous()?;
         for ((up, convnext), s) in self.upsample.iter().zip(state.upsample.iter_mut()) {
             h = up.step(&h, &mut None)?;
             h = convnext.step(&h, s)?;
         }
+        mark("upsample")?;
         let mut wav = self.decoder_in.step(&h, &mut state.decoder_in)?;
-        for (block, s) in self.blocks.iter().zip(state.blocks.iter_mut()) {
-            wav = block.step(&wav, s)?;
+        mark("decoder_in")?;
+        for (i, (block, s)) in self.blocks.iter().zip(state.blocks.iter_mut()).enumerate() {
+            wav = block.step(&wav, s, &mut |part| {
+                mark(&format!("block {}: {part}", i + 1))
+            })?;
         }
         let wav = self.decoder_act.forward(&wav)?;
         let mut wav = self.decoder_out.step(&wav, &mut state.decoder_out)?;
+        mark("decoder_out")?;
         if state.frames == 0 {
             let lead = Tensor::zeros((b, 1, self.delay), wav.dtype(), wav.device())?;
             wav = Tensor::cat(&[&lead, &wav], 2)?;
@@ -1226,54 +1450,85 @@ mod tests {
         assert!(ea < 1e-4 && eb < 1e-4 && eab < 1e-4);
     }
 
-    /// Streams decoded together by `step_many` (batched where they can share a
-    /// forward: equal frames, or all past the attention window) give what each
-    /// gives alone, exactly the same length.
+    /// Streams decoded together by `step_slots` (at different frame counts
+    /// inside the attention window, fresh beside started ones, in any slot order,
+    /// a finished stream's slot taken by a new one, the slots grown midway) give
+    /// what each gives alone, exactly the same length.
     #[test]
-    fn step_many_matches_single_streams() {
+    fn step_slots_match_single_streams() {
         let (m, cfg) = model(DType::F64);
-        let frames = 24;
-        let codes: Vec<Tensor> = (0..3)
-            .map(|i| random_codes(1, cfg.num_quantizers, frames, cfg.codebook_size, 10 + i))
+        let lens = [12usize, 24, 24, 20];
+        let codes: Vec<Tensor> = (0..4)
+            .map(|i| {
+                random_codes(
+                    1,
+                    cfg.num_quantizers,
+                    lens[i],
+                    cfg.codebook_size,
+                    10 + i as u64,
+                )
+            })
             .collect();
-        let want: Vec<Tensor> = codes.iter().map(|c| full(&m, c)).collect();
-        let mut states: Vec<Code2WavState> = (0..3).map(|_| m.new_state()).collect();
-        let mut got: Vec<Vec<Tensor>> = vec![vec![]; 3];
-        // Stream 2 starts a chunk late: frames differ while inside the window (8),
-        // then all three are past it.
-        let mut done = [0usize; 3];
-        for round in 0..12 {
-            let active: Vec<usize> = (0..3)
-                .filter(|&i| done[i] < frames && !(i == 2 && round == 0))
+        let want: Vec<Tensor> = codes.iter().map(|c| clamp(&full(&m, c))).collect();
+        let mut slots = m.new_slots(2);
+        // Stream 2 joins a chunk late (in a third slot), stream 3 once stream 0
+        // is done (in its slot).
+        let mut slot_of = [Some(0), Some(1), None, None];
+        let mut done = [0usize; 4];
+        let mut got: Vec<Vec<Tensor>> = vec![vec![]; 4];
+        for round in 0.. {
+            if round == 1 {
+                slots.reserve(3).unwrap();
+                assert_eq!(slots.capacity(), 4);
+                slot_of[2] = Some(2);
+            }
+            if done[0] == lens[0] && slot_of[3].is_none() {
+                slot_of[0] = None;
+                slots.reset(0);
+                slot_of[3] = Some(0);
+            }
+            let active: Vec<usize> = (0..4)
+                .rev()
+                .filter(|&i| slot_of[i].is_some() && done[i] < lens[i])
                 .collect();
             if active.is_empty() {
                 break;
             }
-            let n = if round == 0 { 1 } else { 3 };
             let n = active
                 .iter()
-                .map(|&i| frames - done[i])
+                .map(|&i| lens[i] - done[i])
                 .min()
                 .unwrap()
-                .min(n);
-            let chunks: Vec<Tensor> = active
+                .min(if round == 0 { 1 } else { 3 });
+            let batch: Vec<Tensor> = active
                 .iter()
                 .map(|&i| codes[i].narrow(2, done[i], n).unwrap().squeeze(0).unwrap())
                 .collect();
-            let mut st: Vec<Code2WavState> = active.iter().map(|&i| states[i].clone()).collect();
-            let out = m.step_many(&mut st, &chunks).unwrap();
-            for ((&i, s), o) in active.iter().zip(st).zip(out) {
-                states[i] = s;
-                assert_eq!(o.dims(), &[1, n * SPF]);
-                got[i].push(o.unsqueeze(0).unwrap());
+            let batch = Tensor::stack(&batch, 0).unwrap();
+            let ids: Vec<usize> = active.iter().map(|&i| slot_of[i].unwrap()).collect();
+            let out = m.step_slots(&mut slots, &ids, &batch).unwrap();
+            assert_eq!(out.dims(), &[active.len(), 1, n * SPF]);
+            for (k, &i) in active.iter().enumerate() {
+                got[i].push(out.narrow(0, k, 1).unwrap());
                 done[i] += n;
+                assert_eq!(slots.frames(slot_of[i].unwrap()), done[i]);
             }
         }
-        for i in 0..3 {
+        for i in 0..4 {
             let all = Tensor::cat(&got[i], 2).unwrap();
-            let e = diff(&all, &clamp(&want[i]));
+            let e = diff(&all, &want[i]);
             assert!(e < 1e-9, "stream {i} differs by {e}");
         }
+        // Bad slot lists are errors, and leave the slots as they were.
+        let one = codes[1].narrow(2, 0, 1).unwrap();
+        let two = Tensor::cat(&[&one, &one], 0).unwrap();
+        let err = m.step_slots(&mut slots, &[1, 1], &two).unwrap_err();
+        assert!(err.to_string().contains("twice"), "{err}");
+        let err = m.step_slots(&mut slots, &[9], &one).unwrap_err();
+        assert!(err.to_string().contains("slot 9"), "{err}");
+        let err = m.step_slots(&mut slots, &[0, 1], &one).unwrap_err();
+        assert!(err.to_string().contains("2 slots for 1"), "{err}");
+        assert_eq!(slots.frames(1), lens[1]);
     }
 
     /// The reference's `chunked_decode(codes, 5, 25)` on 20 frames drops the 555

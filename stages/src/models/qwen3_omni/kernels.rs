@@ -17,6 +17,8 @@
 //! - [`masked_softmax`]: a prefill's scaled, masked softmax in one pass.
 //! - [`argmax`]: each row's first largest logit, so a greedy step copies ids, not
 //!   logits, to the host.
+//! - [`snake_beta`]: Code2Wav's SnakeBeta activation in one pass (candle's ops
+//!   take five).
 //!
 //! Without the `cuda` feature each returns an error (the CPU paths never call them).
 
@@ -218,6 +220,7 @@ mod imp {
     const MOE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
     const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
     const SAMPLING_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sampling.ptx"));
+    const CODE2WAV_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/code2wav.ptx"));
     const ARGMAX_THREADS: u32 = 1024;
     const TC_THREADS: u32 = 256;
     // The kernels' tiling (kernels/moe.cu, kernels/attention.cu).
@@ -570,6 +573,51 @@ mod imp {
         unsafe { b.launch(cfg) }.w()?;
         drop(b);
         Ok(wrap(out, dev, (p, n)))
+    }
+
+    pub fn snake_beta(x: &Tensor, alpha: &Tensor, inv_beta: &Tensor) -> Result<Tensor> {
+        let x = checked(x, DType::BF16, "snake_beta x")?;
+        let (rows, c, len) = x.dims3()?;
+        let alpha = checked(&alpha.flatten_all()?, DType::BF16, "snake_beta alpha")?;
+        let inv_beta = checked(&inv_beta.flatten_all()?, DType::BF16, "snake_beta beta")?;
+        if !len.is_multiple_of(8) || alpha.dim(0)? != c || inv_beta.dim(0)? != c {
+            candle_core::bail!(
+                "snake_beta: x {:?}, alpha {:?}, beta {:?}, len a multiple of 8",
+                x.dims(),
+                alpha.dims(),
+                inv_beta.dims()
+            );
+        }
+        let total8 = rows * c * len / 8;
+        let dev = x.device().as_cuda_device()?;
+        let func =
+            dev.get_or_load_custom_func("snake_beta_bf16", "omnistream_code2wav", CODE2WAV_PTX)?;
+        let out = unsafe { dev.alloc::<half::bf16>(total8 * 8) }?;
+        let (x_st, x_l) = x.storage_and_layout();
+        let xs = view::<half::bf16>(&x_st, x_l)?;
+        let (a_st, a_l) = alpha.storage_and_layout();
+        let a = view::<half::bf16>(&a_st, a_l)?;
+        let (b_st, b_l) = inv_beta.storage_and_layout();
+        let b_ = view::<half::bf16>(&b_st, b_l)?;
+        let (c_i, len8, total) = (c as i32, (len / 8) as i32, total8 as i64);
+        let mut b = func.builder();
+        b.arg(&xs)
+            .arg(&a)
+            .arg(&b_)
+            .arg(&out)
+            .arg(&c_i)
+            .arg(&len8)
+            .arg(&total);
+        let cfg = LaunchConfig {
+            grid_dim: ((total8 as u32).div_ceil(256).clamp(1, 132 * 16), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the grid-stride loop covers total8 16-byte groups of the checked,
+        // aligned, contiguous shapes; alpha and beta hold `c` values each.
+        unsafe { b.launch(cfg) }.w()?;
+        drop(b);
+        Ok(wrap(out, dev, (rows, c, len)))
     }
 
     pub fn moe_sum(y: &Tensor, top_k: usize) -> Result<Tensor> {
@@ -1011,6 +1059,10 @@ mod imp {
         no_cuda()
     }
 
+    pub fn snake_beta(_x: &Tensor, _alpha: &Tensor, _inv_beta: &Tensor) -> Result<Tensor> {
+        no_cuda()
+    }
+
     pub fn moe_sum(_y: &Tensor, _top_k: usize) -> Result<Tensor> {
         no_cuda()
     }
@@ -1100,6 +1152,11 @@ pub use imp::moe_down;
 /// Each token's routed experts summed: `(tokens * top_k, n)` rows in choice order
 /// to `(tokens, n)`, in f32.
 pub use imp::moe_sum;
+
+/// Code2Wav's SnakeBeta `x + inv_beta * sin(x * alpha)^2` on `(rows, channels, len)`
+/// bf16, len a multiple of 8, with `alpha` and `inv_beta` one value a channel:
+/// computed in f32 and rounded once.
+pub use imp::snake_beta;
 
 /// Prefill attention's probabilities `(b, heads, q, kv)` bf16 from the unscaled
 /// scores of the same shape: `softmax(scores * scale + mask)` in f32, the additive

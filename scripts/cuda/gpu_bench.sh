@@ -7,7 +7,8 @@
 #
 #   tests      cuda-bin/stages-tests cuda_tests on_gpu (GPU against CPU/eager paths)
 #   profile    per-layer timings, eager and graphed, engine kernels and candle's ops
-#   code2wav   Code2Wav alone: first chunk and 4-frame chunks of 1, 8, 32 streams
+#   code2wav   Code2Wav alone: first chunk and 4-frame chunks of 1, 8, 32 streams,
+#              then the time of each part of a step of 8 and 32
 #   ncu        Nsight Compute: each kernel of a decoder layer's decode step at 1, 8
 #              and 32 rows (duration, DRAM throughput), by scripts/cuda/ncu_table.py
 #   ncu-prefill the same for one prefill layer: 32 prompts of 100, one of 2,500
@@ -19,7 +20,11 @@
 #              default; OMNISTREAM_MOE_GEMV_ROWS, OMNISTREAM_MOE_GEMV_BLOCKS)
 #   tc2        the same with the two-stage tensor-core MoE (OMNISTREAM_MOE_TC_STAGES=2;
 #              3 is the default)
+#   text-t     text-only as `text` with the answers sampled at TEMP (default 1.0,
+#              a Gumbel-max draw on the device): rows keep apart, where greedy
+#              answers of random weights converge to the same tokens
 #   chat       chat with audio, c=1,8,32 (deploy/qwen3-omni-h200.yaml)
+#   chat-t     the same sampled at TEMP
 #   chat-wait  the same with the Thinker's wait for the audio path capped at
 #              WAIT_MS (default 100) instead of 10 ms
 #   chat-nopri the same with OMNISTREAM_STAGE_PRIORITY=off (side by side)
@@ -90,7 +95,9 @@ if has gemv; then
   done
 fi
 has tc2 && OMNISTREAM_MOE_TC_STAGES=2 bench "${TEXT_S:-150}" "${H200[@]}" --name chat-tc2 "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
+has text-t && bench "${TEXT_S:-150}" "${H200[@]}" --name chat-t "${CHAT[@]}" --temperature "${TEMP:-1.0}" --concurrency "$TEXT_C" --text-only
 has chat && bench "${CHAT_S:-200}" "${H200[@]}" --name chat "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
+has chat-t && bench "${CHAT_S:-200}" "${H200[@]}" --name chat-t "${CHAT[@]}" --temperature "${TEMP:-1.0}" --concurrency "${CHAT_C:-1,8,32}"
 has chat-wait && OMNISTREAM_STAGE_PRIORITY=${WAIT_MS:-100} bench "${CHAT_S:-200}" "${H200[@]}" --name chat-wait "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has chat-nopri && OMNISTREAM_STAGE_PRIORITY=off bench "${CHAT_S:-200}" "${H200[@]}" --name chat-nopri "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has voice && bench "${CHAT_S:-200}" --profile deploy/qwen3-omni-h200-voice.yaml --name chat-voice "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"

@@ -6,7 +6,10 @@
 //! prompt of the set length (words drawn by a seeded RNG): requests batched
 //! together route to different experts, as different conversations do (one
 //! prompt for all, with greedy decoding, gives every row the same tokens and so
-//! the same few experts a layer). Reports TTFT, TPOT, TTFP,
+//! the same few experts a layer). With random weights, greedy answers to
+//! different prompts still fall into the same tokens after a while (the report's
+//! `distinct_answer_tails` shows it); `--temperature` samples them instead, which
+//! keeps the rows apart. Reports TTFT, TPOT, TTFP,
 //! RTF, audio seconds per second and tokens per second, and, for a Qwen3-Omni
 //! Thinker, the memory-bandwidth bound on its decode step.
 
@@ -52,6 +55,13 @@ pub struct EngineArgs {
     /// to measure what the graphs save: name the workload apart (`--name chat-eager`).
     #[arg(long)]
     pub enforce_eager: bool,
+    /// Sample the answers at this temperature (unseeded, so on a GPU each draw is
+    /// a Gumbel-max on the device) instead of the profile's sampling. With random
+    /// weights, greedy answers to different prompts fall into the same tokens
+    /// (see `distinct_answers` in the report), and batched rows then route to the
+    /// same few experts; sampled ones stay apart, as real conversations do.
+    #[arg(long)]
+    pub temperature: Option<f64>,
     /// H200 HBM3e bandwidth, bytes/s, for the decode-step bound.
     #[arg(long, default_value_t = 4.8e12)]
     pub bandwidth: f64,
@@ -83,6 +93,11 @@ struct Level {
     /// the wall time its worker spent stepping.
     #[serde(default)]
     stages: Vec<StageLevel>,
+    /// How many different second halves (by characters) the level's answers
+    /// have: 1 means every request decoded the same text there, so its batched
+    /// rows routed to the same experts.
+    #[serde(default)]
+    distinct_answer_tails: Option<usize>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -135,6 +150,9 @@ struct Report {
     /// request the same one).
     #[serde(default)]
     distinct_prompts: bool,
+    /// The answers' sampling temperature (`None`: the profile's, greedy here).
+    #[serde(default)]
+    temperature: Option<f64>,
     levels: Vec<Level>,
     peak_rss_mib: f64,
 }
@@ -201,6 +219,16 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
 
     eprintln!("loading {}", args.profile.profile.display());
     let pipeline = load_profile(&profile)?;
+    // Every stage's start-up work (CUDA graph captures) done before the clock
+    // runs: otherwise it shares the GPU with the first level.
+    let t = Instant::now();
+    while !pipeline.stats().stages.iter().all(|s| s.alive) {
+        anyhow::ensure!(
+            t.elapsed() < Duration::from_secs(600),
+            "stages not started after 10 minutes"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let modalities = if args.text_only {
         Modalities::TEXT
     } else {
@@ -209,6 +237,7 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
     let sampling = SamplingOverrides {
         max_tokens: Some(args.output_tokens),
         ignore_eos: true,
+        temperature: args.temperature,
         ..Default::default()
     };
     // Warm-up: every kernel is compiled (PTX JIT) and every path taken once.
@@ -234,6 +263,11 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
                 st.busy * 100.0
             );
         }
+        eprintln!(
+            "  answers: {} different second halves of {}",
+            distinct_tails(&done),
+            done.len()
+        );
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let tpot: Vec<f64> = done
             .iter()
@@ -277,6 +311,7 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
             tpot_over_bound: Some(tpot.mean / (bound * 1e3)),
             tpot_ms: tpot,
             stages,
+            distinct_answer_tails: Some(distinct_tails(&done)),
         });
     }
     let report = Report {
@@ -289,6 +324,7 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
         text_only: args.text_only,
         enforce_eager: args.enforce_eager,
         distinct_prompts: true,
+        temperature: args.temperature,
         levels,
         peak_rss_mib: peak_rss_mib(),
     };
@@ -304,6 +340,18 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
 
 /// Request `seed`'s user message: common words drawn by a seeded RNG, as many
 /// as keep the templated prompt at `n` tokens (or the nearest below).
+/// How many different second halves the answers' texts have.
+fn distinct_tails(done: &[Outcome]) -> usize {
+    let tails: std::collections::HashSet<String> = done
+        .iter()
+        .map(|o| {
+            let chars: Vec<char> = o.text.chars().collect();
+            chars[chars.len() / 2..].iter().collect()
+        })
+        .collect();
+    tails.len()
+}
+
 fn prompt_of_length(tok: &ChatTokenizer, n: usize, seed: u64) -> Result<String> {
     use rand::{Rng, SeedableRng};
     const WORDS: [&str; 48] = [

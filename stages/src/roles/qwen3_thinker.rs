@@ -54,6 +54,9 @@ struct Seq {
     /// Once prefilled: cached positions and the next token's rope position.
     decode: Option<(usize, i64)>,
     sampler: Sampler,
+    /// The request named its seed: its draws come from the host's seeded sampler,
+    /// reproducibly, never from the device's generator.
+    seeded: bool,
     generated: Vec<u32>,
     max_tokens: usize,
     ignore_eos: bool,
@@ -309,48 +312,84 @@ impl Qwen3OmniThinker {
     }
 
     /// Each row's [`Pick`] from a step's logits `(rows, vocab)` for requests `ids`:
-    /// on a GPU the greedy rows' ids come from one argmax launch, and only the
-    /// other rows' logits are copied (a row is 608 KB).
+    /// on a GPU the greedy rows' ids come from one argmax launch, the rows sampled
+    /// at a temperature alone (unseeded) from one Gumbel-max draw there, and only
+    /// the other rows' logits are copied (a row is 608 KB, and the host sampler
+    /// takes milliseconds a row over the vocabulary).
     fn picks(&self, ids: &[RequestId], logits: &Tensor) -> Result<Vec<Pick>> {
         // The checkpoint's embedding rows past the tokenizer's vocabulary are
         // padding (152,064 rows for ~151,700 tokens): never drawn.
         let vocab = self.tokenizer.vocab_size().min(logits.dim(1)?);
-        let logits = logits.narrow(1, 0, vocab)?;
-        let greedy: Vec<bool> = ids
+        let full = logits;
+        let logits = full.narrow(1, 0, vocab)?;
+        #[derive(Clone, Copy, PartialEq)]
+        enum Where {
+            Argmax,
+            Tempered(f32),
+            Host,
+        }
+        let how: Vec<Where> = ids
             .iter()
-            .map(|id| {
-                self.seqs
-                    .get(id)
-                    .is_some_and(|q| sampling::greedy_on_device(q.sampler.config()))
+            .map(|id| match self.seqs.get(id) {
+                Some(q) if sampling::greedy_on_device(q.sampler.config()) => Where::Argmax,
+                Some(q) if !q.seeded && sampling::tempered_on_device(q.sampler.config()) => {
+                    Where::Tempered(q.sampler.config().temperature)
+                }
+                _ => Where::Host,
             })
             .collect();
-        if !logits.device().is_cuda() || !greedy.iter().any(|&g| g) {
+        if !logits.device().is_cuda() || how.iter().all(|&h| h == Where::Host) {
             return Ok(logits
                 .to_vec2::<f32>()?
                 .into_iter()
                 .map(Pick::Logits)
                 .collect());
         }
-        let tokens = sampling::argmax_rows(&logits)?.to_vec1::<u32>()?;
-        let sampled: Vec<u32> = (0..ids.len() as u32)
-            .filter(|&r| !greedy[r as usize])
-            .collect();
-        let mut rows = match sampled.len() {
+        let rows_where = |f: &dyn Fn(Where) -> bool| -> Vec<u32> {
+            (0..ids.len() as u32)
+                .filter(|&r| f(how[r as usize]))
+                .collect()
+        };
+        // index_select wants the whole (contiguous) rows; the padding goes after.
+        let select = |rows: &[u32]| -> Result<Tensor> {
+            let idx = Tensor::from_vec(rows.to_vec(), rows.len(), logits.device())?;
+            Ok(full
+                .contiguous()?
+                .index_select(&idx, 0)?
+                .narrow(1, 0, vocab)?)
+        };
+        let argmax = match rows_where(&|h| h == Where::Argmax).len() {
             0 => Vec::new(),
-            n => {
-                let idx = Tensor::from_vec(sampled, n, logits.device())?;
-                logits.index_select(&idx, 0)?.to_vec2::<f32>()?
+            _ => sampling::argmax_rows(&logits)?.to_vec1::<u32>()?,
+        };
+        let tempered = rows_where(&|h| matches!(h, Where::Tempered(_)));
+        let mut drawn = match tempered.len() {
+            0 => Vec::new(),
+            _ => {
+                let temps: Vec<f32> = tempered
+                    .iter()
+                    .map(|&r| match how[r as usize] {
+                        Where::Tempered(t) => t,
+                        _ => 1.0,
+                    })
+                    .collect();
+                sampling::gumbel_max_rows(&select(&tempered)?, &temps)?.to_vec1::<u32>()?
             }
         }
         .into_iter();
-        greedy
-            .iter()
-            .zip(tokens)
-            .map(|(&g, t)| match g {
-                true => Ok(Pick::Token(t)),
-                false => rows.next().map(Pick::Logits).ok_or_else(|| {
-                    ModelError::Invalid("a sampled row's logits went missing".into())
-                }),
+        let host = rows_where(&|h| h == Where::Host);
+        let mut rows = match host.len() {
+            0 => Vec::new(),
+            _ => select(&host)?.to_vec2::<f32>()?,
+        }
+        .into_iter();
+        let lost = || ModelError::Invalid("a row's pick went missing".into());
+        how.iter()
+            .enumerate()
+            .map(|(r, h)| match h {
+                Where::Argmax => argmax.get(r).copied().map(Pick::Token).ok_or_else(lost),
+                Where::Tempered(_) => drawn.next().map(Pick::Token).ok_or_else(lost),
+                Where::Host => rows.next().map(Pick::Logits).ok_or_else(lost),
             })
             .collect()
     }
@@ -497,6 +536,7 @@ impl StageModel for Qwen3OmniThinker {
             .max(1);
         let seq = Seq {
             sampler: Sampler::new(sampling_config(&self.defaults, Some(o), ctx.id)),
+            seeded: o.seed.or(self.defaults.seed).is_some(),
             speak: ctx.spec.modalities.audio,
             prompt,
             audio,

@@ -331,6 +331,7 @@ pub fn build_pipeline_with_progress(
                         model,
                         chunk_policy(profile, c),
                         s.max_num_seqs,
+                        !s.enforce_eager,
                     )),
                 )
             }

@@ -14,7 +14,7 @@ use candle_core::{DType, Tensor};
 
 use super::{ChunkPolicy, Requests};
 use crate::engine::{Event, Payload, RequestCtx, RequestId, StageModel, StepOutput};
-use crate::models::qwen3_omni::code2wav::Code2WavSlots;
+use crate::models::qwen3_omni::code2wav::{Code2WavGraphs, Code2WavSlots};
 use crate::models::qwen3_omni::graphs;
 use crate::models::qwen3_omni::omni::Qwen3Omni;
 use crate::models::{ModelError, Result};
@@ -39,15 +39,25 @@ pub struct Qwen3OmniCode2Wav {
     slots: Code2WavSlots,
     /// The request in each slot (a slot is free when its request is gone).
     owners: Vec<Option<RequestId>>,
+    /// Captured steps (a CUDA device, unless the stage's `enforce_eager`).
+    graphs: Option<Code2WavGraphs>,
 }
 
 /// The sample rate of Qwen3-Omni's audio.
 pub const QWEN3_OMNI_SAMPLE_RATE: u32 = 24_000;
 
 impl Qwen3OmniCode2Wav {
-    pub fn new(model: Arc<Qwen3Omni>, policy: ChunkPolicy, max_num_seqs: usize) -> Self {
+    pub fn new(
+        model: Arc<Qwen3Omni>,
+        policy: ChunkPolicy,
+        max_num_seqs: usize,
+        cuda_graphs: bool,
+    ) -> Self {
         let slots = model.code2wav().new_slots(max_num_seqs.max(1));
+        let graphs = (cuda_graphs && graphs::available(model.thinker().device()))
+            .then(Code2WavGraphs::default);
         Self {
+            graphs,
             model,
             policy,
             max_num_seqs,
@@ -153,9 +163,11 @@ impl Qwen3OmniCode2Wav {
             // One copy to the host for the whole group.
             let decoded = Tensor::stack(&codes, 0)
                 .and_then(|codes| {
-                    self.model
-                        .code2wav()
-                        .step_slots(&mut self.slots, &slots, &codes)
+                    let c2w = self.model.code2wav();
+                    match &mut self.graphs {
+                        Some(g) => c2w.step_slots_graphed(&mut self.slots, g, &slots, &codes),
+                        None => c2w.step_slots(&mut self.slots, &slots, &codes),
+                    }
                 })
                 .and_then(|wav| wav.flatten_from(1)?.to_dtype(DType::F32)?.to_vec2::<f32>());
             match decoded {
@@ -244,6 +256,20 @@ impl StageModel for Qwen3OmniCode2Wav {
 
     fn has_ready_work(&self) -> bool {
         self.reqs.any(|r| Self::is_ready(&self.policy, r))
+    }
+
+    fn start(&mut self) {
+        let Some(g) = &mut self.graphs else {
+            return;
+        };
+        let t = std::time::Instant::now();
+        let (first, chunk) = (self.policy.initial_frames, self.policy.chunk_frames);
+        let c2w = self.model.code2wav();
+        match c2w.warm_up_graphs(&mut self.slots, g, self.max_num_seqs, first, chunk) {
+            Ok(n) => tracing::info!("Code2Wav: {n} graphs captured in {:?}", t.elapsed()),
+            // Buckets not captured are captured at their first step, or run eagerly.
+            Err(e) => tracing::warn!("Code2Wav: capturing graphs: {e}"),
+        }
     }
 
     fn active(&self) -> usize {

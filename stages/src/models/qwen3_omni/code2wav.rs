@@ -54,12 +54,14 @@
 //! frame count. [`Code2Wav::step`] costs time proportional to the chunk; the full
 //! [`Code2Wav::decode`] is one step on a fresh state.
 
+use std::collections::hash_map::Entry;
+
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Activation, LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
-use super::kernels;
 use super::layers::Mlp;
+use super::{graphs, kernels};
 
 /// `rope_parameters` of transformers 5 (only the default RoPE is used by Code2Wav).
 #[derive(Debug, Clone, Deserialize)]
@@ -442,16 +444,15 @@ impl Attention {
         })
     }
 
-    /// x: (batch, n, hidden), row r at absolute positions pos[r]..pos[r]+n (one
-    /// entry serves every row); cos/sin: (n, head_dim/2) or (batch, n, head_dim/2).
-    /// A row's cache may be longer than its history: the keys before its position
-    /// 0 are zero padding (a slot's, see [`Code2WavSlots`]) and masked out.
+    /// x: (batch, n, hidden); cos/sin: (n, head_dim/2) or (batch, n, head_dim/2);
+    /// `mask` additive, (n, total) or (batch, 1, n, total) for `total` = the cached
+    /// keys and these n (see [`TransformerModel::step`]).
     fn step(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        pos: &[usize],
+        mask: &Tensor,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let (b, n, _) = x.dims3()?;
@@ -476,37 +477,10 @@ impl Attention {
             v.narrow(2, total - keep, keep)?.contiguous()?,
         ));
 
-        // Query at absolute position p sees keys at (p - window, p] (transformers'
-        // sliding_window_overlay on top of the causal mask) and none before 0.
-        let window = self.window as i64;
-        let mask: Vec<f32> = pos
-            .iter()
-            .flat_map(|&pos| {
-                let first = (pos + n) as i64 - total as i64;
-                (0..n as i64).flat_map(move |i| {
-                    let p = pos as i64 + i;
-                    (0..total as i64).map(move |j| {
-                        let kp = first + j;
-                        if kp >= 0 && kp <= p && kp + window > p {
-                            0.0
-                        } else {
-                            f32::NEG_INFINITY
-                        }
-                    })
-                })
-            })
-            .collect();
-        let mask = if pos.len() == 1 {
-            Tensor::from_vec(mask, (n, total), x.device())?
-        } else {
-            Tensor::from_vec(mask, (pos.len(), 1, n, total), x.device())?
-        };
-        let mask = mask.to_dtype(x.dtype())?;
-
         let rep = self.num_heads / self.num_kv_heads;
         let (k, v) = (repeat_kv(k, rep)?, repeat_kv(v, rep)?);
         let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask)?;
+        let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
         let out =
             probs
@@ -563,11 +537,11 @@ impl TransformerLayer {
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        pos: &[usize],
+        mask: &Tensor,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
-        let h = self.self_attn.step(&h, cos, sin, pos, cache)?;
+        let h = self.self_attn.step(&h, cos, sin, mask, cache)?;
         let x = (x + h.broadcast_mul(&self.self_attn_layer_scale)?)?;
         let h = self
             .mlp
@@ -582,6 +556,7 @@ struct TransformerModel {
     layers: Vec<TransformerLayer>,
     norm: RmsNorm,
     inv_freq: Tensor,
+    window: usize,
 }
 
 impl TransformerModel {
@@ -603,39 +578,141 @@ impl TransformerModel {
             layers,
             norm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("norm"))?,
             inv_freq: Tensor::from_vec(inv_freq, (1, hd / 2), vb.device())?,
+            window: cfg.sliding_window,
         })
     }
 
-    /// x: (batch, n, hidden); row r's frames are pos[r]..pos[r]+n (one entry serves
-    /// every row), all rows with caches of one length.
-    fn step(&self, x: &Tensor, pos: &[usize], caches: &mut [KvCache]) -> Result<Tensor> {
+    /// x: (batch, n, hidden); row r's frames are pos[r]..pos[r]+n, all rows with
+    /// caches of one length. A row's cache may be longer than its history: the keys
+    /// before its position 0 are zero padding (a slot's, see [`Code2WavSlots`]) and
+    /// masked out.
+    fn step(&self, x: &Tensor, pos: Pos, caches: &mut [KvCache]) -> Result<Tensor> {
         let (b, n, _) = x.dims3()?;
+        let cached = match caches.first() {
+            Some(Some((k, _))) => k.dim(2)?,
+            _ => 0,
+        };
+        let total = cached + n;
         // Like the reference: float32 position times float32 frequency, then
         // cos/sin (absolute positions, as a full decode of the whole stream has).
         let dtype = compute_dtype(x.dtype());
-        let rows = if pos.len() == b { b } else { 1 };
-        let positions: Vec<f64> = pos
-            .iter()
-            .take(rows)
-            .flat_map(|&p| (p..p + n).map(|q| q as f64))
-            .collect();
-        let positions = Tensor::from_vec(positions, (rows, n, 1), x.device())?.to_dtype(dtype)?;
         let inv_freq = self.inv_freq.to_device(x.device())?.to_dtype(dtype)?;
+        let (positions, mask) = match pos {
+            Pos::Host(pos) => {
+                let rows = if pos.len() == b { b } else { 1 };
+                let pos = &pos[..rows];
+                let positions: Vec<f64> = pos
+                    .iter()
+                    .flat_map(|&p| (p..p + n).map(|q| q as f64))
+                    .collect();
+                let positions = Tensor::from_vec(positions, (rows, n, 1), x.device())?;
+                (
+                    positions.to_dtype(dtype)?,
+                    host_mask(pos, n, total, self.window, x.device())?,
+                )
+            }
+            Pos::Device(first) => {
+                let offsets = Tensor::arange(0f32, n as f32, x.device())?.reshape((1, n, 1))?;
+                let first = first.to_dtype(DType::F32)?.reshape((b, 1, 1))?;
+                let positions = first.broadcast_add(&offsets)?.to_dtype(dtype)?;
+                (positions, device_mask(&first, n, total, self.window)?)
+            }
+        };
         let freqs = positions.broadcast_mul(&inv_freq)?;
         let cos = freqs.cos()?.to_dtype(x.dtype())?;
         let sin = freqs.sin()?.to_dtype(x.dtype())?;
-        let (cos, sin) = if rows == 1 {
+        let (cos, sin) = if cos.dim(0)? == 1 {
             (cos.squeeze(0)?, sin.squeeze(0)?)
         } else {
             (cos, sin)
         };
-        let pos = &pos[..rows];
+        let mask = mask.to_dtype(x.dtype())?;
         let mut h = x.clone();
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.step(&h, &cos, &sin, pos, cache)?;
+            h = layer.step(&h, &cos, &sin, &mask, cache)?;
         }
         self.norm.forward(&h)
     }
+}
+
+/// Where a step's rows are in their streams.
+#[derive(Clone, Copy)]
+enum Pos<'a> {
+    /// Each row's first frame (one entry serves every row).
+    Host(&'a [usize]),
+    /// The same, (batch,) on the device: a graphed step reads it there.
+    Device(&'a Tensor),
+}
+
+/// Whether query i (at absolute p = first + i) sees key j of `total` (the last
+/// `n` are this step's), its absolute position `first + n - total + j`: inside
+/// (p - window, p] (transformers' sliding_window_overlay on top of the causal mask)
+/// and not before 0.
+fn visible(first: i64, i: i64, j: i64, n: i64, total: i64, window: i64) -> bool {
+    let (p, kp) = (first + i, first + n - total + j);
+    kp >= 0 && kp <= p && kp + window > p
+}
+
+/// The additive mask of rows at host positions `pos`: (n, total) for one entry,
+/// else (rows, 1, n, total).
+fn host_mask(
+    pos: &[usize],
+    n: usize,
+    total: usize,
+    window: usize,
+    dev: &candle_core::Device,
+) -> Result<Tensor> {
+    let mask: Vec<f32> = pos
+        .iter()
+        .flat_map(|&first| {
+            (0..n as i64).flat_map(move |i| {
+                (0..total as i64).map(move |j| {
+                    if visible(first as i64, i, j, n as i64, total as i64, window as i64) {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+        })
+        .collect();
+    if pos.len() == 1 {
+        Tensor::from_vec(mask, (n, total), dev)
+    } else {
+        Tensor::from_vec(mask, (pos.len(), 1, n, total), dev)
+    }
+}
+
+/// [`host_mask`] from positions on the device, `first` (rows, 1, 1) f32, with
+/// tensor ops only (a graph replays it): a key's window and causality do not depend
+/// on the row (fixed `total` and `n`), only "not before 0" does,
+/// `first + n - total + j >= 0`.
+fn device_mask(first: &Tensor, n: usize, total: usize, window: usize) -> Result<Tensor> {
+    let dev = first.device();
+    let rows = first.dim(0)?;
+    // Any row far enough in: only the window and causality count.
+    let far = (total + window) as i64;
+    let fixed: Vec<f32> = (0..n as i64)
+        .flat_map(|i| {
+            (0..total as i64).map(move |j| {
+                if visible(far, i, j, n as i64, total as i64, window as i64) {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    let fixed =
+        Tensor::from_vec(fixed, (1, 1, n, total), dev)?.broadcast_as((rows, 1, n, total))?;
+    let j = Tensor::arange(0f32, total as f32, dev)?.reshape((1, 1, 1, total))?;
+    let started = first
+        .reshape((rows, 1, 1, 1))?
+        .broadcast_add(&j)?
+        .ge((total - n) as f64)?
+        .broadcast_as((rows, 1, n, total))?;
+    let hidden = Tensor::full(f32::NEG_INFINITY, (rows, 1, n, total), dev)?;
+    started.where_cond(&fixed, &hidden)
 }
 
 /// `Qwen3OmniMoeCode2WavDecoderResidualUnit`: x + conv2(act2(conv1(act1(x)))).
@@ -766,8 +843,11 @@ impl Code2WavState {
 /// concatenating and splitting per-stream states took a copy per stream and
 /// tensor (thousands of launches a step at 32 streams). A slot's K/V is always
 /// `sliding_window - 1` frames long, zero-padded on the left (and masked) until
-/// the stream has that many, so streams at any frame count share a forward.
-/// Create with [`Code2Wav::new_slots`]; step with [`Code2Wav::step_slots`].
+/// the stream has that many, so streams at any frame count share a forward. The
+/// tensors have one row more than the slots: a scratch row, where a graphed step's
+/// padding rows read and write.
+/// Create with [`Code2Wav::new_slots`]; step with [`Code2Wav::step_slots`] or
+/// [`Code2Wav::step_slots_graphed`].
 #[derive(Debug, Clone)]
 pub struct Code2WavSlots {
     /// Frames decoded per slot; 0 is a fresh stream.
@@ -781,6 +861,9 @@ pub struct Code2WavSlots {
     kv: Vec<(Tensor, Tensor)>,
     /// Every convolution state in [`Code2WavState::tensors_mut`]'s order, (slots, ...).
     conv: Vec<Tensor>,
+    /// Bumped whenever the tensors above are (re)allocated: graphs captured on the
+    /// old ones are stale.
+    generation: u64,
 }
 
 impl Code2WavSlots {
@@ -791,6 +874,24 @@ impl Code2WavSlots {
     /// Frames slot `slot` has decoded.
     pub fn frames(&self, slot: usize) -> usize {
         self.frames.get(slot).copied().unwrap_or(0)
+    }
+
+    /// The batch size of a step of `slots` on `codes`, after checking that the
+    /// slots are distinct and exist.
+    fn check(&self, slots: &[usize], codes: &Tensor) -> Result<usize> {
+        let b = codes.dim(0)?;
+        if b != slots.len() {
+            candle_core::bail!("code2wav: {} slots for {b} streams", slots.len())
+        }
+        let mut seen = vec![false; self.capacity()];
+        for &s in slots {
+            match seen.get_mut(s) {
+                Some(seen) if !*seen => *seen = true,
+                Some(_) => candle_core::bail!("code2wav: slot {s} twice in one step"),
+                None => candle_core::bail!("code2wav: slot {s} of {}", self.capacity()),
+            }
+        }
+        Ok(b)
     }
 
     /// Starts a new stream in `slot` (its old rows are overwritten by its first chunk).
@@ -820,6 +921,7 @@ impl Code2WavSlots {
             *t = grow(t)?;
         }
         self.frames.resize(new, 0);
+        self.generation += 1;
         Ok(())
     }
 
@@ -841,7 +943,8 @@ impl Code2WavSlots {
     /// left-padding K/V shorter than a slot's with zeros; on the first write the
     /// slots take their shapes from `state`.
     fn scatter(&mut self, ids: &Tensor, state: &mut Code2WavState) -> Result<()> {
-        let cap = self.capacity();
+        // The slots and the scratch row.
+        let cap = self.capacity() + 1;
         let kv: Vec<(Tensor, Tensor)> = state
             .kv
             .iter()
@@ -871,6 +974,7 @@ impl Code2WavSlots {
                 .map(|(k, v)| Ok((empty(k)?, empty(v)?)))
                 .collect::<Result<_>>()?;
             self.conv = conv.iter().map(empty).collect::<Result<_>>()?;
+            self.generation += 1;
         }
         // scatter_set wants an index per element: one per distinct shape.
         let mut index: Vec<(Vec<usize>, Tensor)> = Vec::new();
@@ -901,6 +1005,29 @@ impl Code2WavSlots {
         }
         Ok(())
     }
+}
+
+/// Code2Wav's captured steps (see [`Code2Wav::step_slots_graphed`]), for one
+/// [`Code2WavSlots`], used on the thread that made them.
+#[derive(Debug, Default)]
+pub struct Code2WavGraphs {
+    /// By (bucket, frames, first chunks).
+    chunks: std::collections::HashMap<(usize, usize, bool), ChunkGraph>,
+    /// Keys whose capture failed: eager from then on.
+    failed: std::collections::HashSet<(usize, usize, bool)>,
+    /// The slots' generation the graphs read and write.
+    generation: u64,
+}
+
+/// One captured step and the tensors it reads (slot ids, codes, each row's first
+/// frame) and writes (the audio); the slots' tensors it reads and writes in place.
+#[derive(Debug)]
+struct ChunkGraph {
+    graph: graphs::StepGraph,
+    ids: Tensor,
+    codes: Tensor,
+    first: Tensor,
+    wav: Tensor,
 }
 
 /// `t` (batch, heads, len, dim) left-padded with zeros to `len` positions.
@@ -1027,6 +1154,7 @@ impl Code2Wav {
             kv_len: self.window - 1,
             kv: Vec::new(),
             conv: Vec::new(),
+            generation: 0,
         }
     }
 
@@ -1052,18 +1180,7 @@ impl Code2Wav {
         codes: &Tensor,
         mark: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<Tensor> {
-        let b = codes.dim(0)?;
-        if b != slots.len() {
-            candle_core::bail!("code2wav: {} slots for {b} streams", slots.len())
-        }
-        let mut seen = vec![false; state.capacity()];
-        for &s in slots {
-            match seen.get_mut(s) {
-                Some(seen) if !*seen => *seen = true,
-                Some(_) => candle_core::bail!("code2wav: slot {s} twice in one step"),
-                None => candle_core::bail!("code2wav: slot {s} of {}", state.capacity()),
-            }
-        }
+        let b = state.check(slots, codes)?;
         let n = codes.dim(2)?;
         if n == 0 || b == 0 {
             return Tensor::zeros((b, 1, 0), self.code_embedding.dtype(), codes.device());
@@ -1098,22 +1215,171 @@ impl Code2Wav {
             b,
             device,
         )?;
+        let codes = self.device_codes(codes)?;
         let pos: Vec<usize> = slots.iter().map(|&s| state.frames[s]).collect();
-        let (mut batch, positions) = if fresh.is_empty() {
+        let mut batch = if fresh.is_empty() {
             let first = pos.iter().copied().max().unwrap_or(1);
-            (state.gather(&ids, first)?, Some(pos.as_slice()))
+            state.gather(&ids, first)?
         } else {
             // Fresh states are all alike: the batch starts from one.
-            (self.new_state(), None)
+            self.new_state()
         };
         mark("gather")?;
-        let wav = self.step_parts(&mut batch, codes, positions, mark)?;
+        let wav = self.step_parts(&mut batch, &codes, Pos::Host(&pos), mark)?;
         state.scatter(&ids, &mut batch)?;
         for (&s, p) in slots.iter().zip(&pos) {
             state.frames[s] = p + n;
         }
         mark("scatter")?;
         wav.clamp(-1f32, 1f32)
+    }
+
+    /// [`Self::step_slots`] as a CUDA graph where it can: every stream at its
+    /// first chunk, or every stream past it; `b` rows padded up to a batch bucket
+    /// with the scratch row; one graph per (bucket, chunk frames, first chunks),
+    /// captured at first use (on the scratch row only, so no stream's state moves
+    /// twice). A step launches hundreds of small kernels, and eagerly its launches
+    /// take longer than its GPU work at any batch (docs/bench/gpu.md, run 15).
+    /// Elsewhere (a mixed batch, the very first chunk, which gives the slots their
+    /// shapes, a failed capture, the CPU) it runs eagerly.
+    pub fn step_slots_graphed(
+        &self,
+        state: &mut Code2WavSlots,
+        graphs: &mut Code2WavGraphs,
+        slots: &[usize],
+        codes: &Tensor,
+    ) -> Result<Tensor> {
+        let b = state.check(slots, codes)?;
+        let n = codes.dim(2)?;
+        let dev = self.code_embedding.device();
+        let bucket = graphs::BATCH_BUCKETS.iter().copied().find(|&m| m >= b);
+        let fresh = slots.iter().all(|&s| state.frames[s] == 0);
+        let started = slots.iter().all(|&s| state.frames[s] > 0);
+        let key = bucket.map(|bb| (bb, n, fresh));
+        let Some(key @ (bb, ..)) = key.filter(|k| {
+            graphs::available(dev)
+                && n > 0
+                && (fresh || started)
+                && !state.kv.is_empty()
+                && !graphs.failed.contains(k)
+        }) else {
+            return self.step_slots(state, slots, codes);
+        };
+        let codes = self.device_codes(codes)?;
+        let scratch = state.capacity() as u32;
+        let mut ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+        ids.resize(bb, scratch);
+        let mut first: Vec<f32> = slots.iter().map(|&s| state.frames[s] as f32).collect();
+        first.resize(bb, state.kv_len as f32);
+        let Some(g) = self.chunk_graph(state, graphs, key)? else {
+            return self.step_slots(state, slots, &codes);
+        };
+        g.ids.slice_set(&Tensor::from_vec(ids, bb, dev)?, 0, 0)?;
+        g.first
+            .slice_set(&Tensor::from_vec(first, bb, dev)?, 0, 0)?;
+        // Rows b.. keep the last step's codes: any valid codes do for the scratch row.
+        g.codes.slice_set(&codes, 0, 0)?;
+        // Audio goes first on a GPU shared with the Thinker.
+        g.graph.launch_urgent(dev)?;
+        for &s in slots {
+            state.frames[s] += n;
+        }
+        g.wav.narrow(0, 0, b)?.copy()
+    }
+
+    /// The graph of `key` (bucket, frames, first chunks), captured now if it is
+    /// new (on the scratch row only, so no stream's state moves); `None` if its
+    /// capture failed, now or before (logged once: that key runs eagerly).
+    fn chunk_graph<'g>(
+        &self,
+        state: &mut Code2WavSlots,
+        graphs: &'g mut Code2WavGraphs,
+        key: (usize, usize, bool),
+    ) -> Result<Option<&'g mut ChunkGraph>> {
+        let (bb, n, fresh) = key;
+        let dev = self.code_embedding.device();
+        if graphs.generation != state.generation {
+            graphs.chunks.clear();
+            graphs.generation = state.generation;
+        }
+        let Code2WavGraphs { chunks, failed, .. } = graphs;
+        if failed.contains(&key) {
+            return Ok(None);
+        }
+        let e = match chunks.entry(key) {
+            Entry::Occupied(e) => return Ok(Some(e.into_mut())),
+            Entry::Vacant(e) => e,
+        };
+        let ids = Tensor::full(state.capacity() as u32, bb, dev)?;
+        let codes = Tensor::zeros((bb, self.num_quantizers, n), DType::U32, dev)?;
+        let first = Tensor::full(state.kv_len as f32, bb, dev)?;
+        let dtype = self.code_embedding.dtype();
+        let wav = Tensor::zeros((bb, 1, n * self.samples_per_frame), dtype, dev)?;
+        let captured = graphs::StepGraph::capture(dev, || {
+            // First chunks start from a fresh state, as step_slots's do.
+            let (mut batch, pos) = if fresh {
+                (self.new_state(), Pos::Host(&[0]))
+            } else {
+                (state.gather(&ids, 1)?, Pos::Device(&first))
+            };
+            let out = self.step_parts(&mut batch, &codes, pos, &mut |_| Ok(()))?;
+            state.scatter(&ids, &mut batch)?;
+            wav.slice_set(&out.clamp(-1f32, 1f32)?, 0, 0)
+        });
+        match captured {
+            Ok(graph) => Ok(Some(e.insert(ChunkGraph {
+                graph,
+                ids,
+                codes,
+                first,
+                wav,
+            }))),
+            Err(err) => {
+                tracing::warn!(
+                    "code2wav graph for {bb} rows of {n} frames: {err}; that bucket runs eagerly"
+                );
+                failed.insert(key);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Captures the steps of every batch bucket a batch of up to `max_batch` runs
+    /// at, first chunks of `first` frames and later chunks of `chunk`, before any
+    /// stream comes (a capture at first use would delay that step's audio by the
+    /// capture). The slots take their shapes from a first chunk on the scratch row.
+    /// Returns how many graphs there are.
+    pub fn warm_up_graphs(
+        &self,
+        state: &mut Code2WavSlots,
+        graphs: &mut Code2WavGraphs,
+        max_batch: usize,
+        first: usize,
+        chunk: usize,
+    ) -> Result<usize> {
+        let dev = self.code_embedding.device();
+        if !graphs::available(dev) {
+            return Ok(0);
+        }
+        if state.kv.is_empty() {
+            let scratch = Tensor::new(&[state.capacity() as u32], dev)?;
+            let codes = Tensor::zeros((1, self.num_quantizers, first.max(1)), DType::U32, dev)?;
+            let mut batch = self.new_state();
+            self.step_parts(&mut batch, &codes, Pos::Host(&[0]), &mut |_| Ok(()))?;
+            state.scatter(&scratch, &mut batch)?;
+        }
+        let last = graphs::BATCH_BUCKETS
+            .iter()
+            .position(|&b| b >= max_batch)
+            .unwrap_or(graphs::BATCH_BUCKETS.len() - 1);
+        for &bb in &graphs::BATCH_BUCKETS[..=last] {
+            for key in [(bb, first, true), (bb, chunk, false)] {
+                if key.1 > 0 {
+                    self.chunk_graph(state, graphs, key)?;
+                }
+            }
+        }
+        Ok(graphs.chunks.len())
     }
 
     /// [`Self::step`] before the final clamp (tests compare the signal itself).
@@ -1123,36 +1389,46 @@ impl Code2Wav {
         codes: &Tensor,
         positions: Option<&[usize]>,
     ) -> Result<Tensor> {
-        self.step_parts(state, codes, positions, &mut |_| Ok(()))
+        let frames = [state.frames];
+        let pos = Pos::Host(positions.unwrap_or(&frames));
+        self.step_parts(state, &self.device_codes(codes)?, pos, &mut |_| Ok(()))
     }
 
-    fn step_parts(
-        &self,
-        state: &mut Code2WavState,
-        codes: &Tensor,
-        positions: Option<&[usize]>,
-        mark: &mut dyn FnMut(&str) -> Result<()>,
-    ) -> Result<Tensor> {
-        let (b, nq, n) = codes.dims3()?;
+    /// `codes` (batch, num_quantizers, n), u32 or i64, checked where they are (the
+    /// host, from the Talker: on the device the check would wait for the stream
+    /// every step), as u32 on the model's device.
+    fn device_codes(&self, codes: &Tensor) -> Result<Tensor> {
+        let (_, nq, n) = codes.dims3()?;
         if nq != self.num_quantizers {
             candle_core::bail!(
                 "code2wav: expected {} quantizers, got {nq}",
                 self.num_quantizers
             )
         }
+        let codes = codes.to_dtype(DType::U32)?;
+        if n > 0 {
+            // Negative i64 codes wrap to large u32 values and fail here too.
+            let max = codes.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+            if max as usize >= self.codebook_size {
+                candle_core::bail!("code2wav: code {max} outside the codebook")
+            }
+        }
+        codes.to_device(self.code_embedding.device())
+    }
+
+    /// One forward of `codes` (checked, u32, on the device) on batched `state`.
+    fn step_parts(
+        &self,
+        state: &mut Code2WavState,
+        codes: &Tensor,
+        pos: Pos,
+        mark: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Tensor> {
+        let (b, nq, n) = codes.dims3()?;
         let dtype = self.code_embedding.dtype();
         let device = self.code_embedding.device();
         if n == 0 {
             return Tensor::zeros((b, 1, 0), dtype, device);
-        }
-        // Checked where the codes are (the host, from the Talker): on the device
-        // the check would wait for the stream every step. Negative i64 codes wrap
-        // to large u32 values and fail here too.
-        let codes = codes.to_dtype(DType::U32)?;
-        let max = codes.flatten_all()?.max(0)?.to_scalar::<u32>()?;
-        let codes = codes.to_device(device)?;
-        if max as usize >= self.codebook_size {
-            candle_core::bail!("code2wav: code {max} outside the codebook")
         }
         let offsets: Vec<u32> = (0..nq as u32)
             .map(|q| q * self.codebook_size as u32)
@@ -1166,11 +1442,7 @@ impl Code2Wav {
             .mean(1)?;
         mark("embed")?;
 
-        let pos = match positions {
-            Some(p) => p.to_vec(),
-            None => vec![state.frames],
-        };
-        let h = self.pre_transformer.step(&h, &pos, &mut state.kv)?;
+        let h = self.pre_transformer.step(&h, pos, &mut state.kv)?;
         mark("pre_transformer")?;
         let mut h = h.transpose(1, 2)?.contiguous()?;
         for ((up, convnext), s) in self.upsample.iter().zip(state.upsample.iter_mut()) {
@@ -1529,6 +1801,32 @@ mod tests {
         let err = m.step_slots(&mut slots, &[0, 1], &one).unwrap_err();
         assert!(err.to_string().contains("2 slots for 1"), "{err}");
         assert_eq!(slots.frames(1), lens[1]);
+    }
+
+    /// The mask a graphed step builds on the device from each row's first frame
+    /// equals the host's, for rows before, at and past a full window.
+    #[test]
+    fn device_mask_equals_host_mask() {
+        let dev = Device::Cpu;
+        for (window, n) in [(8usize, 4usize), (72, 4), (72, 1), (8, 9)] {
+            let total = window - 1 + n;
+            let firsts = [1usize, 2, 5, window - 2, window - 1, window, 3 * window];
+            let host = host_mask(&firsts, n, total, window, &dev).unwrap();
+            let first = Tensor::from_vec(
+                firsts.iter().map(|&f| f as f32).collect::<Vec<_>>(),
+                (firsts.len(), 1, 1),
+                &dev,
+            )
+            .unwrap();
+            let device = device_mask(&first, n, total, window).unwrap();
+            let (h, d) = (
+                host.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                device.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert_eq!(h, d, "window {window}, n {n}");
+            // Each row sees min(first, window - 1) cached keys at its first query.
+            assert!(h.iter().any(|x| x.is_infinite()) && h.contains(&0.0));
+        }
     }
 
     /// The reference's `chunked_decode(codes, 5, 25)` on 20 frames drops the 555

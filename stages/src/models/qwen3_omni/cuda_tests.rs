@@ -817,9 +817,175 @@ fn decode_attention_kernel_matches_f32() {
     }
 }
 
+/// Gumbel-max draws on the GPU follow softmax(l / t) (as on the CPU, in
+/// sampling.rs), and over a full vocabulary a dominant logit always wins: no
+/// uniform draw of exactly 1.0 turns into infinite noise.
+#[test]
+fn gumbel_max_on_gpu_follows_the_tempered_softmax() {
+    use super::sampling::gumbel_max_rows;
+    let dev = gpu();
+    let l = [1.0f32, 0.0, -1.0, 2.0];
+    let rows = 40_000;
+    let logits = Tensor::from_vec(l.repeat(rows), (rows, 4), &dev).unwrap();
+    let ids = gumbel_max_rows(&logits, &vec![0.7; rows])
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap();
+    let z: f32 = l.iter().map(|x| (x / 0.7).exp()).sum();
+    for (k, x) in l.iter().enumerate() {
+        let want = (x / 0.7).exp() / z;
+        let got = ids.iter().filter(|&&i| i == k as u32).count() as f32 / rows as f32;
+        assert!((got - want).abs() < 0.01, "id {k}: {got} vs {want}");
+    }
+    let (b, vocab) = (64usize, 151_936usize);
+    let mut wide = vec![0f32; b * vocab];
+    for r in 0..b {
+        wide[r * vocab + 7] = 40.0;
+    }
+    let wide = Tensor::from_vec(wide, (b, vocab), &dev).unwrap();
+    for _ in 0..8 {
+        let ids = gumbel_max_rows(&wide, &vec![1.0; b])
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap();
+        assert!(ids.iter().all(|&i| i == 7), "{ids:?}");
+    }
+}
+
+/// The fused SnakeBeta kernel against the activation in f32 on the same bf16
+/// inputs: within one rounding to bf16 (candle's five bf16 ops, printed beside,
+/// round five times); lengths not a multiple of 8 are refused.
+#[test]
+fn snake_beta_kernel_matches_f32() {
+    use super::kernels;
+    let dev = gpu();
+    for (rows, c, len) in [(3usize, 96usize, 7680usize), (2, 1536, 16), (1, 7, 8)] {
+        let x = (bf16_randn((rows, c, len), &dev) * 3.0).unwrap();
+        let alpha = bf16_randn((1, c, 1), &dev)
+            .affine(0.3, 0.0)
+            .unwrap()
+            .exp()
+            .unwrap();
+        let inv_beta = (bf16_randn((1, c, 1), &dev)
+            .affine(0.3, 0.0)
+            .unwrap()
+            .exp()
+            .unwrap()
+            + 1e-9)
+            .unwrap()
+            .recip()
+            .unwrap();
+        let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let snake = |x: &Tensor, a: &Tensor, b: &Tensor| {
+            let s = x.broadcast_mul(a).unwrap().sin().unwrap().sqr().unwrap();
+            (x + s.broadcast_mul(b).unwrap()).unwrap()
+        };
+        let want = snake(&f(&x), &f(&alpha), &f(&inv_beta));
+        let got = f(&kernels::snake_beta(&x, &alpha, &inv_beta).unwrap());
+        let ops = f(&snake(&x, &alpha, &inv_beta));
+        // Relative to each value: one bf16 rounding is at most 2^-9 of it.
+        let rel = |t: &Tensor| {
+            ((t - &want).unwrap().abs().unwrap() / (want.abs().unwrap() + 1e-3).unwrap())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        let (k, o) = (rel(&got), rel(&ops));
+        eprintln!(
+            "snake_beta {rows}x{c}x{len}: kernel max rel err {k:.2e}, candle's bf16 ops {o:.2e}"
+        );
+        assert!(k <= 2f32.powi(-8), "kernel off by {k}");
+    }
+    let odd = bf16_randn((1, 4, 12), &dev);
+    let a = bf16_randn((1, 4, 1), &dev);
+    let err = kernels::snake_beta(&odd, &a, &a).unwrap_err();
+    assert!(err.to_string().contains("multiple of 8"), "{err}");
+}
+
+/// Code2Wav's graphed steps (released shapes, random bf16) match its eager ones:
+/// two sets of slots with the same streams, one stepped eagerly and one through
+/// graphs, over chunks of 4 frames past and inside the attention window, with 3
+/// rows (a bucket of 4: one padding row on the scratch slot), then 2 of them,
+/// then new streams' first chunks in the same slots; the graphs captured before
+/// any stream (`warm_up_graphs`). Within bf16 rounding of a different GEMM batch (a state in the wrong slot
+/// would differ by the signal itself); the figure is printed.
+#[test]
+fn code2wav_graphed_steps_match_eager() {
+    use super::code2wav::{Code2Wav, Code2WavConfig, Code2WavGraphs};
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/qwen3_omni_moe_bench/config.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let cfg: Code2WavConfig = serde_json::from_value(v["code2wav_config"].clone()).unwrap();
+    let dev = gpu();
+    let c2w = Code2Wav::new(&cfg, weights::random(DType::BF16, &dev)).unwrap();
+    let codes = |b: usize, n: usize, seed: usize| {
+        let v: Vec<u32> = (0..b * 16 * n)
+            .map(|i| ((i * 7919 + seed * 104_729) % 2048) as u32)
+            .collect();
+        Tensor::from_vec(v, (b, 16, n), &Device::Cpu).unwrap()
+    };
+    let (mut eager, mut graphed) = (c2w.new_slots(4), c2w.new_slots(4));
+    let mut graphs = Code2WavGraphs::default();
+    // Before any stream: buckets 1, 2 and 4, first chunks of 1 frame and chunks of 4.
+    let n = c2w
+        .warm_up_graphs(&mut graphed, &mut graphs, 4, 1, 4)
+        .unwrap();
+    assert_eq!(n, 6);
+    let ids = [2usize, 0, 3];
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let first = codes(3, 1, 0);
+    let a = c2w.step_slots(&mut eager, &ids, &first).unwrap();
+    let b = c2w
+        .step_slots_graphed(&mut graphed, &mut graphs, &ids, &first)
+        .unwrap();
+    let scale = max_abs_diff(&f(&a), &f(&a).zeros_like().unwrap());
+    let mut worst = max_abs_diff(&f(&a), &f(&b)) / scale;
+    for step in 0..24 {
+        let rows: &[usize] = if step < 20 { &ids } else { &ids[1..] };
+        let chunk = codes(rows.len(), 4, step + 1);
+        let a = c2w.step_slots(&mut eager, rows, &chunk).unwrap();
+        let b = c2w
+            .step_slots_graphed(&mut graphed, &mut graphs, rows, &chunk)
+            .unwrap();
+        assert_eq!(a.dims(), b.dims());
+        let d = max_abs_diff(&f(&a), &f(&b));
+        let scale = max_abs_diff(&f(&a), &f(&a).zeros_like().unwrap());
+        assert!(scale > 1e-3, "step {step}: silent output");
+        worst = worst.max(d / scale);
+        for &s in rows {
+            assert_eq!(eager.frames(s), graphed.frames(s));
+        }
+    }
+    // New streams in the same slots: their first chunks graphed too (the slots
+    // exist now), then two more.
+    for s in ids {
+        eager.reset(s);
+        graphed.reset(s);
+    }
+    for step in 0..3 {
+        let chunk = codes(3, if step == 0 { 1 } else { 4 }, 100 + step);
+        let a = c2w.step_slots(&mut eager, &ids, &chunk).unwrap();
+        let b = c2w
+            .step_slots_graphed(&mut graphed, &mut graphs, &ids, &chunk)
+            .unwrap();
+        let scale = max_abs_diff(&f(&a), &f(&a).zeros_like().unwrap());
+        worst = worst.max(max_abs_diff(&f(&a), &f(&b)) / scale);
+    }
+    eprintln!("code2wav graphed vs eager, 27 chunks: max |diff| {worst:.2e} of the signal's max");
+    assert!(
+        worst <= 0.1,
+        "graphed steps differ by {worst} of the signal"
+    );
+}
+
 /// Code2Wav at the released shapes (random bf16), alone on the GPU: the first
 /// chunk (one frame) and steady 4-frame chunks of 1, 8 and 32 streams in one
-/// `step_many`, synchronized, mean of 5 after 2 warm-ups.
+/// `step_slots`, synchronized, mean of 5 after 2 warm-ups.
 #[test]
 #[ignore]
 fn profile_code2wav_chunks() {
@@ -843,28 +1009,136 @@ fn profile_code2wav_chunks() {
         .unwrap()
     };
     for b in [1usize, 8, 32] {
-        let mut states: Vec<_> = (0..b).map(|_| c2w.new_state()).collect();
+        let mut slots = c2w.new_slots(b);
+        let ids: Vec<usize> = (0..b).collect();
         let t = Instant::now();
-        c2w.step_many(&mut states, &vec![codes(1); b]).unwrap();
+        c2w.step_slots(
+            &mut slots,
+            &ids,
+            &codes(1).unsqueeze(0).unwrap().repeat((b, 1, 1)).unwrap(),
+        )
+        .unwrap();
         dev.synchronize().unwrap();
         eprintln!(
-            "code2wav {b} streams, first chunk (1 frame, one by one): {:.1} ms",
+            "code2wav {b} streams, first chunk (1 frame): {:.1} ms",
             t.elapsed().as_secs_f64() * 1e3
         );
-        let chunk = vec![codes(4); b];
+        let chunk = codes(4).unsqueeze(0).unwrap().repeat((b, 1, 1)).unwrap();
         for _ in 0..2 {
-            c2w.step_many(&mut states, &chunk).unwrap();
+            c2w.step_slots(&mut slots, &ids, &chunk).unwrap();
         }
         dev.synchronize().unwrap();
         let t = Instant::now();
         for _ in 0..5 {
-            c2w.step_many(&mut states, &chunk).unwrap();
+            c2w.step_slots(&mut slots, &ids, &chunk).unwrap();
+        }
+        // The host's launches alone: when this is most of the step, the step is
+        // launch-bound, not GPU-bound.
+        let queued = t.elapsed().as_secs_f64() * 1e3 / 5.0;
+        dev.synchronize().unwrap();
+        let ms = t.elapsed().as_secs_f64() * 1e3 / 5.0;
+        eprintln!(
+            "code2wav {b} streams, 4-frame chunk in one step_slots: {ms:.1} ms ({:.0} audio-s/s), \
+             {queued:.1} ms of it launching",
+            b as f64 * 0.32 / (ms / 1e3)
+        );
+        let mut graphs = super::code2wav::Code2WavGraphs::default();
+        for _ in 0..2 {
+            c2w.step_slots_graphed(&mut slots, &mut graphs, &ids, &chunk)
+                .unwrap();
+        }
+        dev.synchronize().unwrap();
+        let t = Instant::now();
+        for _ in 0..5 {
+            c2w.step_slots_graphed(&mut slots, &mut graphs, &ids, &chunk)
+                .unwrap();
         }
         dev.synchronize().unwrap();
         let ms = t.elapsed().as_secs_f64() * 1e3 / 5.0;
         eprintln!(
-            "code2wav {b} streams, 4-frame chunk in one step_many: {ms:.1} ms ({:.0} audio-s/s)",
+            "code2wav {b} streams, 4-frame chunk graphed: {ms:.1} ms ({:.0} audio-s/s)",
             b as f64 * 0.32 / (ms / 1e3)
+        );
+    }
+}
+
+/// Where a batched 4-frame Code2Wav step of 8 and 32 streams spends its time:
+/// the device is synchronised after each part (the state's stacking and splitting,
+/// the pre-transformer, each decoder block's SnakeBeta, transposed conv and
+/// residual units), so each figure is its launches and its GPU work together;
+/// last, the stage's copy of the audio to the host.
+#[test]
+#[ignore]
+fn profile_code2wav_parts() {
+    use super::code2wav::{Code2Wav, Code2WavConfig};
+    use std::time::Instant;
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/qwen3_omni_moe_bench/config.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let cfg: Code2WavConfig = serde_json::from_value(v["code2wav_config"].clone()).unwrap();
+    let dev = gpu();
+    let c2w = Code2Wav::new(&cfg, weights::random(DType::BF16, &dev)).unwrap();
+    let codes = |n: usize, seed: usize| {
+        Tensor::from_vec(
+            (0..16 * n)
+                .map(|i| ((i + seed) * 37 % 2048) as u32)
+                .collect::<Vec<_>>(),
+            (16, n),
+            &Device::Cpu,
+        )
+        .unwrap()
+    };
+    const ITERS: usize = 5;
+    for b in [8usize, 32] {
+        let mut slots = c2w.new_slots(b);
+        let ids: Vec<usize> = (0..b).collect();
+        let batch = |n: usize| {
+            let rows: Vec<Tensor> = (0..b).map(|i| codes(n, i)).collect();
+            Tensor::stack(&rows, 0).unwrap()
+        };
+        c2w.step_slots(&mut slots, &ids, &batch(1)).unwrap();
+        // Past the attention window (71 frames), as in a running conversation.
+        let chunk = batch(4);
+        for _ in 0..18 {
+            c2w.step_slots(&mut slots, &ids, &chunk).unwrap();
+        }
+        dev.synchronize().unwrap();
+        let mut parts: Vec<(String, f64)> = Vec::new();
+        let mut copies = 0.0;
+        let t0 = Instant::now();
+        for _ in 0..ITERS {
+            let mut t = Instant::now();
+            let wav = c2w
+                .step_slots_marked(&mut slots, &ids, &chunk, &mut |part| {
+                    dev.synchronize()?;
+                    let ms = t.elapsed().as_secs_f64() * 1e3;
+                    match parts.iter_mut().find(|(p, _)| p == part) {
+                        Some((_, total)) => *total += ms,
+                        None => parts.push((part.to_string(), ms)),
+                    }
+                    t = Instant::now();
+                    Ok(())
+                })
+                .unwrap();
+            let t = Instant::now();
+            wav.flatten_from(1)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            copies += t.elapsed().as_secs_f64() * 1e3;
+        }
+        let wall = t0.elapsed().as_secs_f64() * 1e3 / ITERS as f64;
+        eprintln!("code2wav {b} streams, 4-frame chunk, synchronised after each part: {wall:.1} ms a step");
+        for (part, ms) in &parts {
+            eprintln!("  {part:<34} {:>7.2} ms", ms / ITERS as f64);
+        }
+        eprintln!(
+            "  {:<34} {:>7.2} ms",
+            "copies to the host, per stream",
+            copies / ITERS as f64
         );
     }
 }

@@ -502,11 +502,17 @@ impl Profile {
                     ("max_prefill_tokens", s.max_prefill_tokens.is_some()),
                     ("prefix_cache_entries", s.prefix_cache_entries.is_some()),
                     ("max_model_len", s.max_model_len.is_some()),
-                    ("enforce_eager", s.enforce_eager),
                 ] {
                     if set {
                         return Err(self.invalid(key(k), "applies to `ar` stages only"));
                     }
+                }
+                // Qwen3-Omni's Code2Wav steps as CUDA graphs too; no other decoder does.
+                if s.enforce_eager && s.model.model_type != ModelType::Qwen3OmniCode2wav {
+                    return Err(self.invalid(
+                        key("enforce_eager"),
+                        "applies to `ar` stages and Qwen3-Omni's Code2Wav only",
+                    ));
                 }
             }
             if s.max_model_len.is_some_and(|n| n < 2) {
@@ -902,6 +908,13 @@ connectors:
             Some(0.8)
         );
         assert_eq!(p.connector(1).unwrap().initial_codec_chunk_frames, Some(1));
+        // Code2Wav's CUDA graphs can be turned off, as the `ar` stages' can.
+        let eager = text.replace(
+            "    max_num_seqs: 8\nconnectors:",
+            "    max_num_seqs: 8\n    enforce_eager: true\nconnectors:",
+        );
+        let p = Profile::parse(&eager, &deploy.join("qwen3_omni_moe.yaml")).unwrap();
+        assert!(p.stages[2].enforce_eager);
         // The exact decoder has no re-decoded context to set.
         let text = text.replace(
             "codec_chunk_frames: 4",
@@ -942,7 +955,8 @@ connectors:
                 yaml.replace("max_num_seqs: 4", "max_num_seqs: 4, max_model_len: 1"),
                 "stages[0].max_model_len",
             ),
-            // CUDA graphs are for decode steps: a generation stage has none.
+            // CUDA graphs are for decode steps and Qwen3-Omni's Code2Wav: another
+            // generation stage has none.
             (
                 yaml.replace(
                     "max_num_seqs: 2 }\n  - { stage_id: 2",

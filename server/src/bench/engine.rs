@@ -177,11 +177,9 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
     }
     let mut profile = Profile::load(&args.profile.profile)?;
     if args.enforce_eager {
-        for s in profile
-            .stages
-            .iter_mut()
-            .filter(|s| s.kind == StageKind::Ar)
-        {
+        for s in profile.stages.iter_mut().filter(|s| {
+            s.kind == StageKind::Ar || s.model.model_type == ModelType::Qwen3OmniCode2wav
+        }) {
             s.enforce_eager = true;
         }
     }

@@ -5,7 +5,10 @@
 //! are here, with no lookahead and no re-decoded context, and the streamed audio
 //! equals the whole-utterance decode. The chunk sizes only trade how often audio
 //! goes out against per-call overhead: the first chunk after
-//! `initial_codec_chunk_frames`, then every `codec_chunk_frames`.
+//! `initial_codec_chunk_frames`, then every `codec_chunk_frames`. On a GPU the
+//! streams' states live in slots on the device and the steps replay CUDA graphs
+//! captured when the stage starts (`Code2Wav::step_slots_graphed`), unless the
+//! stage is `enforce_eager`.
 
 use std::collections::VecDeque;
 use std::sync::Arc;

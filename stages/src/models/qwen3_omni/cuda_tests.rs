@@ -906,6 +906,17 @@ fn snake_beta_kernel_matches_f32() {
     assert!(err.to_string().contains("multiple of 8"), "{err}");
 }
 
+/// Code2Wav at the released shapes with random bf16 weights on `dev`.
+fn released_code2wav(dev: &Device) -> super::code2wav::Code2Wav {
+    use super::code2wav::{Code2Wav, Code2WavConfig};
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/qwen3_omni_moe_bench/config.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let cfg: Code2WavConfig = serde_json::from_value(v["code2wav_config"].clone()).unwrap();
+    Code2Wav::new(&cfg, weights::random(DType::BF16, dev)).unwrap()
+}
+
 /// Code2Wav's graphed steps (released shapes, random bf16) match its eager ones:
 /// two sets of slots with the same streams, one stepped eagerly and one through
 /// graphs, over chunks of 4 frames past and inside the attention window, with 3
@@ -915,14 +926,9 @@ fn snake_beta_kernel_matches_f32() {
 /// would differ by the signal itself); the figure is printed.
 #[test]
 fn code2wav_graphed_steps_match_eager() {
-    use super::code2wav::{Code2Wav, Code2WavConfig, Code2WavGraphs};
-    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../deploy/qwen3_omni_moe_bench/config.json");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let cfg: Code2WavConfig = serde_json::from_value(v["code2wav_config"].clone()).unwrap();
+    use super::code2wav::Code2WavGraphs;
     let dev = gpu();
-    let c2w = Code2Wav::new(&cfg, weights::random(DType::BF16, &dev)).unwrap();
+    let c2w = released_code2wav(&dev);
     let codes = |b: usize, n: usize, seed: usize| {
         let v: Vec<u32> = (0..b * 16 * n)
             .map(|i| ((i * 7919 + seed * 104_729) % 2048) as u32)
@@ -989,15 +995,9 @@ fn code2wav_graphed_steps_match_eager() {
 #[test]
 #[ignore]
 fn profile_code2wav_chunks() {
-    use super::code2wav::{Code2Wav, Code2WavConfig};
     use std::time::Instant;
-    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../deploy/qwen3_omni_moe_bench/config.json");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let cfg: Code2WavConfig = serde_json::from_value(v["code2wav_config"].clone()).unwrap();
     let dev = gpu();
-    let c2w = Code2Wav::new(&cfg, weights::random(DType::BF16, &dev)).unwrap();
+    let c2w = released_code2wav(&dev);
     let codes = |n: usize| {
         Tensor::from_vec(
             (0..16 * n)
@@ -1070,15 +1070,9 @@ fn profile_code2wav_chunks() {
 #[test]
 #[ignore]
 fn profile_code2wav_parts() {
-    use super::code2wav::{Code2Wav, Code2WavConfig};
     use std::time::Instant;
-    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../deploy/qwen3_omni_moe_bench/config.json");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let cfg: Code2WavConfig = serde_json::from_value(v["code2wav_config"].clone()).unwrap();
     let dev = gpu();
-    let c2w = Code2Wav::new(&cfg, weights::random(DType::BF16, &dev)).unwrap();
+    let c2w = released_code2wav(&dev);
     let codes = |n: usize, seed: usize| {
         Tensor::from_vec(
             (0..16 * n)

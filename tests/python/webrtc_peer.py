@@ -149,7 +149,7 @@ async def run(args, out_dir):
                 # Packed layouts interleave channels in one row.
                 ch = len(f.layout.channels)
                 a = a.reshape(-1, ch).mean(axis=1) if a.shape[0] == 1 else a.mean(axis=0)
-                frames.append((time.monotonic(), f.pts, f.sample_rate, a.astype(np.int16)))
+                frames.append((time.monotonic(), f.pts, f.sample_rate, a.astype(np.int16), f.samples))
         audio_task.append(asyncio.ensure_future(read()))
 
     await pc.setLocalDescription(await pc.createOffer())
@@ -262,6 +262,11 @@ async def run(args, out_dir):
     steady = played[10:]
     gaps = [b[0] - a[0] for a, b in zip(steady, steady[1:])]
     result["max_gap_ms"] = round(max(gaps) * 1000, 1) if gaps else None
+    # Frames missing from the stream: a step in the RTP-derived pts of more than
+    # the frame before it (arrival times also move with the receiver's scheduling).
+    steps = [(b[1] - a[1], a[4]) for a, b in zip(played, played[1:])
+             if a[1] is not None and b[1] is not None]
+    result["frames_lost"] = sum(max(0, round(d / n) - 1) for d, n in steps if n)
     pts = [f[1] for f in frames if f[1] is not None]
     result["pts_monotonic"] = all(b > a for a, b in zip(pts, pts[1:]))
     pcm = np.concatenate([f[3] for f in played]) if played else np.zeros(0, np.int16)

@@ -84,12 +84,14 @@ fn answer_checks(v: &Value, rate: u64) {
     assert!(v["answer_seconds"].as_f64().is_some_and(|s| s > 1.0), "{v}");
     assert!(v["rms"].as_f64().is_some_and(|r| r > 300.0), "silent: {v}");
     assert_eq!(v["pts_monotonic"], true, "{v}");
-    // Paced 20 ms frames: no hole in the stream while the answer plays. The
-    // gaps are arrival times at a Python receiver on a busy 2-core machine:
-    // one frame a scheduling tick late (measured 40.4 ms once in CI) is
-    // jitter any jitter buffer absorbs; a hole is two frames missing.
+    // Paced 20 ms frames: no hole in the stream while the answer plays, by
+    // the frames' RTP timestamps. The arrival gaps at a Python receiver on a
+    // busy 2-core machine also carry its scheduling (40.4 and 64.7 ms seen in
+    // CI with no frame missing): bounded where a jitter buffer still absorbs
+    // them, so a server that sends in bursts fails.
+    assert_eq!(v["frames_lost"], 0, "frames missing from the stream: {v}");
     let gap = v["max_gap_ms"].as_f64().expect("max_gap_ms");
-    assert!(gap < 60.0, "a {gap} ms gap between frames: {v}");
+    assert!(gap < 150.0, "a {gap} ms gap between frames: {v}");
     let events: Vec<&str> = v["events"]
         .as_array()
         .unwrap()

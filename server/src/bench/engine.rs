@@ -58,7 +58,7 @@ pub struct EngineArgs {
     /// Sample the answers at this temperature (unseeded, so on a GPU each draw is
     /// a Gumbel-max on the device) instead of the profile's sampling. With random
     /// weights, greedy answers to different prompts fall into the same tokens
-    /// (see `distinct_answers` in the report), and batched rows then route to the
+    /// (see `distinct_answer_tails` in the report), and batched rows then route to the
     /// same few experts; sampled ones stay apart, as real conversations do.
     #[arg(long)]
     pub temperature: Option<f64>,
@@ -336,8 +336,6 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
     Ok(())
 }
 
-/// Request `seed`'s user message: common words drawn by a seeded RNG, as many
-/// as keep the templated prompt at `n` tokens (or the nearest below).
 /// How many different second halves the answers' texts have.
 fn distinct_tails(done: &[Outcome]) -> usize {
     let tails: std::collections::HashSet<String> = done
@@ -350,6 +348,8 @@ fn distinct_tails(done: &[Outcome]) -> usize {
     tails.len()
 }
 
+/// Request `seed`'s user message: common words drawn by a seeded RNG, as many
+/// as keep the templated prompt at `n` tokens (or the nearest below).
 fn prompt_of_length(tok: &ChatTokenizer, n: usize, seed: u64) -> Result<String> {
     use rand::{Rng, SeedableRng};
     const WORDS: [&str; 48] = [

@@ -261,9 +261,9 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
                 st.busy * 100.0
             );
         }
+        let tails = distinct_tails(&done);
         eprintln!(
-            "  answers: {} different second halves of {}",
-            distinct_tails(&done),
+            "  answers: {tails} different second halves of {}",
             done.len()
         );
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -309,7 +309,7 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
             tpot_over_bound: Some(tpot.mean / (bound * 1e3)),
             tpot_ms: tpot,
             stages,
-            distinct_answer_tails: Some(distinct_tails(&done)),
+            distinct_answer_tails: Some(tails),
         });
     }
     let report = Report {

@@ -320,7 +320,8 @@ impl Qwen3OmniThinker {
         // The checkpoint's embedding rows past the tokenizer's vocabulary are
         // padding (152,064 rows for ~151,700 tokens): never drawn.
         let vocab = self.tokenizer.vocab_size().min(logits.dim(1)?);
-        let full = logits;
+        // index_select wants whole (contiguous) rows; the padding goes after.
+        let full = logits.contiguous()?;
         let logits = full.narrow(1, 0, vocab)?;
         #[derive(Clone, Copy, PartialEq)]
         enum Where {
@@ -350,13 +351,9 @@ impl Qwen3OmniThinker {
                 .filter(|&r| f(how[r as usize]))
                 .collect()
         };
-        // index_select wants the whole (contiguous) rows; the padding goes after.
         let select = |rows: &[u32]| -> Result<Tensor> {
             let idx = Tensor::from_vec(rows.to_vec(), rows.len(), logits.device())?;
-            Ok(full
-                .contiguous()?
-                .index_select(&idx, 0)?
-                .narrow(1, 0, vocab)?)
+            Ok(full.index_select(&idx, 0)?.narrow(1, 0, vocab)?)
         };
         let argmax = match rows_where(&|h| h == Where::Argmax).len() {
             0 => Vec::new(),

@@ -635,6 +635,29 @@ impl TransformerModel {
     }
 }
 
+/// A part of a step, for [`Code2Wav::step_slots_marked`]: a decoder block's
+/// (counted from 1) or the whole model's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Part {
+    pub block: Option<usize>,
+    pub name: &'static str,
+}
+
+impl Part {
+    fn whole(name: &'static str) -> Self {
+        Self { block: None, name }
+    }
+}
+
+impl std::fmt::Display for Part {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.block {
+            Some(b) => write!(f, "block {b}: {}", self.name),
+            None => f.write_str(self.name),
+        }
+    }
+}
+
 /// Where a step's rows are in their streams.
 #[derive(Clone, Copy)]
 enum Pos<'a> {
@@ -738,7 +761,7 @@ impl DecoderResidualUnit {
         &self,
         x: &Tensor,
         state: &mut Pending,
-        mark: &mut dyn FnMut(&str) -> Result<()>,
+        mark: &mut dyn FnMut(&'static str) -> Result<()>,
     ) -> Result<Tensor> {
         let a = self.act1.forward(x)?;
         mark("snake")?;
@@ -791,7 +814,7 @@ impl DecoderBlock {
         &self,
         x: &Tensor,
         state: &mut DecoderBlockState,
-        mark: &mut dyn FnMut(&str) -> Result<()>,
+        mark: &mut dyn FnMut(&'static str) -> Result<()>,
     ) -> Result<Tensor> {
         let a = self.act.forward(x)?;
         mark("snake")?;
@@ -1178,7 +1201,7 @@ impl Code2Wav {
         state: &mut Code2WavSlots,
         slots: &[usize],
         codes: &Tensor,
-        mark: &mut dyn FnMut(&str) -> Result<()>,
+        mark: &mut dyn FnMut(Part) -> Result<()>,
     ) -> Result<Tensor> {
         let b = state.check(slots, codes)?;
         let n = codes.dim(2)?;
@@ -1224,13 +1247,13 @@ impl Code2Wav {
             // Fresh states are all alike: the batch starts from one.
             self.new_state()
         };
-        mark("gather")?;
+        mark(Part::whole("gather"))?;
         let wav = self.step_parts(&mut batch, &codes, Pos::Host(&pos), mark)?;
         state.scatter(&ids, &mut batch)?;
         for (&s, p) in slots.iter().zip(&pos) {
             state.frames[s] = p + n;
         }
-        mark("scatter")?;
+        mark(Part::whole("scatter"))?;
         wav.clamp(-1f32, 1f32)
     }
 
@@ -1265,20 +1288,20 @@ impl Code2Wav {
         }) else {
             return self.step_slots(state, slots, codes);
         };
-        let codes = self.device_codes(codes)?;
+        let checked = self.device_codes(codes)?;
         let scratch = state.capacity() as u32;
         let mut ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
         ids.resize(bb, scratch);
         let mut first: Vec<f32> = slots.iter().map(|&s| state.frames[s] as f32).collect();
         first.resize(bb, state.kv_len as f32);
         let Some(g) = self.chunk_graph(state, graphs, key)? else {
-            return self.step_slots(state, slots, &codes);
+            return self.step_slots(state, slots, codes);
         };
         g.ids.slice_set(&Tensor::from_vec(ids, bb, dev)?, 0, 0)?;
         g.first
             .slice_set(&Tensor::from_vec(first, bb, dev)?, 0, 0)?;
         // Rows b.. keep the last step's codes: any valid codes do for the scratch row.
-        g.codes.slice_set(&codes, 0, 0)?;
+        g.codes.slice_set(&checked, 0, 0)?;
         // Audio goes first on a GPU shared with the Thinker.
         g.graph.launch_urgent(dev)?;
         for &s in slots {
@@ -1422,7 +1445,7 @@ impl Code2Wav {
         state: &mut Code2WavState,
         codes: &Tensor,
         pos: Pos,
-        mark: &mut dyn FnMut(&str) -> Result<()>,
+        mark: &mut dyn FnMut(Part) -> Result<()>,
     ) -> Result<Tensor> {
         let (b, nq, n) = codes.dims3()?;
         let dtype = self.code_embedding.dtype();
@@ -1440,26 +1463,29 @@ impl Code2Wav {
             .index_select(&ids, 0)?
             .reshape((b, nq, n, ()))?
             .mean(1)?;
-        mark("embed")?;
+        mark(Part::whole("embed"))?;
 
         let h = self.pre_transformer.step(&h, pos, &mut state.kv)?;
-        mark("pre_transformer")?;
+        mark(Part::whole("pre_transformer"))?;
         let mut h = h.transpose(1, 2)?.contiguous()?;
         for ((up, convnext), s) in self.upsample.iter().zip(state.upsample.iter_mut()) {
             h = up.step(&h, &mut None)?;
             h = convnext.step(&h, s)?;
         }
-        mark("upsample")?;
+        mark(Part::whole("upsample"))?;
         let mut wav = self.decoder_in.step(&h, &mut state.decoder_in)?;
-        mark("decoder_in")?;
+        mark(Part::whole("decoder_in"))?;
         for (i, (block, s)) in self.blocks.iter().zip(state.blocks.iter_mut()).enumerate() {
-            wav = block.step(&wav, s, &mut |part| {
-                mark(&format!("block {}: {part}", i + 1))
+            wav = block.step(&wav, s, &mut |name| {
+                mark(Part {
+                    block: Some(i + 1),
+                    name,
+                })
             })?;
         }
         let wav = self.decoder_act.forward(&wav)?;
         let mut wav = self.decoder_out.step(&wav, &mut state.decoder_out)?;
-        mark("decoder_out")?;
+        mark(Part::whole("decoder_out"))?;
         if state.frames == 0 {
             let lead = Tensor::zeros((b, 1, self.delay), wav.dtype(), wav.device())?;
             wav = Tensor::cat(&[&lead, &wav], 2)?;

@@ -9,6 +9,8 @@
 #   profile    per-layer timings, eager and graphed, engine kernels and candle's ops
 #   code2wav   Code2Wav alone: first chunk and 4-frame chunks of 1, 8, 32 streams,
 #              then the time of each part of a step of 8 and 32
+#   talker     the Talker alone: the code predictor's frame and the decode step,
+#              graphed, at 1 to 32 rows, and the whole step the stage runs
 #   ncu        Nsight Compute: each kernel of a decoder layer's decode step at 1, 8
 #              and 32 rows (duration, DRAM throughput), by scripts/cuda/ncu_table.py
 #   ncu-prefill the same for one prefill layer: 32 prompts of 100, one of 2,500
@@ -28,6 +30,8 @@
 #   chat-wait  the same with the Thinker's wait for the audio path capped at
 #              WAIT_MS (default 100) instead of 10 ms
 #   chat-nopri the same with OMNISTREAM_STAGE_PRIORITY=off (side by side)
+#   chat-overlap the same with OMNISTREAM_STAGE_PRIORITY=eager: the Thinker waits for
+#              the audio path's eager work only, its graphed steps overlap (run 20)
 #   voice      chat with audio, deploy/qwen3-omni-h200-voice.yaml
 #   long       prompt 2,500, answer 900, audio on, c=1,8
 #   reference  scripts/cuda/reference_gpu.py (transformers, batch 1)
@@ -59,6 +63,10 @@ if [ -x cuda-bin/stages-tests ]; then
   if has code2wav; then
     step code2wav
     timeout 120 cuda-bin/stages-tests profile_code2wav --ignored --nocapture
+  fi
+  if has talker; then
+    step talker
+    timeout 120 cuda-bin/stages-tests profile_talker_steps --ignored --nocapture
   fi
   if has ncu; then
     step ncu
@@ -100,6 +108,7 @@ has chat && bench "${CHAT_S:-200}" "${H200[@]}" --name chat "${CHAT[@]}" --concu
 has chat-t && bench "${CHAT_S:-200}" "${H200[@]}" --name chat-t "${CHAT[@]}" --temperature "${TEMP:-1.0}" --concurrency "${CHAT_C:-1,8,32}"
 has chat-wait && OMNISTREAM_STAGE_PRIORITY=${WAIT_MS:-100} bench "${CHAT_S:-200}" "${H200[@]}" --name chat-wait "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has chat-nopri && OMNISTREAM_STAGE_PRIORITY=off bench "${CHAT_S:-200}" "${H200[@]}" --name chat-nopri "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
+has chat-overlap && OMNISTREAM_STAGE_PRIORITY=eager bench "${CHAT_S:-200}" "${H200[@]}" --name chat-overlap "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has voice && bench "${CHAT_S:-200}" --profile deploy/qwen3-omni-h200-voice.yaml --name chat-voice "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has long && bench "${LONG_S:-240}" "${H200[@]}" --name long --prompt-tokens 2500 --output-tokens 900 --concurrency "${LONG_C:-1,8}"
 if has reference; then

@@ -478,8 +478,7 @@ impl StageModel for Qwen3OmniTalker {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
-        // Ahead of the Thinker's next step on a shared GPU (graphs::yield_to_urgent).
-        let _urgent = graphs::UrgentSection::on(self.model.thinker().device());
+        let dev = self.model.thinker().device().clone();
         for id in self.lost.drain(..) {
             out.failed
                 .push((id, ModelError::Invalid("its KV slot was lost".into())));
@@ -508,7 +507,11 @@ impl StageModel for Qwen3OmniTalker {
         }
         if !batch.is_empty() {
             let running = self.running.len();
+            // Eager: ahead of the Thinker's next step on a shared GPU
+            // (graphs::yield_to_urgent).
+            let urgent = graphs::UrgentSection::on(&dev);
             let result = self.prefill(&mut batch);
+            drop(urgent);
             if let Err(e) = result {
                 // A batched prefill failed: none of its requests got a slot.
                 self.running.truncate(running);
@@ -522,6 +525,11 @@ impl StageModel for Qwen3OmniTalker {
         }
         let mut reqs = std::mem::take(&mut self.reqs);
         let mut graphs = self.graphs.take();
+        // Graphed steps replay on the urgent stream, beside the Thinker's.
+        let _urgent = match graphs {
+            Some(_) => graphs::UrgentSection::graphed(&dev),
+            None => graphs::UrgentSection::on(&dev),
+        };
         let result = self.step_running(&mut reqs, graphs.as_mut(), out);
         self.reqs = reqs;
         self.graphs = graphs;

@@ -171,7 +171,10 @@ type Pending = Option<Tensor>;
 /// left zero padding of `(kernel-1)*dilation`, kept across steps as state.
 #[derive(Debug, Clone)]
 struct CausalConvNet {
+    /// (cout, cin, kernel), or (cout, 1, kernel) depthwise.
     weight: Tensor,
+    /// (cout, kernel * cin), tap-major: the conv as one matmul over the stacked taps.
+    taps: Option<Tensor>,
     /// Depthwise kernels as (kernel, 1, channels, 1) for the groups == channels case.
     depthwise: Option<Tensor>,
     bias: Tensor,
@@ -190,16 +193,19 @@ impl CausalConvNet {
         vb: VarBuilder,
     ) -> Result<Self> {
         let vb = vb.pp("conv");
-        let (weight, dw) = if depthwise {
+        let (weight, taps, dw) = if depthwise {
             let w = vb.get((cout, 1, kernel), "weight")?;
             let dw = w.permute((2, 1, 0))?.unsqueeze(3)?.contiguous()?;
-            (w, Some(dw))
+            (w, None, Some(dw))
         } else {
-            (vb.get((cout, cin, kernel), "weight")?, None)
+            let w = vb.get((cout, cin, kernel), "weight")?;
+            let taps = w.permute((0, 2, 1))?.reshape((cout, kernel * cin))?;
+            (w, Some(taps), None)
         };
         let bias = vb.get(cout, "bias")?.reshape((1, cout, 1))?;
         Ok(Self {
             weight,
+            taps,
             depthwise: dw,
             bias,
             kernel,
@@ -235,7 +241,30 @@ impl CausalConvNet {
                 }
                 acc
             }
-            None => xx.conv1d(&self.weight, 0, 1, self.dilation, 1)?,
+            // The taps stacked on the channel axis and one matmul, whose output is
+            // channels-first already, in place of candle's conv1d (an im2col, a
+            // matmul, then a transposing copy back); `OMNISTREAM_DECODE_KERNELS=candle` keeps
+            // conv1d, for side-by-side measurement.
+            None => match self.taps.as_ref().filter(|_| kernels::enabled()) {
+                Some(w) => {
+                    let stacked = match self.kernel {
+                        1 => xx,
+                        k => {
+                            let taps = (0..k)
+                                .map(|j| xx.narrow(2, j * self.dilation, len))
+                                .collect::<Result<Vec<_>>>()?;
+                            // cat of strided views along dim 1 gives a transposed
+                            // layout, which cuBLAS's batched GEMM cannot take.
+                            Tensor::cat(&taps, 1)?.contiguous()?
+                        }
+                    };
+                    // Broadcast with a zero batch stride: `broadcast_matmul` would copy
+                    // the weight once per stream.
+                    let (b, k, _) = stacked.dims3()?;
+                    w.broadcast_as((b, w.dim(0)?, k))?.matmul(&stacked)?
+                }
+                None => xx.conv1d(&self.weight, 0, 1, self.dilation, 1)?,
+            },
         };
         y.broadcast_add(&self.bias)
     }
@@ -281,9 +310,20 @@ impl CausalTransConvNet {
     /// step with overlap, which gives (len-1)*s like the reference's left trim.
     /// `tail` is the second half-kernel contribution of the previous input sample.
     fn step(&self, x: &Tensor, tail: &mut Pending) -> Result<Tensor> {
-        let (b, _, len) = x.dims3()?;
+        let (b, cin, len) = x.dims3()?;
         let s = self.stride;
-        let z = x.transpose(1, 2)?.broadcast_matmul(&self.weight)?;
+        // One GEMM over every stream's samples: `broadcast_matmul` of the transposed
+        // input copied the weight once per stream (37.7 MB each in block 1);
+        // `OMNISTREAM_DECODE_KERNELS=candle` keeps it, for side-by-side measurement.
+        let z = match kernels::enabled() {
+            true => x
+                .transpose(1, 2)?
+                .contiguous()?
+                .reshape((b * len, cin))?
+                .matmul(&self.weight)?
+                .reshape((b, len, ()))?,
+            false => x.transpose(1, 2)?.broadcast_matmul(&self.weight)?,
+        };
         let blocks = if !self.overlap {
             z.reshape((b, len, self.cout, s))?
         } else {
@@ -1286,6 +1326,7 @@ impl Code2Wav {
                 && !state.kv.is_empty()
                 && !graphs.failed.contains(k)
         }) else {
+            let _urgent = graphs::UrgentSection::on(dev);
             return self.step_slots(state, slots, codes);
         };
         let checked = self.device_codes(codes)?;
@@ -1295,6 +1336,7 @@ impl Code2Wav {
         let mut first: Vec<f32> = slots.iter().map(|&s| state.frames[s] as f32).collect();
         first.resize(bb, state.kv_len as f32);
         let Some(g) = self.chunk_graph(state, graphs, key)? else {
+            let _urgent = graphs::UrgentSection::on(dev);
             return self.step_slots(state, slots, codes);
         };
         g.ids.slice_set(&Tensor::from_vec(ids, bb, dev)?, 0, 0)?;

@@ -1034,23 +1034,28 @@ fn profile_code2wav_chunks() {
              {queued:.1} ms of it launching",
             b as f64 * 0.32 / (ms / 1e3)
         );
-        let mut graphs = super::code2wav::Code2WavGraphs::default();
-        for _ in 0..2 {
-            c2w.step_slots_graphed(&mut slots, &mut graphs, &ids, &chunk)
-                .unwrap();
+        // Graphed, with candle's convolutions and SnakeBeta, then the engine's.
+        for engine in [false, true] {
+            super::kernels::set_enabled(engine);
+            let mut graphs = super::code2wav::Code2WavGraphs::default();
+            for _ in 0..2 {
+                c2w.step_slots_graphed(&mut slots, &mut graphs, &ids, &chunk)
+                    .unwrap();
+            }
+            dev.synchronize().unwrap();
+            let t = Instant::now();
+            for _ in 0..5 {
+                c2w.step_slots_graphed(&mut slots, &mut graphs, &ids, &chunk)
+                    .unwrap();
+            }
+            dev.synchronize().unwrap();
+            let ms = t.elapsed().as_secs_f64() * 1e3 / 5.0;
+            let ops = if engine { "engine's" } else { "candle's" };
+            eprintln!(
+                "code2wav {b} streams, 4-frame chunk graphed, {ops} convs: {ms:.1} ms ({:.0} audio-s/s)",
+                b as f64 * 0.32 / (ms / 1e3)
+            );
         }
-        dev.synchronize().unwrap();
-        let t = Instant::now();
-        for _ in 0..5 {
-            c2w.step_slots_graphed(&mut slots, &mut graphs, &ids, &chunk)
-                .unwrap();
-        }
-        dev.synchronize().unwrap();
-        let ms = t.elapsed().as_secs_f64() * 1e3 / 5.0;
-        eprintln!(
-            "code2wav {b} streams, 4-frame chunk graphed: {ms:.1} ms ({:.0} audio-s/s)",
-            b as f64 * 0.32 / (ms / 1e3)
-        );
     }
 }
 
@@ -1076,7 +1081,9 @@ fn profile_code2wav_parts() {
         .unwrap()
     };
     const ITERS: usize = 5;
-    for b in [8usize, 32] {
+    for (b, engine) in [(8usize, true), (32, false), (32, true)] {
+        // candle's convolutions and SnakeBeta, or the engine's.
+        super::kernels::set_enabled(engine);
         let mut slots = c2w.new_slots(b);
         let ids: Vec<usize> = (0..b).collect();
         let batch = |n: usize| {
@@ -1117,7 +1124,8 @@ fn profile_code2wav_parts() {
             copies += t.elapsed().as_secs_f64() * 1e3;
         }
         let wall = t0.elapsed().as_secs_f64() * 1e3 / ITERS as f64;
-        eprintln!("code2wav {b} streams, 4-frame chunk, synchronised after each part: {wall:.1} ms a step");
+        let ops = if engine { "engine's" } else { "candle's" };
+        eprintln!("code2wav {b} streams, 4-frame chunk, {ops} convs, synchronised after each part: {wall:.1} ms a step");
         for (part, ms) in &parts {
             eprintln!("  {:<34} {:>7.2} ms", part.to_string(), ms / ITERS as f64);
         }
@@ -1361,5 +1369,110 @@ fn profile_released_thinker_layer() {
             );
         }
         kernels::TC_STAGES.set(None);
+    }
+}
+
+/// Where a Talker step's time goes at the released shapes (random bf16), alone on
+/// the GPU: at 1, 8, 16, 24 and 32 rows with about 300 cached positions, the code
+/// predictor's graphed frame greedy and sampled (the H200 profile's config: their
+/// difference is the device sampling), the graphed 20-layer decode step, and the
+/// whole `step_slots` the stage runs (both graphs, the embeddings and the copies to
+/// the host). Synchronised, mean of 10 after 3 warm-ups.
+#[test]
+#[ignore]
+fn profile_talker_steps() {
+    use super::layers::KvCache;
+    use super::sampling::{Sampler, SamplingConfig};
+    use super::talker::{SlotRows, Talker, TalkerConfig, TalkerGraphs};
+    use std::time::Instant;
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/qwen3_omni_moe_bench/config.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let cfg: TalkerConfig = serde_json::from_value(v["talker_config"].clone()).unwrap();
+    let dev = gpu();
+    let talker = Talker::new(&cfg, weights::random(DType::BF16, &dev).pp("talker")).unwrap();
+    let tc = &cfg.text_config;
+    const ITERS: usize = 10;
+    let (max_rows, max_len, cached) = (32usize, 1024usize, 300usize);
+    let scratch = TalkerGraphs::scratch_slots(max_rows);
+    let slots = talker.new_slots(max_rows + scratch, max_len).unwrap();
+    for slot in 0..max_rows {
+        for s in &slots {
+            let kv = bf16_randn((1, tc.num_key_value_heads, cached, tc.head_dim()), &dev);
+            let mut c = KvCache::new();
+            c.append(&kv, &kv).unwrap();
+            s.load(slot, &c, 0, 0).unwrap();
+        }
+    }
+    let mut graphs = TalkerGraphs::new(max_rows);
+    let sampled = SamplingConfig {
+        temperature: 1.0,
+        ..SamplingConfig::code_predictor()
+    };
+    let time = |f: &mut dyn FnMut()| {
+        for _ in 0..3 {
+            f();
+        }
+        dev.synchronize().unwrap();
+        let t = Instant::now();
+        for _ in 0..ITERS {
+            f();
+        }
+        dev.synchronize().unwrap();
+        t.elapsed().as_secs_f64() * 1e3 / ITERS as f64
+    };
+    for b in [1usize, 8, 16, 24, 32] {
+        let ids: Vec<usize> = (0..b).collect();
+        let lens = vec![cached; b];
+        let pos = vec![cached as u32; b];
+        let hidden = bf16_randn((b, 1, tc.hidden_size), &dev);
+        let rows = SlotRows {
+            slots: &ids,
+            lens: &lens,
+            pos: &pos,
+            last_hidden: &hidden,
+        };
+        let cp = talker.code_predictor();
+        let e0 = bf16_randn((b, 1, tc.hidden_size), &dev);
+        let greedy = SamplingConfig::greedy();
+        let cp_greedy = time(&mut || {
+            cp.generate_graphed(&mut graphs.predictor, &hidden, &e0, &greedy)
+                .unwrap();
+        });
+        let cp_sampled = time(&mut || {
+            cp.generate_graphed(&mut graphs.predictor, &hidden, &e0, &sampled)
+                .unwrap();
+        });
+        let cp_eager = time(&mut || {
+            cp.generate_on_device(&hidden, &e0, &sampled).unwrap();
+        });
+        // The same positions every time: the KV rows at `cached` are rewritten.
+        let decode = time(&mut || {
+            talker
+                .decode_slots(&slots, &rows, &hidden, Some(&mut graphs))
+                .unwrap();
+        });
+        let code0: Vec<u32> = (0..b as u32).map(|i| i * 7 % 2048).collect();
+        let text = bf16_randn((b, 1, tc.hidden_size), &dev);
+        let mut samplers: Vec<Sampler> = (0..b).map(|_| Sampler::new(sampled.clone())).collect();
+        let step = time(&mut || {
+            let (s, _) = talker
+                .step_slots(
+                    &slots,
+                    &rows,
+                    &code0,
+                    &text,
+                    &mut samplers,
+                    Some(&mut graphs),
+                )
+                .unwrap();
+            s.logits.to_vec2::<f32>().unwrap();
+        });
+        eprintln!(
+            "talker {b:>2} rows: code predictor graphed {cp_greedy:.2} ms greedy, {cp_sampled:.2} sampled \
+             (eager {cp_eager:.2}); decode graphed {decode:.2}; whole step {step:.2} ms ({:.0} frames/s)",
+            b as f64 / (step / 1e3)
+        );
     }
 }

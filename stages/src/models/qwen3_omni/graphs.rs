@@ -171,14 +171,41 @@ impl StepGraph {
 }
 
 /// Host-side priority between the stages of one GPU. CUDA graphs replay back to
-/// back, and the Thinker's keep the GPU full; the Talker's prefill and Code2Wav
-/// run eagerly, kernel by kernel on a stream of the same priority, so each of
+/// back, and the Thinker's keep the GPU full; the Talker's prefill and Code2Wav's
+/// eager steps run kernel by kernel on a stream of the same priority, so each of
 /// their kernels waits behind the Thinker's and first audio comes when the answer
 /// is nearly written. A stage in such a section holds an [`UrgentSection`]; the
 /// Thinker waits for it ([`yield_to_urgent`]) before it queues its next step.
-/// `OMNISTREAM_STAGE_PRIORITY=off` turns the wait off, `=N` caps it at N ms
-/// instead of the caller's cap (for measurement).
+/// The audio path's graphed steps hold one too: they replay on the urgent stream
+/// ([`StepGraph::launch_urgent`]), whose kernels the block scheduler serves
+/// first, but beside a Thinker step their chains of small kernels ran three
+/// times slower, and c=32 gave less audio than one stage after the other
+/// (docs/bench/gpu.md, run 20).
+///
+/// `OMNISTREAM_STAGE_PRIORITY` (for measurement): `off` turns the wait off, `N`
+/// caps it at N ms instead of the caller's cap, `eager` leaves graphed steps out
+/// of the sections (they then overlap the Thinker's steps).
 static URGENT_SECTIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// `OMNISTREAM_STAGE_PRIORITY`, read once.
+#[derive(Debug, Clone, Copy)]
+struct StagePriority {
+    wait: bool,
+    cap: Option<std::time::Duration>,
+    every_step: bool,
+}
+
+fn stage_priority() -> StagePriority {
+    static P: std::sync::OnceLock<StagePriority> = std::sync::OnceLock::new();
+    *P.get_or_init(|| {
+        let v = std::env::var("OMNISTREAM_STAGE_PRIORITY").unwrap_or_default();
+        StagePriority {
+            wait: v != "off",
+            cap: v.parse().ok().map(std::time::Duration::from_millis),
+            every_step: v != "eager",
+        }
+    })
+}
 
 /// While alive, the Thinker holds back its next step (see [`yield_to_urgent`]).
 #[derive(Debug)]
@@ -190,9 +217,20 @@ impl UrgentSection {
         Self(())
     }
 
-    /// A section for a stage on `device`, where it shares a GPU (none on the CPU).
+    /// A section for eager work of a stage on `device`, where it shares a GPU
+    /// (none on the CPU).
     pub fn on(device: &Device) -> Option<Self> {
         device.is_cuda().then(Self::enter)
+    }
+
+    /// A section for a step that replays its graphs on the urgent stream: as
+    /// [`Self::on`], or none with `OMNISTREAM_STAGE_PRIORITY=eager` (eager
+    /// fallbacks inside such a step then take their own).
+    pub fn graphed(device: &Device) -> Option<Self> {
+        match stage_priority().every_step {
+            true => Self::on(device),
+            false => None,
+        }
     }
 }
 
@@ -206,17 +244,11 @@ impl Drop for UrgentSection {
 /// step of the caller is then in flight on the GPU (its steps end in a copy to the
 /// host), so urgent work waits for that one only.
 pub fn yield_to_urgent(max: std::time::Duration) {
-    static CAP: std::sync::OnceLock<Option<Option<std::time::Duration>>> =
-        std::sync::OnceLock::new();
-    let cap = *CAP.get_or_init(|| match std::env::var("OMNISTREAM_STAGE_PRIORITY") {
-        Ok(v) if v == "off" => None,
-        Ok(v) => Some(v.parse().ok().map(std::time::Duration::from_millis)),
-        Err(_) => Some(None),
-    });
-    let Some(cap) = cap else {
+    let p = stage_priority();
+    if !p.wait {
         return;
-    };
-    let max = cap.unwrap_or(max);
+    }
+    let max = p.cap.unwrap_or(max);
     let start = std::time::Instant::now();
     while URGENT_SECTIONS.load(std::sync::atomic::Ordering::SeqCst) > 0 && start.elapsed() < max {
         std::thread::sleep(std::time::Duration::from_micros(50));

@@ -743,6 +743,8 @@ impl Talker {
         };
         let b = rows.slots.len();
         let dev = rows.last_hidden.device();
+        // Eager: ahead of the Thinker's next step (graphs::yield_to_urgent).
+        let _urgent = graphs::UrgentSection::on(dev);
         let pos = Tensor::from_vec(rows.pos.to_vec(), (1, b, 1), dev)?
             .broadcast_as((3, b, 1))?
             .contiguous()?;

@@ -240,14 +240,9 @@ impl StageModel for Qwen3OmniCode2Wav {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
-        // Ahead of the Thinker's next step on a shared GPU (graphs::yield_to_urgent)
-        // when eager; graphed chunks replay on the urgent stream, beside it (their
-        // eager fallbacks take a section of their own).
+        // Ahead of the Thinker's next step on a shared GPU (graphs::yield_to_urgent).
         let dev = self.model.thinker().device();
-        let _urgent = match self.graphs {
-            Some(_) => graphs::UrgentSection::graphed(dev),
-            None => graphs::UrgentSection::on(dev),
-        };
+        let _urgent = graphs::UrgentSection::step(dev, self.graphs.is_some());
         let mut reqs = std::mem::take(&mut self.reqs);
         let policy = self.policy;
         reqs.step(

@@ -525,11 +525,8 @@ impl StageModel for Qwen3OmniTalker {
         }
         let mut reqs = std::mem::take(&mut self.reqs);
         let mut graphs = self.graphs.take();
-        // Graphed steps replay on the urgent stream, beside the Thinker's.
-        let _urgent = match graphs {
-            Some(_) => graphs::UrgentSection::graphed(&dev),
-            None => graphs::UrgentSection::on(&dev),
-        };
+        // Ahead of the Thinker's next step too (graphs::UrgentSection::step).
+        let _urgent = graphs::UrgentSection::step(&dev, graphs.is_some());
         let result = self.step_running(&mut reqs, graphs.as_mut(), out);
         self.reqs = reqs;
         self.graphs = graphs;

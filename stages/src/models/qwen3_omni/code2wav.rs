@@ -315,14 +315,14 @@ impl CausalTransConvNet {
         // One GEMM over every stream's samples: `broadcast_matmul` of the transposed
         // input copied the weight once per stream (37.7 MB each in block 1);
         // `OMNISTREAM_DECODE_KERNELS=candle` keeps it, for side-by-side measurement.
-        let z = match kernels::enabled() {
-            true => x
-                .transpose(1, 2)?
+        let z = if kernels::enabled() {
+            x.transpose(1, 2)?
                 .contiguous()?
                 .reshape((b * len, cin))?
                 .matmul(&self.weight)?
-                .reshape((b, len, ()))?,
-            false => x.transpose(1, 2)?.broadcast_matmul(&self.weight)?,
+                .reshape((b, len, ()))?
+        } else {
+            x.transpose(1, 2)?.broadcast_matmul(&self.weight)?
         };
         let blocks = if !self.overlap {
             z.reshape((b, len, self.cout, s))?

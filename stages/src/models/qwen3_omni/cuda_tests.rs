@@ -377,13 +377,17 @@ fn moe_gemv_matches_grouped_gemm() {
     );
 }
 
-/// A released-shape decoder config from the bench config: `thinker` or `talker`.
-fn released(which: &str) -> DecoderConfig {
+/// The bench config: the released model's shapes (deploy/qwen3_omni_moe_bench).
+fn bench_config() -> serde_json::Value {
     let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../deploy/qwen3_omni_moe_bench/config.json");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    serde_json::from_value(v[format!("{which}_config")]["text_config"].clone()).unwrap()
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// A released-shape decoder config from the bench config: `thinker` or `talker`.
+fn released(which: &str) -> DecoderConfig {
+    serde_json::from_value(bench_config()[format!("{which}_config")]["text_config"].clone())
+        .unwrap()
 }
 
 fn bf16_randn(shape: impl Into<candle_core::Shape>, dev: &Device) -> Tensor {
@@ -901,11 +905,8 @@ fn snake_beta_kernel_matches_f32() {
 /// Code2Wav at the released shapes with random bf16 weights on `dev`.
 fn released_code2wav(dev: &Device) -> super::code2wav::Code2Wav {
     use super::code2wav::{Code2Wav, Code2WavConfig};
-    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../deploy/qwen3_omni_moe_bench/config.json");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let cfg: Code2WavConfig = serde_json::from_value(v["code2wav_config"].clone()).unwrap();
+    let cfg: Code2WavConfig =
+        serde_json::from_value(bench_config()["code2wav_config"].clone()).unwrap();
     Code2Wav::new(&cfg, weights::random(DType::BF16, dev)).unwrap()
 }
 
@@ -1385,11 +1386,8 @@ fn profile_talker_steps() {
     use super::sampling::{Sampler, SamplingConfig};
     use super::talker::{SlotRows, Talker, TalkerConfig, TalkerGraphs};
     use std::time::Instant;
-    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../deploy/qwen3_omni_moe_bench/config.json");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let cfg: TalkerConfig = serde_json::from_value(v["talker_config"].clone()).unwrap();
+    let cfg: TalkerConfig =
+        serde_json::from_value(bench_config()["talker_config"].clone()).unwrap();
     let dev = gpu();
     let talker = Talker::new(&cfg, weights::random(DType::BF16, &dev).pp("talker")).unwrap();
     let tc = &cfg.text_config;

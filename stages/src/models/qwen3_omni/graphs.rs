@@ -223,13 +223,13 @@ impl UrgentSection {
         device.is_cuda().then(Self::enter)
     }
 
-    /// A section for a step that replays its graphs on the urgent stream: as
-    /// [`Self::on`], or none with `OMNISTREAM_STAGE_PRIORITY=eager` (eager
-    /// fallbacks inside such a step then take their own).
-    pub fn graphed(device: &Device) -> Option<Self> {
-        match stage_priority().every_step {
-            true => Self::on(device),
-            false => None,
+    /// A section for a step of a stage on `device`, `graphed` if it replays its
+    /// graphs on the urgent stream: as [`Self::on`], except a graphed step with
+    /// `OMNISTREAM_STAGE_PRIORITY=eager` (its eager fallbacks then take their own).
+    pub fn step(device: &Device, graphed: bool) -> Option<Self> {
+        match graphed && !stage_priority().every_step {
+            true => None,
+            false => Self::on(device),
         }
     }
 }

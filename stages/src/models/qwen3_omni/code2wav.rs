@@ -216,6 +216,57 @@ impl CausalConvNet {
 
     /// x: (batch, channels, len) -> (batch, out, len).
     fn step(&self, x: &Tensor, state: &mut Pending) -> Result<Tensor> {
+        self.step_plus(x, state, None)
+    }
+
+    /// [`Self::step`] plus `residual` (batch, out, len).
+    fn step_plus(
+        &self,
+        x: &Tensor,
+        state: &mut Pending,
+        residual: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        if let Some(w) = self.taps.as_ref().filter(|_| kernel_conv(x)) {
+            return self.step_kernel(x, w, state, residual);
+        }
+        let y = self.step_ops(x, state)?.broadcast_add(&self.bias)?;
+        match residual {
+            Some(r) => y + r,
+            None => Ok(y),
+        }
+    }
+
+    /// On a GPU in bf16: one launch, the engine's implicit-GEMM kernel, which reads
+    /// the left context where it is (no concatenated or stacked copy).
+    fn step_kernel(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        state: &mut Pending,
+        residual: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (b, c, len) = x.dims3()?;
+        let ctx = self.context;
+        let prev = match (ctx, state.take()) {
+            (0, _) => None,
+            (_, Some(prev)) => Some(prev),
+            (_, None) => Some(Tensor::zeros((b, c, ctx), x.dtype(), x.device())?),
+        };
+        let y = kernels::causal_conv(x, prev.as_ref(), w, &self.bias, residual, self.dilation)?;
+        if let Some(prev) = prev {
+            *state = Some(if len >= ctx {
+                x.narrow(2, len - ctx, ctx)?.contiguous()?
+            } else {
+                Tensor::cat(&[&prev, x], 2)?
+                    .narrow(2, len, ctx)?
+                    .contiguous()?
+            });
+        }
+        Ok(y)
+    }
+
+    /// Candle's ops (and the stacked taps' GEMM), before the bias.
+    fn step_ops(&self, x: &Tensor, state: &mut Pending) -> Result<Tensor> {
         let len = x.dim(2)?;
         let xx = if self.context == 0 {
             x.clone()
@@ -266,8 +317,17 @@ impl CausalConvNet {
                 None => xx.conv1d(&self.weight, 0, 1, self.dilation, 1)?,
             },
         };
-        y.broadcast_add(&self.bias)
+        Ok(y)
     }
+}
+
+/// Whether a (non-depthwise) conv of `x` runs the engine's kernel: on a GPU, in
+/// bf16, input channels a multiple of 32 (its K tiles), kernels on.
+fn kernel_conv(x: &Tensor) -> bool {
+    x.device().is_cuda()
+        && x.dtype() == DType::BF16
+        && x.dim(1).is_ok_and(|c| c.is_multiple_of(32))
+        && kernels::enabled()
 }
 
 /// `Qwen3OmniMoeCausalTransConvNet`: ConvTranspose1d with kernel s (no overlap,
@@ -810,7 +870,7 @@ impl DecoderResidualUnit {
         let a = self.act2.forward(&h)?;
         mark("snake")?;
         // Kernel 1: no left context.
-        let h = (self.conv2.step(&a, &mut None)? + x)?;
+        let h = self.conv2.step_plus(&a, &mut None, Some(x))?;
         mark("conv k1 + residual")?;
         Ok(h)
     }

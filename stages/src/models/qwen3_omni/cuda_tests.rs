@@ -856,6 +856,62 @@ fn gumbel_max_on_gpu_follows_the_tempered_softmax() {
     }
 }
 
+/// The one-launch top-k/top-p draw against the same draw in candle's ops, on the
+/// same logits and uniforms: the code predictor's config and others (no top-p,
+/// a low temperature, every column a candidate, a width no power of two): the
+/// same ids but for rows where rounding moves a candidate across the top-p line
+/// or swaps two near-equal scores (counted, at most 1 in 100), each among its
+/// row's k largest. Rows wider than the kernel's sort are refused.
+#[test]
+fn top_k_kernel_matches_ops() {
+    use super::kernels;
+    use super::sampling::{sample_with_ops, SamplingConfig};
+    let dev = gpu();
+    let rows = 512;
+    for (cols, top_k, top_p, t) in [
+        (2048usize, 50usize, 0.8f32, 1.0f32),
+        (2048, 50, 1.0, 0.7),
+        (2048, 2048, 0.9, 1.0),
+        (3000, 100, 0.95, 1.3),
+        (64, 1, 1.0, 1.0),
+    ] {
+        let cfg = SamplingConfig {
+            top_k,
+            top_p,
+            temperature: t,
+            ..SamplingConfig::code_predictor()
+        };
+        let logits = (Tensor::randn(0f32, 1.0, (rows, cols), &dev).unwrap() * 2.0).unwrap();
+        let u = Tensor::rand(1e-20f32, 1.0, (rows, top_k), &dev).unwrap();
+        let got = kernels::sample_top_k(&logits, &u, 1.0 / t, top_p)
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap();
+        let want = sample_with_ops(&logits, &cfg, &u)
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap();
+        let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+        let host = logits.to_vec2::<f32>().unwrap();
+        for (row, &id) in host.iter().zip(&got) {
+            let mut sorted = row.clone();
+            sorted.sort_unstable_by(|a, b| b.total_cmp(a));
+            assert!(
+                row[id as usize] >= sorted[top_k - 1],
+                "id {id} not in the top {top_k}"
+            );
+        }
+        eprintln!(
+            "sample_top_k {rows}x{cols} top_k {top_k} top_p {top_p} t {t}: {differ} of {rows} \
+             rows differ from candle's ops"
+        );
+        assert!(differ * 100 <= rows, "{differ} rows differ");
+    }
+    let wide = Tensor::zeros((1, 5000), DType::F32, &dev).unwrap();
+    let u = Tensor::ones((1, 50), DType::F32, &dev).unwrap();
+    assert!(kernels::sample_top_k(&wide, &u, 1.0, 1.0).is_err());
+}
+
 /// The fused SnakeBeta kernel against the activation in f32 on the same bf16
 /// inputs: within one rounding to bf16 (candle's five bf16 ops, printed beside,
 /// round five times); lengths not a multiple of 8 are refused.
@@ -900,6 +956,95 @@ fn snake_beta_kernel_matches_f32() {
     let a = bf16_randn((1, 4, 1), &dev);
     let err = kernels::snake_beta(&odd, &a, &a).unwrap_err();
     assert!(err.to_string().contains("multiple of 8"), "{err}");
+}
+
+/// The implicit-GEMM causal conv kernel against candle's conv1d in f32 on the same
+/// bf16 inputs (the left context concatenated, the bias and residual added): within
+/// about one bf16 rounding of the largest output, at Code2Wav's shapes (k=7 at
+/// dilations 1, 3 and 9 with left context, longer and shorter than the chunk; a
+/// first chunk's zero context; k=1 with the residual; one output channel; a
+/// length no tile divides). candle's bf16 conv1d with its own bias and residual
+/// adds is printed beside. Input channels not a multiple of 32 are refused.
+#[test]
+fn causal_conv_kernel_matches_f32() {
+    use super::kernels;
+    let dev = gpu();
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    // (batch, cin, cout, len, taps, dilation, residual)
+    let cases = [
+        (3usize, 96usize, 96usize, 7680usize, 7usize, 9usize, true),
+        (2, 768, 768, 128, 7, 1, false),
+        (2, 384, 384, 20, 7, 9, false),
+        (2, 192, 192, 640, 7, 3, false),
+        (2, 1024, 1536, 17, 7, 1, false),
+        (4, 192, 192, 640, 1, 1, true),
+        (2, 96, 1, 100, 7, 1, false),
+    ];
+    for (b, cin, cout, len, taps, dil, with_res) in cases {
+        let ctx = (taps - 1) * dil;
+        let x = bf16_randn((b, cin, len), &dev);
+        let prev = (ctx > 0).then(|| bf16_randn((b, cin, ctx), &dev));
+        let w = (bf16_randn((cout, taps * cin), &dev) / ((taps * cin) as f64).sqrt()).unwrap();
+        let bias = bf16_randn(cout, &dev);
+        let res = with_res.then(|| bf16_randn((b, cout, len), &dev));
+        let got =
+            f(&kernels::causal_conv(&x, prev.as_ref(), &w, &bias, res.as_ref(), dil).unwrap());
+        let conv =
+            |x: &Tensor, prev: Option<&Tensor>, w: &Tensor, bias: &Tensor, res: Option<&Tensor>| {
+                let xx = match prev {
+                    Some(p) => Tensor::cat(&[p, x], 2).unwrap(),
+                    None => x.clone(),
+                };
+                let w = w
+                    .reshape((cout, taps, cin))
+                    .unwrap()
+                    .permute((0, 2, 1))
+                    .unwrap()
+                    .contiguous()
+                    .unwrap();
+                let y = xx
+                    .conv1d(&w, 0, 1, dil, 1)
+                    .unwrap()
+                    .broadcast_add(&bias.reshape((1, cout, 1)).unwrap())
+                    .unwrap();
+                match res {
+                    Some(r) => (y + r).unwrap(),
+                    None => y,
+                }
+            };
+        let want = conv(
+            &f(&x),
+            prev.as_ref().map(f).as_ref(),
+            &f(&w),
+            &f(&bias),
+            res.as_ref().map(f).as_ref(),
+        );
+        let ops = f(&conv(&x, prev.as_ref(), &w, &bias, res.as_ref()));
+        let top = want
+            .abs()
+            .unwrap()
+            .max_keepdim(0)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let (k, o) = (
+            max_abs_diff(&got, &want) / top,
+            max_abs_diff(&ops, &want) / top,
+        );
+        eprintln!(
+            "causal_conv {b}x{cin}->{cout}x{len} k{taps} d{dil}{}: kernel max err {k:.2e} of the largest output, candle's bf16 conv1d {o:.2e}",
+            if with_res { " + residual" } else { "" }
+        );
+        assert!(k <= 2f32.powi(-8), "kernel off by {k}");
+    }
+    let odd = bf16_randn((1, 40, 16), &dev);
+    let w = bf16_randn((8, 40), &dev);
+    let err = kernels::causal_conv(&odd, None, &w, &bf16_randn(8, &dev), None, 1).unwrap_err();
+    assert!(err.to_string().contains("multiple of 32"), "{err}");
 }
 
 /// Code2Wav at the released shapes with random bf16 weights on `dev`.

@@ -16,9 +16,9 @@
 //!   positions only.
 //! - [`masked_softmax`]: a prefill's scaled, masked softmax in one pass.
 //! - [`argmax`]: each row's first largest logit, so a greedy step copies ids, not
-//!   logits, to the host.
+//!   logits, to the host; [`sample_top_k`]: a top-k/top-p draw in one launch.
 //! - [`snake_beta`]: Code2Wav's SnakeBeta activation in one pass (candle's ops
-//!   take five).
+//!   take five); [`causal_conv`]: its convolutions as implicit GEMMs.
 //!
 //! Without the `cuda` feature each returns an error (the CPU paths never call them).
 
@@ -223,6 +223,10 @@ mod imp {
     const CODE2WAV_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/code2wav.ptx"));
     const ARGMAX_THREADS: u32 = 1024;
     const TC_THREADS: u32 = 256;
+    // kernels/code2wav.cu's conv tiles (its block is TC_THREADS too).
+    const CV_BM: u32 = 64;
+    const CV_BN: u32 = 128;
+    const CV_BK: usize = 32;
     // The kernels' tiling (kernels/moe.cu, kernels/attention.cu).
     const WARPS: u32 = 4;
     const ROWS_PER_WARP: u32 = 4;
@@ -620,6 +624,96 @@ mod imp {
         Ok(wrap(out, dev, (rows, c, len)))
     }
 
+    pub fn causal_conv(
+        x: &Tensor,
+        prev: Option<&Tensor>,
+        taps_w: &Tensor,
+        bias: &Tensor,
+        residual: Option<&Tensor>,
+        dilation: usize,
+    ) -> Result<Tensor> {
+        let x = checked(x, DType::BF16, "causal_conv x")?;
+        // Without left context the kernel reads none: x stands in for the pointer.
+        let prev = match prev {
+            Some(p) => checked(p, DType::BF16, "causal_conv prev")?,
+            None => x.narrow(2, 0, 0)?,
+        };
+        let w = checked(taps_w, DType::BF16, "causal_conv weight")?;
+        let bias = checked(&bias.flatten_all()?, DType::BF16, "causal_conv bias")?;
+        let (b, cin, len) = x.dims3()?;
+        let (cout, kdim) = w.dims2()?;
+        let (pb, pc, ctx) = prev.dims3()?;
+        let taps = kdim / cin.max(1);
+        let res = residual
+            .map(|r| checked(r, DType::BF16, "causal_conv residual"))
+            .transpose()?;
+        if !cin.is_multiple_of(CV_BK)
+            || taps == 0
+            || taps * cin != kdim
+            || (pb, pc, ctx) != (b, cin, (taps - 1) * dilation)
+            || bias.dim(0)? != cout
+            || res.as_ref().is_some_and(|r| r.dims() != [b, cout, len])
+            || b == 0
+            || len == 0
+        {
+            candle_core::bail!(
+                "causal_conv: x {:?}, prev {:?}, weight {:?}, bias {:?}, dilation {dilation}, \
+                 cin a multiple of {CV_BK}",
+                x.dims(),
+                prev.dims(),
+                w.dims(),
+                bias.dims()
+            );
+        }
+        let dev = x.device().as_cuda_device()?;
+        let func =
+            dev.get_or_load_custom_func("causal_conv_bf16", "omnistream_code2wav", CODE2WAV_PTX)?;
+        let out = unsafe { dev.alloc::<half::bf16>(b * cout * len) }?;
+        let (x_st, x_l) = x.storage_and_layout();
+        let xs = view::<half::bf16>(&x_st, x_l)?;
+        let (p_st, p_l) = prev.storage_and_layout();
+        let ps = view::<half::bf16>(&p_st, p_l)?;
+        let (w_st, w_l) = w.storage_and_layout();
+        let ws = view::<half::bf16>(&w_st, w_l)?;
+        let (b_st, b_l) = bias.storage_and_layout();
+        let bs = view::<half::bf16>(&b_st, b_l)?;
+        // Without a residual the kernel reads none: x stands in for the pointer.
+        let r = res.as_ref().unwrap_or(&x);
+        let (r_st, r_l) = r.storage_and_layout();
+        let rs = view::<half::bf16>(&r_st, r_l)?;
+        let ints = [cin, cout, len, ctx, taps, dilation, res.is_some() as usize];
+        let [cin_i, cout_i, len_i, ctx_i, taps_i, dil_i, has_res] = ints.map(|v| v as i32);
+        let mut bld = func.builder();
+        bld.arg(&xs)
+            .arg(&ps)
+            .arg(&ws)
+            .arg(&bs)
+            .arg(&rs)
+            .arg(&out)
+            .arg(&cin_i)
+            .arg(&cout_i)
+            .arg(&len_i)
+            .arg(&ctx_i)
+            .arg(&taps_i)
+            .arg(&dil_i)
+            .arg(&has_res);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (len as u32).div_ceil(CV_BN),
+                (cout as u32).div_ceil(CV_BM),
+                b as u32,
+            ),
+            block_dim: (TC_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the shapes are checked above: the kernel reads x (b, cin, len), prev
+        // (b, cin, ctx) below ctx, the weight rows of cout and the residual only with
+        // has_res, all contiguous, and writes out (b, cout, len) within its bounds.
+        unsafe { bld.launch(cfg) }.w()?;
+        drop(bld);
+        Ok(wrap(out, dev, (b, cout, len)))
+    }
+
     pub fn moe_sum(y: &Tensor, top_k: usize) -> Result<Tensor> {
         let y = checked(y, DType::BF16, "moe_sum y")?;
         let (p, n) = y.dims2()?;
@@ -676,6 +770,64 @@ mod imp {
         };
         // SAFETY: one block per row; row r reads [r * stride, r * stride + cols),
         // inside the view by the layout's shape and strides.
+        unsafe { bld.launch(cfg) }.w()?;
+        drop(bld);
+        Ok(wrap(out, dev, b))
+    }
+
+    pub fn sample_top_k(
+        logits: &Tensor,
+        uniform: &Tensor,
+        inv_temp: f32,
+        top_p: f32,
+    ) -> Result<Tensor> {
+        if logits.dtype() != DType::F32 {
+            candle_core::bail!("sample_top_k: {:?} logits, expected f32", logits.dtype());
+        }
+        let logits = match logits.stride() {
+            [_, 1] => logits.clone(),
+            _ => logits.contiguous()?,
+        };
+        let (b, cols) = logits.dims2()?;
+        let u = checked(uniform, DType::F32, "sample_top_k uniform")?;
+        let (ub, k) = u.dims2()?;
+        if !top_k_supported(cols, k) || ub != b || b == 0 {
+            candle_core::bail!(
+                "sample_top_k: logits {:?}, uniform {:?}: at most {TOPK_MAX_COLS} columns, \
+                 1 to {} candidates",
+                logits.dims(),
+                u.dims(),
+                TOPK_MAX_COLS.min(cols)
+            );
+        }
+        let stride = logits.stride()[0] as i64;
+        let dev = logits.device().as_cuda_device()?;
+        let func =
+            dev.get_or_load_custom_func("sample_top_k_f32", "omnistream_sampling", SAMPLING_PTX)?;
+        let out = unsafe { dev.alloc::<u32>(b) }?;
+        let (l_st, l_l) = logits.storage_and_layout();
+        let ls = view::<f32>(&l_st, l_l)?;
+        let (u_st, u_l) = u.storage_and_layout();
+        let us = view::<f32>(&u_st, u_l)?;
+        let [cols_i, n_i, k_i] = [cols, cols.next_power_of_two(), k].map(|v| v as i32);
+        let mut bld = func.builder();
+        bld.arg(&ls)
+            .arg(&stride)
+            .arg(&us)
+            .arg(&out)
+            .arg(&cols_i)
+            .arg(&n_i)
+            .arg(&k_i)
+            .arg(&inv_temp)
+            .arg(&top_p);
+        let cfg = LaunchConfig {
+            grid_dim: (b as u32, 1, 1),
+            block_dim: (ARGMAX_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one block per row; row r reads [r * stride, r * stride + cols) of the
+        // logits and [r * k, (r + 1) * k) of the checked uniforms; n <= TOPK_MAX_COLS
+        // fits the kernel's shared arrays.
         unsafe { bld.launch(cfg) }.w()?;
         drop(bld);
         Ok(wrap(out, dev, b))
@@ -1063,7 +1215,27 @@ mod imp {
         no_cuda()
     }
 
+    pub fn causal_conv(
+        _x: &Tensor,
+        _prev: Option<&Tensor>,
+        _taps_w: &Tensor,
+        _bias: &Tensor,
+        _residual: Option<&Tensor>,
+        _dilation: usize,
+    ) -> Result<Tensor> {
+        no_cuda()
+    }
+
     pub fn moe_sum(_y: &Tensor, _top_k: usize) -> Result<Tensor> {
+        no_cuda()
+    }
+
+    pub fn sample_top_k(
+        _logits: &Tensor,
+        _uniform: &Tensor,
+        _inv_temp: f32,
+        _top_p: f32,
+    ) -> Result<Tensor> {
         no_cuda()
     }
 
@@ -1158,6 +1330,13 @@ pub use imp::moe_sum;
 /// computed in f32 and rounded once.
 pub use imp::snake_beta;
 
+/// A causal convolution of `x` `(b, cin, len)` bf16 after its left context `prev`
+/// `(b, cin, (taps - 1) * dilation)` (`None` for one tap), with `taps_w` `(cout, taps * cin)` (tap-major
+/// rows) and `bias` `(cout)`, plus `residual` `(b, cout, len)` when given: `(b, cout,
+/// len)`, an implicit GEMM on the tensor cores (no stacked copy of the taps), the
+/// bias and residual added in f32 and rounded once. cin a multiple of 32.
+pub use imp::causal_conv;
+
 /// Prefill attention's probabilities `(b, heads, q, kv)` bf16 from the unscaled
 /// scores of the same shape: `softmax(scores * scale + mask)` in f32, the additive
 /// `mask` `(b, 1, q, kv)` f32 shared by the heads; rows with every key hidden are zeros.
@@ -1167,6 +1346,21 @@ pub use imp::masked_softmax;
 /// logits (a narrowed view reads in place): torch.argmax's and the host sampler's
 /// choice among ties, which candle's reduction does not promise.
 pub use imp::argmax;
+
+/// One draw per row of `logits` `(b, cols)` f32 among its `k` largest (`k` =
+/// `uniform`'s width, the row's uniforms `(b, k)`): tempered by `inv_temp`, cut at
+/// `top_p` and chosen by Gumbel-max, as `sampling::sample_on_device_with` does it
+/// with candle's ops, in one launch; `(b,)` u32. For [`top_k_supported`] shapes.
+pub use imp::sample_top_k;
+
+/// Whether [`sample_top_k`] takes rows of `cols` logits and `k` candidates: the
+/// row fits its shared-memory sort.
+pub fn top_k_supported(cols: usize, k: usize) -> bool {
+    (1..=TOPK_MAX_COLS).contains(&cols) && (1..=cols).contains(&k)
+}
+
+/// kernels/sampling.cu's widest row for [`sample_top_k`].
+const TOPK_MAX_COLS: usize = 4096;
 
 /// A decode step's queries `(b, heads, 128)` from the fused q/k/v projection `qkv`
 /// `(b, (heads + 2 * kv_heads) * 128)`: q_norm/k_norm, the rotary embedding at each

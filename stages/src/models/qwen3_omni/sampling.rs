@@ -346,8 +346,30 @@ pub fn sample_on_device_with(
         return argmax_rows(&logits);
     }
     let (b, v) = logits.dims2()?;
-    let l = (logits / cfg.temperature.max(1e-6) as f64)?;
     let k = device_candidates(cfg, v);
+    let u = match uniform {
+        Some(u) => u.clone(),
+        None => Tensor::rand(1e-20f32, 1.0, (b, k), logits.device())?,
+    };
+    // One launch on a GPU where the row fits the kernel's sort; candle's ops (some
+    // twenty launches, a sort and a matmul cumsum among them) elsewhere.
+    if logits.device().is_cuda()
+        && cfg.top_k > 0
+        && super::kernels::top_k_supported(v, k)
+        && super::kernels::enabled()
+    {
+        let inv_temp = 1.0 / cfg.temperature.max(1e-6);
+        return super::kernels::sample_top_k(&logits, &u, inv_temp, cfg.top_p);
+    }
+    sample_with_ops(&logits, cfg, &u)
+}
+
+/// [`sample_on_device_with`]'s draw in candle's ops, from f32 `logits` `(b, v)`
+/// and the uniforms `u` `(b, device_candidates)`.
+pub(crate) fn sample_with_ops(logits: &Tensor, cfg: &SamplingConfig, u: &Tensor) -> Result<Tensor> {
+    let (b, v) = logits.dims2()?;
+    let k = device_candidates(cfg, v);
+    let l = (logits / cfg.temperature.max(1e-6) as f64)?;
     let idx = l.arg_sort_last_dim(false)?.narrow(1, 0, k)?.contiguous()?;
     let probs = candle_nn::ops::softmax_last_dim(&l.gather(&idx, 1)?)?;
     let logp = probs.log()?;
@@ -360,11 +382,7 @@ pub fn sample_on_device_with(
     } else {
         logp
     };
-    let u = match uniform {
-        Some(u) => u.clone(),
-        None => Tensor::rand(1e-20f32, 1.0, (b, k), l.device())?,
-    };
-    let gumbel = gumbel_noise(&u)?;
+    let gumbel = gumbel_noise(u)?;
     let choice = (logp + gumbel)?.argmax_keepdim(1)?;
     idx.gather(&choice, 1)?.squeeze(1)
 }

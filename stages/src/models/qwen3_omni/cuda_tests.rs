@@ -1020,17 +1020,7 @@ fn causal_conv_kernel_matches_f32() {
             res.as_ref().map(f).as_ref(),
         );
         let ops = f(&conv(&x, prev.as_ref(), &w, &bias, res.as_ref()));
-        let top = want
-            .abs()
-            .unwrap()
-            .max_keepdim(0)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let top = max_abs_diff(&want, &want.zeros_like().unwrap());
         let (k, o) = (
             max_abs_diff(&got, &want) / top,
             max_abs_diff(&ops, &want) / top,

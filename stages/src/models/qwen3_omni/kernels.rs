@@ -740,16 +740,21 @@ mod imp {
         Ok(wrap(out, dev, (tokens, n)))
     }
 
-    pub fn argmax(logits: &Tensor) -> Result<Tensor> {
+    /// `(b, cols)` f32 logits whose rows are contiguous: a narrowed vocabulary keeps
+    /// its rows' stride (no copy); other layouts are copied.
+    fn f32_rows(logits: &Tensor, what: &str) -> Result<Tensor> {
         if logits.dtype() != DType::F32 {
-            candle_core::bail!("argmax: {:?} logits, expected f32", logits.dtype());
+            candle_core::bail!("{what}: {:?} logits, expected f32", logits.dtype());
         }
+        match logits.stride() {
+            [_, 1] => Ok(logits.clone()),
+            _ => logits.contiguous(),
+        }
+    }
+
+    pub fn argmax(logits: &Tensor) -> Result<Tensor> {
+        let logits = f32_rows(logits, "argmax")?;
         let (b, cols) = logits.dims2()?;
-        // A narrowed vocabulary keeps its rows' stride: no copy.
-        let logits = match logits.stride() {
-            [_, 1] => logits.clone(),
-            _ => logits.contiguous()?,
-        };
         let stride = logits.stride()[0] as i64;
         let dev = logits.device().as_cuda_device()?;
         if b == 0 || cols == 0 {
@@ -781,13 +786,7 @@ mod imp {
         inv_temp: f32,
         top_p: f32,
     ) -> Result<Tensor> {
-        if logits.dtype() != DType::F32 {
-            candle_core::bail!("sample_top_k: {:?} logits, expected f32", logits.dtype());
-        }
-        let logits = match logits.stride() {
-            [_, 1] => logits.clone(),
-            _ => logits.contiguous()?,
-        };
+        let logits = f32_rows(logits, "sample_top_k")?;
         let (b, cols) = logits.dims2()?;
         let u = checked(uniform, DType::F32, "sample_top_k uniform")?;
         let (ub, k) = u.dims2()?;

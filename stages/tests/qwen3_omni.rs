@@ -338,3 +338,47 @@ fn broken_qwen3_profiles_are_clear_errors() {
     ));
     assert!(e.contains("dtype") || e.contains("f16"), "{e}");
 }
+
+/// Fixed-length answers (`ignore_eos`) speak one frame per text token, or
+/// exactly `audio_frames`: past the text on `tts_pad`, or cut before its end.
+#[test]
+fn fixed_length_answers_speak_the_frames_asked_for() {
+    let pipeline = build_pipeline(&profile(1, 4, "")).unwrap();
+    let c = &cases()[0];
+    let run = |frames: Option<usize>| {
+        let h = pipeline
+            .submit(RequestSpec {
+                input: RequestInput::Chat {
+                    messages: c.messages.clone(),
+                },
+                modalities: Modalities::TEXT_AUDIO,
+                sampling: SamplingOverrides {
+                    max_tokens: Some(6),
+                    ignore_eos: true,
+                    audio_frames: frames,
+                    ..Default::default()
+                },
+                voice: Some(c.speaker.clone()),
+            })
+            .unwrap();
+        let mut tokens = None;
+        let mut audio = 0;
+        while let Some(e) = h.next_event() {
+            match e {
+                Event::Audio { samples, .. } => audio += samples.len(),
+                Event::Done {
+                    completion_tokens, ..
+                } => {
+                    tokens = Some(completion_tokens);
+                    break;
+                }
+                Event::Error(e) => panic!("request failed: {e}"),
+                Event::TextDelta(_) => {}
+            }
+        }
+        (tokens, audio)
+    };
+    assert_eq!(run(None), (Some(6), 6 * 1920));
+    assert_eq!(run(Some(20)), (Some(6), 20 * 1920));
+    assert_eq!(run(Some(3)), (Some(6), 3 * 1920));
+}

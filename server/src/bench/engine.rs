@@ -42,6 +42,14 @@ pub struct EngineArgs {
     /// Answer length in tokens (generated to the end; end-of-turn ignored).
     #[arg(long, default_value_t = 200)]
     pub output_tokens: usize,
+    /// Audio frames (80 ms each) every answer speaks: the Talker goes on past
+    /// the text on `tts_pad`, as the model does until it draws its end code,
+    /// which random weights never do. Default: one frame per text token, which
+    /// speaks 12.5 tokens a second, about four times faster than people talk
+    /// (vLLM-Omni's published c=32 figures give 57.1 audio-s/s over 185.8 tok/s:
+    /// 3.84 frames a token; 768 frames for 200 tokens).
+    #[arg(long)]
+    pub audio_frames: Option<usize>,
     /// Concurrency levels, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     pub concurrency: Vec<usize>,
@@ -142,6 +150,9 @@ struct Report {
     workload: String,
     prompt_tokens: usize,
     output_tokens: usize,
+    /// Frames each answer spoke (`None`: one per text token).
+    #[serde(default)]
+    audio_frames: Option<usize>,
     text_only: bool,
     /// Decode steps ran eagerly (no CUDA graphs).
     #[serde(default)]
@@ -236,11 +247,18 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
         max_tokens: Some(args.output_tokens),
         ignore_eos: true,
         temperature: args.temperature,
+        audio_frames: args.audio_frames,
         ..Default::default()
     };
-    // Warm-up: every kernel is compiled (PTX JIT) and every path taken once.
-    eprintln!("warm-up");
-    run_level(&pipeline, &prompts, modalities, &sampling, 2, 2)?;
+    // Warm-up, a small batch and the largest level: every kernel of both
+    // (small and large prefills take different ones) is compiled (PTX JIT), and
+    // every CUDA graph bucket the levels reach (batch, key/value length) is
+    // captured, before the clock runs.
+    let top = args.concurrency.iter().copied().max().unwrap_or(1);
+    for c in std::iter::once(2).chain((top > 2).then_some(top)) {
+        eprintln!("warm-up: {c} requests");
+        run_level(&pipeline, &prompts, modalities, &sampling, c, c)?;
+    }
 
     let mut levels = Vec::new();
     for &c in &args.concurrency {
@@ -319,6 +337,7 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
         workload: args.name.clone(),
         prompt_tokens: args.prompt_tokens,
         output_tokens: args.output_tokens,
+        audio_frames: args.audio_frames.filter(|_| !args.text_only),
         text_only: args.text_only,
         enforce_eager: args.enforce_eager,
         distinct_prompts: true,
@@ -459,14 +478,18 @@ fn write_report(r: &Report, out: &Path) -> Result<()> {
         s.as_ref()
             .map_or("-".to_string(), |s| format!("{:.0}", s.mean))
     };
+    let frames = r
+        .audio_frames
+        .map_or(String::new(), |n| format!(", {n} audio frames"));
     let mut md = format!(
-        "# {} (prompt {}, answer {} tokens{}{}) on {}\n\n\
+        "# {} (prompt {}, answer {} tokens{}{}{}) on {}\n\n\
          | c | requests | TTFT mean ms | TPOT mean ms | TTFP mean ms | RTF mean | audio-s/s | tok/s | step bound ms | TPOT / bound |\n\
          |---|---|---|---|---|---|---|---|---|---|\n",
         r.workload,
         r.prompt_tokens,
         r.output_tokens,
         if r.text_only { ", text only" } else { ", audio on" },
+        frames,
         if r.enforce_eager { ", eager" } else { "" },
         r.machine
     );

@@ -81,6 +81,13 @@ pub struct SamplingOverrides {
     pub seed: Option<u64>,
     /// Generate exactly `max_tokens` (benchmarks: equal work across configs).
     pub ignore_eos: bool,
+    /// With `ignore_eos`, a frame-by-frame Talker speaks exactly this many
+    /// frames: the text's vectors, then `tts_eos` and `tts_pad` as the reference
+    /// goes on past the text until its end code (benchmarks: speech at a set
+    /// pace, where random weights never draw that code). `None`: one frame per
+    /// text vector.
+    #[serde(default)]
+    pub audio_frames: Option<usize>,
     /// Speech speed (1.0 = the voice's natural pace).
     pub speed: Option<f32>,
 }

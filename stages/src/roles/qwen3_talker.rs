@@ -46,8 +46,9 @@ struct Req {
     sampler: Sampler,
     cp_sampler: Sampler,
     max_frames: usize,
-    /// The request ignores end tokens: one frame per text vector, then done.
-    ignore_eos: bool,
+    /// The request ignores end tokens and speaks a fixed number of frames: this
+    /// many, or (`Some(None)`) one per text vector.
+    fixed_frames: Option<Option<usize>>,
 }
 
 pub struct Qwen3OmniTalker {
@@ -283,9 +284,14 @@ impl Qwen3OmniTalker {
             .take()
             .ok_or_else(|| ModelError::Invalid("talker: no logits".into()))?;
         let eos = self.model.config().talker.codec_eos_token_id;
-        if r.ignore_eos {
-            // Fixed-length answers (benchmarks): speak every text vector, then stop.
-            if r.upstream_done && r.frames + 1 > r.fed.len() {
+        if let Some(fixed) = r.fixed_frames {
+            // Fixed-length answers (benchmarks): the set number of frames, or
+            // every text vector, then stop.
+            let done = match fixed {
+                Some(n) => r.frames >= n,
+                None => r.upstream_done && r.frames + 1 > r.fed.len(),
+            };
+            if done {
                 end_of_speech(out, id);
                 return Ok(true);
             }
@@ -444,7 +450,11 @@ impl StageModel for Qwen3OmniTalker {
                     .max_tokens
                     .unwrap_or(DEFAULT_MAX_FRAMES)
                     .max(1),
-                ignore_eos: ctx.spec.sampling.ignore_eos,
+                fixed_frames: ctx
+                    .spec
+                    .sampling
+                    .ignore_eos
+                    .then_some(ctx.spec.sampling.audio_frames),
             },
         );
         Ok(())

@@ -430,6 +430,13 @@ pub struct PredictorGraphs {
 /// Rows, then the config: do_sample, top-k, temperature and top-p bits.
 type FrameKey = (usize, bool, usize, u32, u32);
 
+impl PredictorGraphs {
+    /// How many buckets failed to capture and run eagerly.
+    pub fn failed(&self) -> usize {
+        self.failed.len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

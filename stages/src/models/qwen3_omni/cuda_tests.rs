@@ -340,6 +340,13 @@ fn code_predictor_graphed_frames_match_eager() {
             "three sampled frames drew the same codes"
         );
     }
+    // Every bucket was captured: a failed one would run eagerly, unseen here
+    // (sampled frames of one row did, from the draw's uniforms at odd offsets).
+    assert_eq!(
+        graphs.failed(),
+        0,
+        "a code predictor bucket failed to capture"
+    );
     eprintln!("graphed code predictor: greedy codes equal eager, sampled draws fresh");
 }
 
@@ -906,6 +913,22 @@ fn top_k_kernel_matches_ops() {
              rows differ from candle's ops"
         );
         assert!(differ * 100 <= rows, "{differ} rows differ");
+    }
+    // A graphed frame hands each code group its uniforms as a view into one
+    // (groups, rows, k) tensor: with one row of 50, an odd group starts 200
+    // bytes in. Such a view draws as the same values at offset 0 do.
+    let logits = Tensor::randn(0f32, 1.0, (1, 2048), &dev).unwrap();
+    let noise = Tensor::rand(1e-20f32, 1.0, (3, 1, 50), &dev).unwrap();
+    let draw = |u: &Tensor| {
+        kernels::sample_top_k(&logits, u, 1.0, 0.8)
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap()
+    };
+    for g in 0..3 {
+        let view = noise.get(g).unwrap();
+        let fresh = Tensor::new(view.to_vec2::<f32>().unwrap(), &dev).unwrap();
+        assert_eq!(draw(&view), draw(&fresh), "group {g}");
     }
     let wide = Tensor::zeros((1, 5000), DType::F32, &dev).unwrap();
     let u = Tensor::ones((1, 50), DType::F32, &dev).unwrap();

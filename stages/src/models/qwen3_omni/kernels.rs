@@ -246,11 +246,17 @@ mod imp {
     }
 
     /// `t` contiguous, of `dtype`, with its first element 16-byte aligned.
-    fn checked(t: &Tensor, dtype: DType, what: &str) -> Result<Tensor> {
+    /// `t` contiguous, of `dtype`, at any offset: for kernels that read it one
+    /// element at a time.
+    fn contiguous_of(t: &Tensor, dtype: DType, what: &str) -> Result<Tensor> {
         if t.dtype() != dtype {
             candle_core::bail!("{what}: {:?}, expected {dtype:?}", t.dtype());
         }
-        let t = t.contiguous()?;
+        t.contiguous()
+    }
+
+    fn checked(t: &Tensor, dtype: DType, what: &str) -> Result<Tensor> {
+        let t = contiguous_of(t, dtype, what)?;
         if !(t.layout().start_offset() * dtype.size_in_bytes()).is_multiple_of(16) {
             candle_core::bail!("{what}: unaligned");
         }
@@ -788,7 +794,9 @@ mod imp {
     ) -> Result<Tensor> {
         let logits = f32_rows(logits, "sample_top_k")?;
         let (b, cols) = logits.dims2()?;
-        let u = checked(uniform, DType::F32, "sample_top_k uniform")?;
+        // A graphed frame's uniforms are views into one (groups, rows, k) tensor,
+        // at offsets of `k` floats: read one by one, they need no alignment.
+        let u = contiguous_of(uniform, DType::F32, "sample_top_k uniform")?;
         let (ub, k) = u.dims2()?;
         if !top_k_supported(cols, k) || ub != b || b == 0 {
             candle_core::bail!(

@@ -137,9 +137,10 @@ pub fn top_k(logits: &mut [f32], k: usize) {
     if k == 0 || k >= logits.len() {
         return;
     }
-    let mut sorted: Vec<f32> = logits.to_vec();
-    sorted.sort_unstable_by(|a, b| b.total_cmp(a));
-    let kth = sorted[k - 1];
+    // The k-th largest by selection, not a whole sort: the Talker draws every
+    // row's code 0 on the host, between its GPU steps.
+    let mut order: Vec<f32> = logits.to_vec();
+    let (_, &mut kth, _) = order.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
     for x in logits.iter_mut() {
         if *x < kth {
             *x = f32::NEG_INFINITY;

@@ -242,7 +242,7 @@ impl StageModel for Qwen3OmniCode2Wav {
     fn step(&mut self, out: &mut StepOutput) {
         // Ahead of the Thinker's next step on a shared GPU (graphs::yield_to_urgent).
         let dev = self.model.thinker().device();
-        let _urgent = graphs::UrgentSection::step(dev, self.graphs.is_some());
+        let _urgent = graphs::UrgentSection::decoder_step(dev, self.graphs.is_some());
         let mut reqs = std::mem::take(&mut self.reqs);
         let policy = self.policy;
         reqs.step(

@@ -184,7 +184,9 @@ impl StepGraph {
 ///
 /// `OMNISTREAM_STAGE_PRIORITY` (for measurement): `off` turns the wait off, `N`
 /// caps it at N ms instead of the caller's cap, `eager` leaves graphed steps out
-/// of the sections (they then overlap the Thinker's steps).
+/// of the sections (they then overlap the Thinker's steps), `code2wav` leaves
+/// out Code2Wav's graphed steps only (its convolutions are compute-bound where
+/// the Thinker's decode reads weights; the Talker's steps still go first).
 static URGENT_SECTIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// `OMNISTREAM_STAGE_PRIORITY`, read once.
@@ -193,6 +195,8 @@ struct StagePriority {
     wait: bool,
     cap: Option<std::time::Duration>,
     every_step: bool,
+    /// Code2Wav's graphed steps hold no section.
+    decoder_overlaps: bool,
 }
 
 fn stage_priority() -> StagePriority {
@@ -203,6 +207,7 @@ fn stage_priority() -> StagePriority {
             wait: v != "off",
             cap: v.parse().ok().map(std::time::Duration::from_millis),
             every_step: v != "eager",
+            decoder_overlaps: v == "eager" || v == "code2wav",
         }
     })
 }
@@ -228,6 +233,15 @@ impl UrgentSection {
     /// `OMNISTREAM_STAGE_PRIORITY=eager` (its eager fallbacks then take their own).
     pub fn step(device: &Device, graphed: bool) -> Option<Self> {
         match graphed && !stage_priority().every_step {
+            true => None,
+            false => Self::on(device),
+        }
+    }
+
+    /// As [`Self::step`], for Code2Wav's steps: also none for a graphed step
+    /// with `OMNISTREAM_STAGE_PRIORITY=code2wav`.
+    pub fn decoder_step(device: &Device, graphed: bool) -> Option<Self> {
+        match graphed && stage_priority().decoder_overlaps {
             true => None,
             false => Self::on(device),
         }

@@ -25,7 +25,15 @@
 #   text-t     text-only as `text` with the answers sampled at TEMP (default 1.0,
 #              a Gumbel-max draw on the device): rows keep apart, where greedy
 #              answers of random weights converge to the same tokens
-#   chat       chat with audio, c=1,8,32 (deploy/qwen3-omni-h200.yaml)
+#   chat       chat with audio, c=1,8,32 (deploy/qwen3-omni-h200.yaml): one audio
+#              frame (80 ms) per text token, 16 s of speech for 200 tokens
+#   speech     the same with SPEECH_FRAMES (default 768) frames an answer: speech at
+#              a person's pace, the Talker going on past the text on tts_pad as the
+#              model does (vLLM-Omni's published c=32 figures: 3.84 frames a token)
+#   chat-c2w, speech-c2w  the same with OMNISTREAM_STAGE_PRIORITY=code2wav: Code2Wav's
+#              graphed steps overlap the Thinker's (the Talker's still go first)
+#   chunks     chat and speech with Code2Wav's later chunks CHUNKS frames long (default
+#              "4 16"; the profile's are 8), each from a copy of the profile
 #   chat-t     the same sampled at TEMP
 #   chat-wait  the same with the Thinker's wait for the audio path capped at
 #              WAIT_MS (default 100) instead of 10 ms
@@ -105,6 +113,20 @@ fi
 has tc2 && OMNISTREAM_MOE_TC_STAGES=2 bench "${TEXT_S:-150}" "${H200[@]}" --name chat-tc2 "${CHAT[@]}" --concurrency "$TEXT_C" --text-only
 has text-t && bench "${TEXT_S:-150}" "${H200[@]}" --name chat-t "${CHAT[@]}" --temperature "${TEMP:-1.0}" --concurrency "$TEXT_C" --text-only
 has chat && bench "${CHAT_S:-200}" "${H200[@]}" --name chat "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
+has speech && bench "${CHAT_S:-200}" "${H200[@]}" --name speech "${CHAT[@]}" --audio-frames "${SPEECH_FRAMES:-768}" --concurrency "${CHAT_C:-1,8,32}"
+has chat-c2w && OMNISTREAM_STAGE_PRIORITY=code2wav bench "${CHAT_S:-200}" "${H200[@]}" --name chat-c2w "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
+has speech-c2w && OMNISTREAM_STAGE_PRIORITY=code2wav bench "${CHAT_S:-200}" "${H200[@]}" --name speech-c2w "${CHAT[@]}" --audio-frames "${SPEECH_FRAMES:-768}" --concurrency "${CHAT_C:-1,8,32}"
+if has chunks; then
+  for n in ${CHUNKS:-4 16}; do
+    # Beside the profile: its paths are relative to its folder.
+    p=deploy/.qwen3-omni-h200-chunk$n.yaml
+    sed -E "s/codec_chunk_frames: [0-9]+ /codec_chunk_frames: $n /" deploy/qwen3-omni-h200.yaml >"$p"
+    grep -q "codec_chunk_frames: $n " "$p" || echo "no codec_chunk_frames in the profile"
+    bench "${CHAT_S:-200}" --profile "$p" --name "chat-chunk$n" "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
+    bench "${CHAT_S:-200}" --profile "$p" --name "speech-chunk$n" "${CHAT[@]}" --audio-frames "${SPEECH_FRAMES:-768}" --concurrency "${CHAT_C:-1,8,32}"
+    rm -f "$p"
+  done
+fi
 has chat-t && bench "${CHAT_S:-200}" "${H200[@]}" --name chat-t "${CHAT[@]}" --temperature "${TEMP:-1.0}" --concurrency "${CHAT_C:-1,8,32}"
 has chat-wait && OMNISTREAM_STAGE_PRIORITY=${WAIT_MS:-100} bench "${CHAT_S:-200}" "${H200[@]}" --name chat-wait "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has chat-nopri && OMNISTREAM_STAGE_PRIORITY=off bench "${CHAT_S:-200}" "${H200[@]}" --name chat-nopri "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"

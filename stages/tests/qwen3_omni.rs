@@ -340,12 +340,14 @@ fn broken_qwen3_profiles_are_clear_errors() {
 }
 
 /// Fixed-length answers (`ignore_eos`) speak one frame per text token, or
-/// exactly `audio_frames`: past the text on `tts_pad`, or cut before its end.
+/// exactly `audio_frames`: past the text on `tts_pad`, or cut before its end,
+/// and then the request still ends only with the whole text (its `Done` waits
+/// for the Thinker, not only for the last stage).
 #[test]
 fn fixed_length_answers_speak_the_frames_asked_for() {
     let pipeline = build_pipeline(&profile(1, 4, "")).unwrap();
     let c = &cases()[0];
-    let run = |frames: Option<usize>| {
+    let run = |tokens: usize, frames: Option<usize>| {
         let h = pipeline
             .submit(RequestSpec {
                 input: RequestInput::Chat {
@@ -353,7 +355,7 @@ fn fixed_length_answers_speak_the_frames_asked_for() {
                 },
                 modalities: Modalities::TEXT_AUDIO,
                 sampling: SamplingOverrides {
-                    max_tokens: Some(6),
+                    max_tokens: Some(tokens),
                     ignore_eos: true,
                     audio_frames: frames,
                     ..Default::default()
@@ -378,7 +380,8 @@ fn fixed_length_answers_speak_the_frames_asked_for() {
         }
         (tokens, audio)
     };
-    assert_eq!(run(None), (Some(6), 6 * 1920));
-    assert_eq!(run(Some(20)), (Some(6), 20 * 1920));
-    assert_eq!(run(Some(3)), (Some(6), 3 * 1920));
+    assert_eq!(run(6, None), (Some(6), 6 * 1920));
+    assert_eq!(run(6, Some(20)), (Some(6), 20 * 1920));
+    // Speech over after two frames, long before the Thinker's 30th token.
+    assert_eq!(run(30, Some(2)), (Some(30), 2 * 1920));
 }

@@ -1,7 +1,7 @@
 //! Requests: what a client asks for, its per-request context shared by every
 //! stage, and the events it gets back.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -146,6 +146,8 @@ pub struct RequestCtx {
     /// Index of the first and last stage on this request's route.
     pub first_stage: usize,
     pub last_stage: usize,
+    /// Stages of the route that have not finished the request yet.
+    stages_left: AtomicUsize,
     cancelled: AtomicBool,
     reason: AtomicU8,
     events: flume::Sender<Event>,
@@ -168,6 +170,7 @@ impl RequestCtx {
             created: Instant::now(),
             first_stage,
             last_stage,
+            stages_left: AtomicUsize::new(last_stage.saturating_sub(first_stage) + 1),
             cancelled: AtomicBool::new(false),
             reason: AtomicU8::new(CancelReason::None as u8),
             events,
@@ -242,6 +245,12 @@ impl RequestCtx {
         self.completion_tokens
             .fetch_add(n as u64, Ordering::Relaxed);
     }
+    /// Records that one stage of the route has finished the request; true for
+    /// the last one to (whichever stage that is), which ends it with [`Self::done`].
+    pub fn stage_finished(&self) -> bool {
+        self.stages_left.fetch_sub(1, Ordering::AcqRel) == 1
+    }
+
     /// Emits `Done` with the token counts gathered on the way.
     pub fn done(&self) {
         self.emit(Event::Done {

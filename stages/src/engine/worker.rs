@@ -186,7 +186,10 @@ impl Worker {
         for id in out.finished {
             if let Some(ctx) = requests.remove(&id) {
                 self.counters.finished.fetch_add(1, Ordering::Relaxed);
-                if ctx.last_stage == self.index {
+                // Done once every stage of the route has finished, not when the
+                // last one has: a Talker can end its speech (its end code, its
+                // frame budget) while the Thinker is still writing.
+                if ctx.stage_finished() {
                     ctx.done();
                 }
             }

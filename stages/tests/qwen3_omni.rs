@@ -339,7 +339,7 @@ fn broken_qwen3_profiles_are_clear_errors() {
     assert!(e.contains("dtype") || e.contains("f16"), "{e}");
 }
 
-/// Fixed-length answers (`ignore_eos`) speak one frame per text token, or
+/// Fixed-length answers (`ignore_eos`) speak one frame per text vector, or
 /// exactly `audio_frames`: past the text on `tts_pad`, or cut before its end,
 /// and then the request still ends only with the whole text (its `Done` waits
 /// for the Thinker, not only for the last stage).
@@ -380,7 +380,9 @@ fn fixed_length_answers_speak_the_frames_asked_for() {
         }
         (tokens, audio)
     };
-    assert_eq!(run(6, None), (Some(6), 6 * 1920));
+    // One frame per text vector the Talker got: the Thinker sends a token's
+    // embedding as it reads the token, and the last of six is never read.
+    assert_eq!(run(6, None), (Some(6), 5 * 1920));
     assert_eq!(run(6, Some(20)), (Some(6), 20 * 1920));
     // Speech over after two frames, long before the Thinker's 30th token.
     assert_eq!(run(30, Some(2)), (Some(30), 2 * 1920));

@@ -26,7 +26,7 @@
 #              a Gumbel-max draw on the device): rows keep apart, where greedy
 #              answers of random weights converge to the same tokens
 #   chat       chat with audio, c=1,8,32 (deploy/qwen3-omni-h200.yaml): one audio
-#              frame (80 ms) per text token, 16 s of speech for 200 tokens
+#              frame (80 ms) per text vector: 199 frames (15.9 s) for 200 tokens
 #   speech     the same with SPEECH_FRAMES (default 768) frames an answer: speech at
 #              a person's pace, the Talker going on past the text on tts_pad as the
 #              model does (vLLM-Omni's published c=32 figures: 3.84 frames a token)

@@ -44,8 +44,9 @@ pub struct EngineArgs {
     pub output_tokens: usize,
     /// Audio frames (80 ms each) every answer speaks: the Talker goes on past
     /// the text on `tts_pad`, as the model does until it draws its end code,
-    /// which random weights never do. Default: one frame per text token, which
-    /// speaks 12.5 tokens a second, about four times faster than people talk
+    /// which random weights never do. Default: one frame per text vector (every
+    /// token but the last), 12.5 tokens a second, about four times faster than
+    /// people talk
     /// (vLLM-Omni's published c=32 figures give 57.1 audio-s/s over 185.8 tok/s:
     /// 3.84 frames a token; 768 frames for 200 tokens).
     #[arg(long)]
@@ -150,7 +151,7 @@ struct Report {
     workload: String,
     prompt_tokens: usize,
     output_tokens: usize,
-    /// Frames each answer spoke (`None`: one per text token).
+    /// Frames each answer spoke (`None`: one per text vector).
     #[serde(default)]
     audio_frames: Option<usize>,
     text_only: bool,

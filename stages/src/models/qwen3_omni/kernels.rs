@@ -245,7 +245,6 @@ mod imp {
         }
     }
 
-    /// `t` contiguous, of `dtype`, with its first element 16-byte aligned.
     /// `t` contiguous, of `dtype`, at any offset: for kernels that read it one
     /// element at a time.
     fn contiguous_of(t: &Tensor, dtype: DType, what: &str) -> Result<Tensor> {
@@ -255,6 +254,7 @@ mod imp {
         t.contiguous()
     }
 
+    /// `t` contiguous, of `dtype`, with its first element 16-byte aligned.
     fn checked(t: &Tensor, dtype: DType, what: &str) -> Result<Tensor> {
         let t = contiguous_of(t, dtype, what)?;
         if !(t.layout().start_offset() * dtype.size_in_bytes()).is_multiple_of(16) {

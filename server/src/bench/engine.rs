@@ -46,9 +46,8 @@ pub struct EngineArgs {
     /// the text on `tts_pad`, as the model does until it draws its end code,
     /// which random weights never do. Default: one frame per text vector (every
     /// token but the last), 12.5 tokens a second, about four times faster than
-    /// people talk
-    /// (vLLM-Omni's published c=32 figures give 57.1 audio-s/s over 185.8 tok/s:
-    /// 3.84 frames a token; 768 frames for 200 tokens).
+    /// people talk (vLLM-Omni's published c=32 figures give 57.1 audio-s/s over
+    /// 185.8 tok/s: 3.84 frames a token; 768 frames for 200 tokens).
     #[arg(long)]
     pub audio_frames: Option<usize>,
     /// Concurrency levels, comma-separated.

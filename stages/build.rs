@@ -12,7 +12,7 @@ fn main() {
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
     println!("cargo:rerun-if-changed=src/models/qwen3_omni/kernels/bf16.cuh");
-    for name in ["moe", "attention", "sampling", "code2wav"] {
+    for name in ["moe", "attention", "sampling", "code2wav", "dense"] {
         let src = format!("src/models/qwen3_omni/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");
         let status = std::process::Command::new("nvcc")

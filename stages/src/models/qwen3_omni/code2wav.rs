@@ -620,7 +620,8 @@ impl TransformerLayer {
                 cfg.intermediate_size,
                 cfg.hidden_act,
                 vb.pp("mlp"),
-            )?,
+            )?
+            .fuse_gate_up()?,
             input_layernorm: RmsNorm::new(h, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
             post_attention_layernorm: RmsNorm::new(
                 h,

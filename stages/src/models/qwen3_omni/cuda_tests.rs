@@ -935,6 +935,45 @@ fn top_k_kernel_matches_ops() {
     assert!(kernels::sample_top_k(&wide, &u, 1.0, 1.0).is_err());
 }
 
+/// The dense layer's fused kernels against f32 on the same bf16 inputs: SwiGLU on
+/// the stacked gate/up projection and the residual add with its RMSNorm, within
+/// one rounding to bf16 (the add's sum exactly as candle's bf16 add); shapes the
+/// kernels do not take are refused.
+#[test]
+fn dense_kernels_match_f32() {
+    use super::kernels;
+    let dev = gpu();
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    for (rows, n) in [(1usize, 3072usize), (32, 3072), (7, 24)] {
+        let gu = (bf16_randn((rows, 1, 2 * n), &dev) * 3.0).unwrap();
+        let got = f(&kernels::silu_mul(&gu).unwrap());
+        assert_eq!(got.dims(), &[rows, 1, n]);
+        let g = f(&gu.narrow(2, 0, n).unwrap());
+        let u = f(&gu.narrow(2, n, n).unwrap());
+        let want = (candle_nn::ops::silu(&g).unwrap() * u).unwrap();
+        let scale = (want.abs().unwrap() + 1e-3).unwrap();
+        let rel = max_abs_diff(&(&got / &scale).unwrap(), &(&want / &scale).unwrap());
+        eprintln!("silu_mul {rows}x{n}: max rel err {rel:.2e}");
+        assert!(rel <= 2f32.powi(-8), "silu_mul off by {rel}");
+    }
+    for (rows, hidden) in [(1usize, 1024usize), (32, 2048), (5, 8)] {
+        let x = (bf16_randn((rows, 1, hidden), &dev) * 4.0).unwrap();
+        let h = bf16_randn((rows, 1, hidden), &dev);
+        let w = bf16_randn(hidden, &dev);
+        let (sum, normed) = kernels::add_rms_norm(&x, &h, &w, 1e-6).unwrap();
+        assert_eq!(max_abs_diff(&sum, &(&x + &h).unwrap()), 0.0, "the sum");
+        let s = f(&sum);
+        let want = candle_nn::ops::rms_norm(&s, &f(&w), 1e-6).unwrap();
+        let scale = (want.abs().unwrap() + 1e-3).unwrap();
+        let rel = max_abs_diff(&(&f(&normed) / &scale).unwrap(), &(&want / &scale).unwrap());
+        eprintln!("add_rms_norm {rows}x{hidden}: max rel err {rel:.2e}");
+        assert!(rel <= 2f32.powi(-8), "add_rms_norm off by {rel}");
+    }
+    let odd = bf16_randn((2, 12), &dev);
+    assert!(kernels::silu_mul(&odd).is_err());
+    assert!(kernels::add_rms_norm(&odd, &odd, &bf16_randn(12, &dev), 1e-6).is_err());
+}
+
 /// The fused SnakeBeta kernel against the activation in f32 on the same bf16
 /// inputs: within one rounding to bf16 (candle's five bf16 ops, printed beside,
 /// round five times); lengths not a multiple of 8 are refused.

@@ -17,6 +17,8 @@
 //! - [`masked_softmax`]: a prefill's scaled, masked softmax in one pass.
 //! - [`argmax`]: each row's first largest logit, so a greedy step copies ids, not
 //!   logits, to the host; [`sample_top_k`]: a top-k/top-p draw in one launch.
+//! - [`silu_mul`], [`add_rms_norm`]: a dense layer's SwiGLU and its residual add
+//!   with the norm after it, one launch each.
 //! - [`snake_beta`]: Code2Wav's SnakeBeta activation in one pass (candle's ops
 //!   take five); [`causal_conv`]: its convolutions as implicit GEMMs.
 //!
@@ -221,6 +223,8 @@ mod imp {
     const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
     const SAMPLING_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sampling.ptx"));
     const CODE2WAV_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/code2wav.ptx"));
+    const DENSE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/dense.ptx"));
+    const DENSE_THREADS: u32 = 256;
     const ARGMAX_THREADS: u32 = 1024;
     const TC_THREADS: u32 = 256;
     // kernels/code2wav.cu's conv tiles (its block is TC_THREADS too).
@@ -1181,6 +1185,96 @@ mod imp {
         }
         Ok(wrap(out, dev, (b, heads, d)))
     }
+
+    pub fn silu_mul(gate_up: &Tensor) -> Result<Tensor> {
+        let gu = checked(gate_up, DType::BF16, "silu_mul")?;
+        let mut dims = gu.dims().to_vec();
+        let two_n = dims.last().copied().unwrap_or(0);
+        if !two_n.is_multiple_of(16) || two_n == 0 {
+            candle_core::bail!("silu_mul: {:?}, last dim a multiple of 16", gu.dims());
+        }
+        let n = two_n / 2;
+        let total8 = gu.elem_count() / 16;
+        let dev = gu.device().as_cuda_device()?;
+        let func = dev.get_or_load_custom_func("silu_mul_bf16", "omnistream_dense", DENSE_PTX)?;
+        let out = unsafe { dev.alloc::<half::bf16>(total8 * 8) }?;
+        let (g_st, g_l) = gu.storage_and_layout();
+        let gs = view::<half::bf16>(&g_st, g_l)?;
+        let (n8, total) = ((n / 8) as i32, total8 as i64);
+        let mut b = func.builder();
+        b.arg(&gs).arg(&out).arg(&n8).arg(&total);
+        let cfg = LaunchConfig {
+            grid_dim: ((total8 as u32).div_ceil(DENSE_THREADS).max(1), 1, 1),
+            block_dim: (DENSE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the grid-stride loop covers total8 16-byte groups of the checked,
+        // aligned, contiguous input, each reading its row's gate and up halves.
+        unsafe { b.launch(cfg) }.w()?;
+        drop(b);
+        if let Some(last) = dims.last_mut() {
+            *last = n;
+        }
+        Ok(wrap(out, dev, dims))
+    }
+
+    pub fn add_rms_norm(
+        x: &Tensor,
+        h: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        let x = checked(x, DType::BF16, "add_rms_norm x")?;
+        let h = checked(h, DType::BF16, "add_rms_norm h")?;
+        let w = checked(weight, DType::BF16, "add_rms_norm weight")?;
+        let hidden = x.dims().last().copied().unwrap_or(0);
+        if h.dims() != x.dims() || w.elem_count() != hidden || !hidden.is_multiple_of(8) {
+            candle_core::bail!(
+                "add_rms_norm: x {:?}, h {:?}, weight {:?}, hidden a multiple of 8",
+                x.dims(),
+                h.dims(),
+                w.dims()
+            );
+        }
+        let rows = x.elem_count() / hidden.max(1);
+        let dev = x.device().as_cuda_device()?;
+        let func =
+            dev.get_or_load_custom_func("add_rms_norm_bf16", "omnistream_dense", DENSE_PTX)?;
+        let (sum, out) = unsafe {
+            (
+                dev.alloc::<half::bf16>(rows * hidden)?,
+                dev.alloc::<half::bf16>(rows * hidden)?,
+            )
+        };
+        let (x_st, x_l) = x.storage_and_layout();
+        let (h_st, h_l) = h.storage_and_layout();
+        let (w_st, w_l) = w.storage_and_layout();
+        let (xs, hs, ws) = (
+            view::<half::bf16>(&x_st, x_l)?,
+            view::<half::bf16>(&h_st, h_l)?,
+            view::<half::bf16>(&w_st, w_l)?,
+        );
+        let n8 = (hidden / 8) as i32;
+        let mut b = func.builder();
+        b.arg(&xs)
+            .arg(&hs)
+            .arg(&ws)
+            .arg(&sum)
+            .arg(&out)
+            .arg(&n8)
+            .arg(&eps);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.max(1) as u32, 1, 1),
+            block_dim: (DENSE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: a block per row of `hidden` values of the checked, aligned,
+        // contiguous inputs; the weight holds `hidden` values.
+        unsafe { b.launch(cfg) }.w()?;
+        drop(b);
+        let shape = x.dims().to_vec();
+        Ok((wrap(sum, dev, shape.clone()), wrap(out, dev, shape)))
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -1230,6 +1324,19 @@ mod imp {
         _residual: Option<&Tensor>,
         _dilation: usize,
     ) -> Result<Tensor> {
+        no_cuda()
+    }
+
+    pub fn silu_mul(_gate_up: &Tensor) -> Result<Tensor> {
+        no_cuda()
+    }
+
+    pub fn add_rms_norm(
+        _x: &Tensor,
+        _h: &Tensor,
+        _weight: &Tensor,
+        _eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
         no_cuda()
     }
 
@@ -1331,6 +1438,15 @@ pub use imp::moe_down;
 /// Each token's routed experts summed: `(tokens * top_k, n)` rows in choice order
 /// to `(tokens, n)`, in f32.
 pub use imp::moe_sum;
+
+/// SwiGLU on a fused gate/up projection `(.., 2 * n)` bf16 (gate first, n a
+/// multiple of 8): `silu(gate) * up` `(.., n)`, in f32, rounded once.
+pub use imp::silu_mul;
+
+/// A residual add and the RMSNorm after it on `(.., hidden)` bf16 (hidden a multiple
+/// of 8): `(x + h, rms_norm(x + h) * weight)`, the sum rounded to bf16 as an add
+/// does, the norm in f32 rounded once as candle's kernel.
+pub use imp::add_rms_norm;
 
 /// Code2Wav's SnakeBeta `x + inv_beta * sin(x * alpha)^2` on `(rows, channels, len)`
 /// bf16, len a multiple of 8, with `alpha` and `inv_beta` one value a channel:

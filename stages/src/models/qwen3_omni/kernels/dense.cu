@@ -1,0 +1,76 @@
+// A dense decoder layer's elementwise work, fused (kernels.rs, layers.rs): each of
+// these replaces two or three of candle's launches, which at a decode step's few
+// rows cost more than the arithmetic (the code predictor runs 80 layer passes a
+// frame).
+#include "bf16.cuh"
+
+#define DENSE_THREADS 256
+
+// SwiGLU on the fused gate/up projection: gu (rows, 2 * n) bf16, gate in columns
+// [0, n), up in [n, 2 * n); y (rows, n) = silu(gate) * up, with gate and up
+// as the projection rounded them, the product in f32 rounded once. n a multiple
+// of 8 (16-byte loads); n8 = n / 8, total8 = rows * n8.
+extern "C" __global__ void silu_mul_bf16(
+    const uint4* __restrict__ gu, uint4* __restrict__ y, int n8, long long total8) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total8;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long row = i / n8, c = i % n8;
+        const uint4 g = gu[row * 2 * n8 + c], u = gu[row * 2 * n8 + n8 + c];
+        const unsigned int gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+        unsigned int w[4];
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float glo = bf_lo(gw[j]), ghi = bf_hi(gw[j]);
+            const float lo = glo / (1.f + expf(-glo)) * bf_lo(uw[j]);
+            const float hi = ghi / (1.f + expf(-ghi)) * bf_hi(uw[j]);
+            w[j] = (unsigned int)to_bf16(lo) | ((unsigned int)to_bf16(hi) << 16);
+        }
+        y[i] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+// The residual add and the RMSNorm after it: s = x + h rounded to bf16 (as the
+// unfused add), y = s * rsqrt(mean(s^2) + eps) * w in f32, rounded once (as
+// candle's bf16 rms_norm). Rows of `hidden` = n8 * 8 values; a block a row.
+// Grid: rows; block: DENSE_THREADS.
+extern "C" __global__ void __launch_bounds__(DENSE_THREADS) add_rms_norm_bf16(
+    const uint4* __restrict__ x, const uint4* __restrict__ h, const uint4* __restrict__ w,
+    uint4* __restrict__ s, uint4* __restrict__ y, int n8, float eps) {
+    __shared__ float part[DENSE_THREADS / 32];
+    const long long base = (long long)blockIdx.x * n8;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < n8; c += DENSE_THREADS) {
+        const uint4 a = x[base + c], b = h[base + c];
+        const unsigned int aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+        unsigned int o[4];
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const unsigned short lo = to_bf16(bf_lo(aw[j]) + bf_lo(bw[j]));
+            const unsigned short hi = to_bf16(bf_hi(aw[j]) + bf_hi(bw[j]));
+            const float flo = bf(lo), fhi = bf(hi);
+            ss += flo * flo + fhi * fhi;
+            o[j] = (unsigned int)lo | ((unsigned int)hi << 16);
+        }
+        s[base + c] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+    for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
+    __syncthreads();
+    float total = 0.f;
+    #pragma unroll
+    for (int i = 0; i < DENSE_THREADS / 32; i++) total += part[i];
+    const float scale = rsqrtf(total / (float)(n8 * 8) + eps);
+    // Each thread reads back only the sums it wrote itself.
+    for (int c = threadIdx.x; c < n8; c += DENSE_THREADS) {
+        const uint4 a = s[base + c], g = w[c];
+        const unsigned int aw[4] = {a.x, a.y, a.z, a.w}, gw[4] = {g.x, g.y, g.z, g.w};
+        unsigned int o[4];
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float lo = bf_lo(aw[j]) * scale * bf_lo(gw[j]);
+            const float hi = bf_hi(aw[j]) * scale * bf_hi(gw[j]);
+            o[j] = (unsigned int)to_bf16(lo) | ((unsigned int)to_bf16(hi) << 16);
+        }
+        y[base + c] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}

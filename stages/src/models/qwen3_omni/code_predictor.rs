@@ -17,8 +17,8 @@
 
 use super::graphs;
 use super::layers::{
-    attention_mask, new_slots, DecoderConfig, DecoderLayer, KvCache, KvSlots, RmsNorm,
-    RotaryEmbedding, SlotBatch,
+    attention_mask, new_slots, run_decoder, Attention, DecoderConfig, DecoderLayer, KvCache,
+    KvSlots, RmsNorm, RotaryEmbedding, SlotBatch,
 };
 use super::sampling::{self, sample_on_device_with, samples_on_device, Sampler, SamplingConfig};
 use candle_core::{DType, Module, Result, Tensor};
@@ -75,36 +75,27 @@ impl CodePredictorModel {
             .contiguous()?;
         let (cos, sin) = self.rotary_emb.forward(&pos, x.dtype())?;
         let mask = attention_mask(None, b, s, past + s, x.device())?;
-        let mut h = x.clone();
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.forward(&h, &cos, &sin, mask.as_ref(), Some(cache))?;
-        }
-        self.norm.forward(&h)
+        let attn = |i: usize, a: &Attention, h: &Tensor| match caches.get_mut(i) {
+            Some(c) => a.forward(h, &cos, &sin, mask.as_ref(), Some(c)),
+            None => candle_core::bail!("no cache for layer {i}"),
+        };
+        run_decoder(&self.layers, &self.norm, x, attn, |_, _| {})
     }
 
     /// One position of a frame for every row, through the frame's KV slots:
-    /// `(b, 1, hidden)` -> the final-normed hidden `(b, 1, hidden)`, or the last
-    /// layer's output unnormed when `norm` is false (a position whose keys and
-    /// values are all that is needed).
-    fn forward_step(
-        &self,
-        x: &Tensor,
-        frame: &SlotFrame,
-        pos: usize,
-        norm: bool,
-    ) -> Result<Tensor> {
+    /// `(b, 1, hidden)` -> the final-normed hidden `(b, 1, hidden)` (the final norm
+    /// comes fused with the last residual add: position 0, whose keys and values
+    /// are all that is needed, costs nothing more for it).
+    fn forward_step(&self, x: &Tensor, frame: &SlotFrame, pos: usize) -> Result<Tensor> {
         let step = frame
             .steps
             .get(pos)
             .ok_or_else(|| candle_core::Error::Msg(format!("no frame position {pos}")))?;
-        let mut h = x.clone();
-        for (layer, kv) in self.layers.iter().zip(&frame.kv) {
-            h = layer.forward_slots(&h, &step.cos, &step.sin, kv, &step.batch)?;
-        }
-        match norm {
-            true => self.norm.forward(&h),
-            false => Ok(h),
-        }
+        let attn = |i: usize, a: &Attention, h: &Tensor| match frame.kv.get(i) {
+            Some(kv) => a.forward_slots(h, &step.cos, &step.sin, kv, &step.batch),
+            None => candle_core::bail!("no KV slots for layer {i}"),
+        };
+        run_decoder(&self.layers, &self.norm, x, attn, |_, _| {})
     }
 }
 
@@ -414,10 +405,10 @@ impl CodePredictor {
         let mut embed_sum: Option<Tensor> = None;
         let mut on_device = Vec::new();
         // Position 0 only leaves its keys and values.
-        self.model.forward_step(&past_hidden, frame, 0, false)?;
+        self.model.forward_step(&past_hidden, frame, 0)?;
         let mut input = code0_embed;
         for (g, head) in self.lm_head.iter().enumerate() {
-            let h = self.model.forward_step(&input, frame, g + 1, true)?;
+            let h = self.model.forward_step(&input, frame, g + 1)?;
             let logits = head.forward(&h.squeeze(1)?)?.to_dtype(DType::F32)?;
             let ids = match &mut draw {
                 Draw::Host(samplers) => {

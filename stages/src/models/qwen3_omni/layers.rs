@@ -1525,10 +1525,23 @@ impl DecoderLayer {
 
     /// The pre-norm residual block around `attn` (the attention on the normed input).
     fn block(&self, x: &Tensor, attn: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
-        let h = attn(&self.input_layernorm.forward(x)?)?;
-        let (x, normed) = self.post_attention_layernorm.add_forward(x, &h)?;
-        let h = self.mlp.forward(&normed)?;
+        let (x, h) = self.parts(x, &self.input_layernorm.forward(x)?, attn)?;
         x + h
+    }
+
+    /// The block on the residual stream `x` and its input norm `normed`, without
+    /// the last residual add: (the stream after the attention's add, the MLP's
+    /// output), whose sum is the block's output ([`run_decoder`] fuses that add
+    /// with the norm after it).
+    fn parts(
+        &self,
+        x: &Tensor,
+        normed: &Tensor,
+        attn: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let h = attn(normed)?;
+        let (x, normed) = self.post_attention_layernorm.add_forward(x, &h)?;
+        Ok((x, self.mlp.forward(&normed)?))
     }
 
     /// [`Self::forward`] for one decode step of a running batch over [`KvSlots`].
@@ -1544,6 +1557,35 @@ impl DecoderLayer {
             self.self_attn.forward_slots(h, cos, sin, slots, batch)
         })
     }
+}
+
+/// A decoder's `layers` and its final `norm` over `x`, each residual add fused with
+/// the norm after it (the next layer's input norm, or the final one; one launch
+/// on a GPU in bf16, [`RmsNorm::add_forward`]): the final-normed hidden states.
+/// `attn(i, attention, normed)` runs layer `i`'s attention on its normed input
+/// (with the caller's cache or slots); `record(i, x)` sees the residual stream
+/// after layer `i - 1`, for `i` in `1..layers`.
+pub fn run_decoder(
+    layers: &[DecoderLayer],
+    norm: &RmsNorm,
+    x: &Tensor,
+    mut attn: impl FnMut(usize, &Attention, &Tensor) -> Result<Tensor>,
+    mut record: impl FnMut(usize, &Tensor),
+) -> Result<Tensor> {
+    let Some(first) = layers.first() else {
+        return norm.forward(x);
+    };
+    let mut normed = first.input_layernorm.forward(x)?;
+    let mut x = x.clone();
+    for (i, layer) in layers.iter().enumerate() {
+        let (mid, h) = layer.parts(&x, &normed, |n| attn(i, &layer.self_attn, n))?;
+        let next = layers.get(i + 1).map_or(norm, |l| &l.input_layernorm);
+        (x, normed) = next.add_forward(&mid, &h)?;
+        if i + 1 < layers.len() {
+            record(i + 1, &x);
+        }
+    }
+    Ok(normed)
 }
 
 /// KV slots for `layers`: a running batch of up to `slots` requests of `max_len`

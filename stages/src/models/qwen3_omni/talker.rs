@@ -26,8 +26,8 @@
 use super::code_predictor::{CodePredictor, CodePredictorConfig, PredictorGraphs};
 use super::graphs;
 use super::layers::{
-    self, DecoderConfig, DecoderLayer, FeedForward, KvCache, KvSlots, RmsNorm, RotaryEmbedding,
-    SlotBatch, SparseMoe,
+    self, Attention, DecoderConfig, DecoderLayer, FeedForward, KvCache, KvSlots, RmsNorm,
+    RotaryEmbedding, SlotBatch, SparseMoe,
 };
 use super::sampling::{samples_on_device, Sampler, SamplingConfig};
 use candle_core::{DType, Module, Result, Tensor, D};
@@ -171,11 +171,11 @@ impl TalkerModel {
         caches: &mut [KvCache],
     ) -> Result<Tensor> {
         let (cos, sin) = self.rotary_emb.forward(position_ids, x.dtype())?;
-        let mut h = x.clone();
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.forward(&h, &cos, &sin, mask, Some(cache))?;
-        }
-        self.norm.forward(&h)
+        let attn = |i: usize, a: &Attention, h: &Tensor| match caches.get_mut(i) {
+            Some(c) => a.forward(h, &cos, &sin, mask, Some(c)),
+            None => candle_core::bail!("no cache for layer {i}"),
+        };
+        layers::run_decoder(&self.layers, &self.norm, x, attn, |_, _| {})
     }
 }
 
@@ -189,11 +189,11 @@ impl TalkerModel {
         batch: &SlotBatch,
     ) -> Result<Tensor> {
         let (cos, sin) = self.rotary_emb.forward(position_ids, x.dtype())?;
-        let mut h = x.clone();
-        for (layer, s) in self.layers.iter().zip(slots) {
-            h = layer.forward_slots(&h, &cos, &sin, s, batch)?;
-        }
-        self.norm.forward(&h)
+        let attn = |i: usize, a: &Attention, h: &Tensor| match slots.get(i) {
+            Some(s) => a.forward_slots(h, &cos, &sin, s, batch),
+            None => candle_core::bail!("no KV slots for layer {i}"),
+        };
+        layers::run_decoder(&self.layers, &self.norm, x, attn, |_, _| {})
     }
 }
 

@@ -19,8 +19,8 @@
 use super::audio_encoder::feat_extract_output_lengths;
 use super::graphs;
 use super::layers::{
-    self, attention_mask, DecoderConfig, DecoderLayer, KvCache, KvSlots, RmsNorm, RotaryEmbedding,
-    SlotBatch,
+    self, attention_mask, Attention, DecoderConfig, DecoderLayer, KvCache, KvSlots, RmsNorm,
+    RotaryEmbedding, SlotBatch,
 };
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
@@ -414,19 +414,23 @@ impl Thinker {
         let mask = attention_mask(Some(&pad), b, s, kv_len, &self.device)?;
 
         let kv = &mut cache.kv;
-        self.run_layers(embeds, hidden, last_only, |layer, i, x| {
-            layer.forward(x, &cos, &sin, mask.as_ref(), Some(&mut kv[i]))
+        self.run_layers(embeds, hidden, last_only, |i, attn, x| {
+            match kv.get_mut(i) {
+                Some(c) => attn.forward(x, &cos, &sin, mask.as_ref(), Some(c)),
+                None => candle_core::bail!("no cache for layer {i}"),
+            }
         })
     }
 
-    /// The decoder layers (`layer(layer, index, x)` runs one), the final norm and the
-    /// head, recording the requested hidden states.
+    /// The decoder layers (`attn(index, attention, normed)` runs a layer's attention,
+    /// [`layers::run_decoder`]), the final norm and the head, recording the requested
+    /// hidden states.
     fn run_layers(
         &self,
         embeds: &Tensor,
         hidden: &[usize],
         last_only: bool,
-        mut layer: impl FnMut(&DecoderLayer, usize, &Tensor) -> Result<Tensor>,
+        attn: impl FnMut(usize, &Attention, &Tensor) -> Result<Tensor>,
     ) -> Result<ThinkerOutput> {
         let n_layers = self.layers.len();
         if let Some(&bad) = hidden.iter().find(|&&i| i > n_layers) {
@@ -440,20 +444,14 @@ impl Thinker {
                 }
             }
         };
-        let mut x = embeds.clone();
-        record(0, &x);
-        for (i, l) in self.layers.iter().enumerate() {
-            x = layer(l, i, &x)?;
-            if i + 1 < n_layers {
-                record(i + 1, &x);
-            }
-        }
+        record(0, embeds);
+        let x = layers::run_decoder(&self.layers, &self.norm, embeds, attn, &mut record)?;
+        // The final norm is per position: normed whole, then narrowed.
         let x = if last_only {
-            x.narrow(1, x.dim(1)? - 1, 1)?
+            x.narrow(1, x.dim(1)? - 1, 1)?.contiguous()?
         } else {
             x
         };
-        let x = self.norm.forward(&x)?;
         record(n_layers, &x);
         let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
         let hidden_states = out_hidden
@@ -534,8 +532,9 @@ impl Thinker {
         let (cos, sin) = self
             .rotary_emb
             .forward(&pos.repeat((3, 1, 1))?, embeds.dtype())?;
-        self.run_layers(&embeds, hidden, false, |layer, i, x| {
-            layer.forward_slots(x, &cos, &sin, &slots[i], batch)
+        self.run_layers(&embeds, hidden, false, |i, attn, x| match slots.get(i) {
+            Some(s) => attn.forward_slots(x, &cos, &sin, s, batch),
+            None => candle_core::bail!("no KV slots for layer {i}"),
         })
     }
 

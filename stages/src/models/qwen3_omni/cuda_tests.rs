@@ -935,6 +935,81 @@ fn top_k_kernel_matches_ops() {
     assert!(kernels::sample_top_k(&wide, &u, 1.0, 1.0).is_err());
 }
 
+/// The top-k draw's two ways to find the candidates (the warps' merged lists and
+/// the whole row sorted, [`kernels::TOPK_MERGE`]) draw the same ids from the same
+/// uniforms: rows with ties (integer logits), NaNs, widths no warp divides, every
+/// k up to 64; then each one's time a draw at the code predictor's 32 x 2048,
+/// top 50, in a graph of a frame's 15 draws.
+#[test]
+fn top_k_merge_draws_as_the_full_sort() {
+    use super::kernels::{self, TOPK_MERGE};
+    use std::time::Instant;
+    let dev = gpu();
+    let rows = 256;
+    for (cols, k, top_p) in [
+        (2048usize, 50usize, 0.8f32),
+        (2048, 64, 1.0),
+        (1000, 7, 0.9),
+        (64, 64, 1.0),
+        (33, 1, 1.0),
+    ] {
+        let logits = (Tensor::randn(0f32, 1.0, (rows, cols), &dev).unwrap() * 2.0)
+            .unwrap()
+            .round()
+            .unwrap();
+        // A NaN in every row (column 3, or the last): never a candidate.
+        let nan_col = 3.min(cols - 1);
+        let nan = Tensor::full(f32::NAN, (rows, 1), &dev).unwrap();
+        let logits = logits
+            .slice_assign(&[0..rows, nan_col..nan_col + 1], &nan)
+            .unwrap();
+        let u = Tensor::rand(1e-20f32, 1.0, (rows, k), &dev).unwrap();
+        let draw = |merge: u32| {
+            TOPK_MERGE.set(Some(merge));
+            kernels::sample_top_k(&logits, &u, 1.3, top_p)
+                .unwrap()
+                .to_vec1::<u32>()
+                .unwrap()
+        };
+        let (merged, sorted) = (draw(1), draw(0));
+        assert_eq!(merged, sorted, "{cols} columns, top {k}");
+        assert!(merged
+            .iter()
+            .all(|&id| (id as usize) < cols && id as usize != nan_col));
+    }
+    // Timed as a graph of 15 draws (a frame's), so the GPU's time is measured,
+    // not the launches'.
+    let logits = Tensor::randn(0f32, 1.0, (32, 2048), &dev).unwrap();
+    let u = Tensor::rand(1e-20f32, 1.0, (32, 50), &dev).unwrap();
+    let mut us = Vec::new();
+    for merge in [0u32, 1] {
+        TOPK_MERGE.set(Some(merge));
+        // The draws' outputs are dropped inside: the graph allocates and frees them.
+        let graph = super::graphs::StepGraph::capture(&dev, || {
+            for _ in 0..15 {
+                kernels::sample_top_k(&logits, &u, 1.0, 0.8)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        for _ in 0..3 {
+            graph.launch().unwrap();
+        }
+        dev.synchronize().unwrap();
+        let t = Instant::now();
+        for _ in 0..20 {
+            graph.launch().unwrap();
+        }
+        dev.synchronize().unwrap();
+        us.push(t.elapsed().as_secs_f64() * 1e6 / (20.0 * 15.0));
+    }
+    TOPK_MERGE.set(None);
+    eprintln!(
+        "sample_top_k 32x2048 top 50, graphed, a draw: whole row sorted {:.1} us, warps merged {:.1} us",
+        us[0], us[1]
+    );
+}
+
 /// The dense layer's fused kernels against f32 on the same bf16 inputs: SwiGLU on
 /// the stacked gate/up projection and the residual add with its RMSNorm, within
 /// one rounding to bf16 (the add's sum exactly as candle's bf16 add); shapes the

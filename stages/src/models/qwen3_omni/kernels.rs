@@ -144,6 +144,13 @@ pub fn gemv_variant(k: usize) -> (u32, u32) {
     }
 }
 
+/// How [`sample_top_k`] finds a row's candidates where the row has at most 2,048
+/// logits and k is at most 64 (`OMNISTREAM_TOPK_MERGE`; kernels/sampling.cu): 1,
+/// the default, sorts 64 values a warp in registers and merges the warps' lists
+/// (`sample_top_k_fast_f32`); 0 sorts the whole row in shared memory, as wider
+/// rows always do. Both draw the same ids from the same uniforms.
+pub static TOPK_MERGE: Variant = Variant::new("OMNISTREAM_TOPK_MERGE", &[0, 1], 1);
+
 /// The tensor-core MoE kernels' pipeline depth, 2 or 3 tiles
 /// (`OMNISTREAM_MOE_TC_STAGES`; kernels/moe.cu, `MOE_TC_KERNELS`); 3, the
 /// default, was 4 to 8% faster on the H200's prefills.
@@ -813,8 +820,12 @@ mod imp {
         }
         let stride = logits.stride()[0] as i64;
         let dev = logits.device().as_cuda_device()?;
-        let func =
-            dev.get_or_load_custom_func("sample_top_k_f32", "omnistream_sampling", SAMPLING_PTX)?;
+        let merge = cols <= TOPK_FAST_COLS && k <= TOPK_FAST_K && TOPK_MERGE.get() == 1;
+        let name = match merge {
+            true => "sample_top_k_fast_f32",
+            false => "sample_top_k_f32",
+        };
+        let func = dev.get_or_load_custom_func(name, "omnistream_sampling", SAMPLING_PTX)?;
         let out = unsafe { dev.alloc::<u32>(b) }?;
         let (l_st, l_l) = logits.storage_and_layout();
         let ls = view::<f32>(&l_st, l_l)?;
@@ -822,15 +833,11 @@ mod imp {
         let us = view::<f32>(&u_st, u_l)?;
         let [cols_i, n_i, k_i] = [cols, cols.next_power_of_two(), k].map(|v| v as i32);
         let mut bld = func.builder();
-        bld.arg(&ls)
-            .arg(&stride)
-            .arg(&us)
-            .arg(&out)
-            .arg(&cols_i)
-            .arg(&n_i)
-            .arg(&k_i)
-            .arg(&inv_temp)
-            .arg(&top_p);
+        bld.arg(&ls).arg(&stride).arg(&us).arg(&out).arg(&cols_i);
+        if !merge {
+            bld.arg(&n_i);
+        }
+        bld.arg(&k_i).arg(&inv_temp).arg(&top_p);
         let cfg = LaunchConfig {
             grid_dim: (b as u32, 1, 1),
             block_dim: (ARGMAX_THREADS, 1, 1),
@@ -838,7 +845,8 @@ mod imp {
         };
         // SAFETY: one block per row; row r reads [r * stride, r * stride + cols) of the
         // logits and [r * k, (r + 1) * k) of the checked uniforms; n <= TOPK_MAX_COLS
-        // fits the kernel's shared arrays.
+        // fits the sorting kernel's shared arrays, cols <= TOPK_FAST_COLS (32 warps of
+        // 64) and k <= 64 the merging one's.
         unsafe { bld.launch(cfg) }.w()?;
         drop(bld);
         Ok(wrap(out, dev, b))
@@ -1484,6 +1492,11 @@ pub fn top_k_supported(cols: usize, k: usize) -> bool {
 
 /// kernels/sampling.cu's widest row for [`sample_top_k`].
 const TOPK_MAX_COLS: usize = 4096;
+/// The widest row and the most candidates of its merging kernel ([`TOPK_MERGE`]).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const TOPK_FAST_COLS: usize = 2048;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const TOPK_FAST_K: usize = 64;
 
 /// A decode step's queries `(b, heads, 128)` from the fused q/k/v projection `qkv`
 /// `(b, (heads + 2 * kv_heads) * 128)`: q_norm/k_norm, the rotary embedding at each

@@ -11,6 +11,7 @@
 #              then the time of each part of a step of 8 and 32
 #   talker     the Talker alone: the code predictor's frame and the decode step,
 #              graphed, at 1 to 32 rows, and the whole step the stage runs
+#   talker-sort the same with OMNISTREAM_TOPK_MERGE=0 (the top-k draws sort whole rows)
 #   ncu        Nsight Compute: each kernel of a decoder layer's decode step at 1, 8
 #              and 32 rows (duration, DRAM throughput), by scripts/cuda/ncu_table.py
 #   ncu-prefill the same for one prefill layer: 32 prompts of 100, one of 2,500
@@ -30,6 +31,8 @@
 #   speech     the same with SPEECH_FRAMES (default 768) frames an answer: speech at
 #              a person's pace, the Talker going on past the text on tts_pad as the
 #              model does (vLLM-Omni's published c=32 figures: 3.84 frames a token)
+#   speech-sort the same with OMNISTREAM_TOPK_MERGE=0: the code predictor's top-k
+#              draws sort the whole row (side by side with the default merge)
 #   chat-c2w, speech-c2w  the same with OMNISTREAM_STAGE_PRIORITY=code2wav: Code2Wav's
 #              graphed steps overlap the Thinker's (the Talker's still go first)
 #   chunks     chat and speech with Code2Wav's later chunks CHUNKS frames long (default
@@ -76,6 +79,10 @@ if [ -x cuda-bin/stages-tests ]; then
     step talker
     timeout 120 cuda-bin/stages-tests profile_talker_steps --ignored --nocapture
   fi
+  if has talker-sort; then
+    step talker-sort
+    OMNISTREAM_TOPK_MERGE=0 timeout 120 cuda-bin/stages-tests profile_talker_steps --ignored --nocapture
+  fi
   if has ncu; then
     step ncu
     timeout 300 ncu --clock-control none --csv \
@@ -114,6 +121,7 @@ has tc2 && OMNISTREAM_MOE_TC_STAGES=2 bench "${TEXT_S:-150}" "${H200[@]}" --name
 has text-t && bench "${TEXT_S:-150}" "${H200[@]}" --name chat-t "${CHAT[@]}" --temperature "${TEMP:-1.0}" --concurrency "$TEXT_C" --text-only
 has chat && bench "${CHAT_S:-200}" "${H200[@]}" --name chat "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has speech && bench "${CHAT_S:-200}" "${H200[@]}" --name speech "${CHAT[@]}" --audio-frames "${SPEECH_FRAMES:-768}" --concurrency "${CHAT_C:-1,8,32}"
+has speech-sort && OMNISTREAM_TOPK_MERGE=0 bench "${CHAT_S:-200}" "${H200[@]}" --name speech-sort "${CHAT[@]}" --audio-frames "${SPEECH_FRAMES:-768}" --concurrency "${CHAT_C:-1,8,32}"
 has chat-c2w && OMNISTREAM_STAGE_PRIORITY=code2wav bench "${CHAT_S:-200}" "${H200[@]}" --name chat-c2w "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has speech-c2w && OMNISTREAM_STAGE_PRIORITY=code2wav bench "${CHAT_S:-200}" "${H200[@]}" --name speech-c2w "${CHAT[@]}" --audio-frames "${SPEECH_FRAMES:-768}" --concurrency "${CHAT_C:-1,8,32}"
 if has chunks; then

@@ -66,14 +66,17 @@ impl Variant {
             var,
             choices,
             default,
-            cell: std::sync::atomic::AtomicU32::new(0),
+            cell: std::sync::atomic::AtomicU32::new(Self::UNSET),
         }
     }
+
+    /// Not read yet (no variant is this value; 0 is one).
+    const UNSET: u32 = u32::MAX;
 
     pub fn get(&self) -> u32 {
         use std::sync::atomic::Ordering;
         match self.cell.load(Ordering::Relaxed) {
-            0 => {
+            Self::UNSET => {
                 let v = std::env::var(self.var)
                     .ok()
                     .and_then(|v| v.parse().ok())
@@ -1513,3 +1516,20 @@ pub use imp::qk_norm_rope_prefill;
 /// through the additive `mask` `(b, 1, 1, kv_len)` (row `i` in slot `slot_of_row[i]`,
 /// or slot `i`): `(b, heads, 128)`, for the shapes of [`attention_supported`].
 pub use imp::decode_attention;
+
+#[cfg(test)]
+mod tests {
+    use super::Variant;
+
+    /// A variant whose value is 0 stays set (0 once meant "not read yet", so
+    /// setting it read the environment's default instead).
+    #[test]
+    fn a_variant_of_zero_is_kept() {
+        static V: Variant = Variant::new("OMNISTREAM_TEST_VARIANT_NEVER_SET", &[0, 1], 1);
+        assert_eq!(V.get(), 1);
+        V.set(Some(0));
+        assert_eq!(V.get(), 0);
+        V.set(None);
+        assert_eq!(V.get(), 1);
+    }
+}

@@ -4,9 +4,11 @@
 //! residual codes 1..N-1, each from its own head `lm_head.{i}` and fed back through its
 //! own table `model.codec_embedding.{i}`.
 //!
-//! As the reference (`code_predictor.generate` inside the Talker's
-//! `prepare_inputs_for_generation`), every frame starts from an empty cache: a 2-position
-//! prefill, then one cached step per further code.
+//! The reference (`code_predictor.generate` inside the Talker's
+//! `prepare_inputs_for_generation`) starts every frame from an empty cache: a 2-position
+//! prefill, then one cached step per further code. Here a frame is 16 one-position steps
+//! on KV slots written in place (the same attention, so the same codes), whose positions'
+//! tables are made once per batch size (`SlotFrame`).
 //!
 //! Public API:
 //! - [`CodePredictorConfig`] (the `code_predictor_config` JSON: the decoder fields plus

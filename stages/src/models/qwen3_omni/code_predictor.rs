@@ -84,15 +84,13 @@ impl CodePredictorModel {
         run_decoder(&self.layers, &self.norm, x, attn, |_, _| {})
     }
 
-    /// One position of a frame for every row, through the frame's KV slots:
-    /// `(b, 1, hidden)` -> the final-normed hidden `(b, 1, hidden)` (the final norm
-    /// comes fused with the last residual add: position 0, whose keys and values
-    /// are all that is needed, costs nothing more for it).
-    fn forward_step(&self, x: &Tensor, frame: &SlotFrame, pos: usize) -> Result<Tensor> {
+    /// Step `i` of a frame through the frame's KV slots ([`SlotFrame::steps`]):
+    /// `(rows, 1, hidden)` -> the final-normed hidden `(rows, 1, hidden)`.
+    fn forward_step(&self, x: &Tensor, frame: &SlotFrame, i: usize) -> Result<Tensor> {
         let step = frame
             .steps
-            .get(pos)
-            .ok_or_else(|| candle_core::Error::Msg(format!("no frame position {pos}")))?;
+            .get(i)
+            .ok_or_else(|| candle_core::Error::Msg(format!("no frame step {i}")))?;
         let attn = |i: usize, a: &Attention, h: &Tensor| match frame.kv.get(i) {
             Some(kv) => a.forward_slots(h, &step.cos, &step.sin, kv, &step.batch),
             None => candle_core::bail!("no KV slots for layer {i}"),
@@ -103,15 +101,21 @@ impl CodePredictorModel {
 
 /// A frame's positions on KV slots, written in place (no cache grows, no rotary
 /// table is computed during the frame): every frame uses positions `0..groups` of
-/// rows `0..b`, so all of this is built once per batch size and serves every frame
+/// slots `0..b`, so all of this is built once per batch size and serves every frame
 /// (a captured graph reads it). Position `p` writes its keys and values before any
 /// position reads them, so nothing is reset between frames.
+///
+/// Step 0 takes positions 0 and 1 together, as `2 * b` rows (row `b + i` in the
+/// same slot as row `i`, seeing one more position): their keys and values are
+/// written before the attention reads them, so one pass of the layers does both,
+/// where a weight-bound pass costs about the same for twice the rows. Step `i >= 1`
+/// is position `i + 1`.
 #[derive(Debug)]
 struct SlotFrame {
     /// Per layer `(b, kv_heads, groups, head_dim)`.
     kv: Vec<KvSlots>,
-    /// Per position: where its keys go and what it sees, and its rotary tables
-    /// `(b, 1, head_dim / 2)`.
+    /// Per step: where its keys go and what it sees, and its rotary tables
+    /// `(rows, 1, head_dim / 2)`.
     steps: Vec<SlotStep>,
 }
 
@@ -354,22 +358,26 @@ impl CodePredictor {
     ) -> Result<SlotFrame> {
         let positions = self.cfg.num_code_groups;
         let kv = new_slots(&self.model.layers, b, positions, dtype, device)?;
-        let rows: Vec<usize> = (0..b).collect();
-        let steps = (0..positions)
-            .map(|p| {
-                let ids = Tensor::full(p as u32, (b, 1), device)?;
-                let (cos, sin) = self.model.rotary_emb.forward(&ids, dtype)?;
-                let batch = SlotBatch::new(&kv[0], &rows, &vec![p; b])?;
-                Ok(SlotStep { batch, cos, sin })
-            })
-            .collect::<Result<_>>()?;
+        let step = |slots: Vec<usize>, lens: Vec<usize>| -> Result<SlotStep> {
+            let pos: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+            let ids = Tensor::from_vec(pos, (lens.len(), 1), device)?;
+            let (cos, sin) = self.model.rotary_emb.forward(&ids, dtype)?;
+            let batch = SlotBatch::new(&kv[0], &slots, &lens)?;
+            Ok(SlotStep { batch, cos, sin })
+        };
+        let slots: Vec<usize> = (0..b).collect();
+        let both = [slots.clone(), slots.clone()].concat();
+        let mut steps = vec![step(both, [vec![0; b], vec![1; b]].concat())?];
+        for p in 2..positions {
+            steps.push(step(slots.clone(), vec![p; b])?);
+        }
         Ok(SlotFrame { kv, steps })
     }
 
-    /// One frame as the reference computes it, as single-position steps on KV slots:
-    /// position 0 the Talker's hidden state, 1 the embedding of code 0 (which gives
-    /// code 1), then each code's embedding in turn. `frame` from
-    /// [`Self::slot_frame`] at the batch's rows, or built here.
+    /// One frame as the reference computes it, on KV slots: position 0 the Talker's
+    /// hidden state and 1 the embedding of code 0 (which gives code 1) in one step,
+    /// then each code's embedding in turn. `frame` from [`Self::slot_frame`] at the
+    /// batch's rows, or built here.
     fn run_frame(
         &self,
         past_hidden: &Tensor,
@@ -406,11 +414,14 @@ impl CodePredictor {
         let mut all_logits = Vec::with_capacity(n);
         let mut embed_sum: Option<Tensor> = None;
         let mut on_device = Vec::new();
-        // Position 0 only leaves its keys and values.
-        self.model.forward_step(&past_hidden, frame, 0)?;
+        // Positions 0 and 1 in one step; position 0 only leaves its keys and values.
+        let first = Tensor::cat(&[&past_hidden, &code0_embed], 0)?;
+        let mut h = self.model.forward_step(&first, frame, 0)?.narrow(0, b, b)?;
         let mut input = code0_embed;
         for (g, head) in self.lm_head.iter().enumerate() {
-            let h = self.model.forward_step(&input, frame, g + 1)?;
+            if g > 0 {
+                h = self.model.forward_step(&input, frame, g)?;
+            }
             let logits = head.forward(&h.squeeze(1)?)?.to_dtype(DType::F32)?;
             let ids = match &mut draw {
                 Draw::Host(samplers) => {

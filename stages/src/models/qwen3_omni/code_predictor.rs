@@ -6,9 +6,10 @@
 //!
 //! The reference (`code_predictor.generate` inside the Talker's
 //! `prepare_inputs_for_generation`) starts every frame from an empty cache: a 2-position
-//! prefill, then one cached step per further code. Here a frame is 16 one-position steps
-//! on KV slots written in place (the same attention, so the same codes), whose positions'
-//! tables are made once per batch size (`SlotFrame`).
+//! prefill, then one cached step per further code. Here a frame runs on KV slots written
+//! in place (the same attention, so the same codes): positions 0 and 1 in one step of
+//! twice the rows, then one position a step, whose tables are made once per batch size
+//! (`SlotFrame`).
 //!
 //! Public API:
 //! - [`CodePredictorConfig`] (the `code_predictor_config` JSON: the decoder fields plus

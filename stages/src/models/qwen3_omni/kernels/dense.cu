@@ -1,6 +1,6 @@
 // A dense decoder layer's elementwise work, fused (kernels.rs, layers.rs): each of
 // these replaces two or three of candle's launches, which at a decode step's few
-// rows cost more than the arithmetic (the code predictor runs 80 layer passes a
+// rows cost more than the arithmetic (the code predictor runs 75 layer passes a
 // frame).
 #include "bf16.cuh"
 

@@ -163,8 +163,8 @@ __device__ __forceinline__ void topk_xchg(float& v, int& i, int stride, bool des
     if (!keep) { v = ov; i = oi; }
 }
 
-// Positions lane (a) and lane + 32 (b) of a warp's 64: sorts them, larger first,
-// given a bitonic sequence (merge only) or any sequence (full sort).
+// The stride-32 compare-exchange of a warp's 64: positions lane (a, the lower)
+// and lane + 32 (b) are one lane's two values, so no shuffle.
 __device__ __forceinline__ void topk_pair(float& av, int& ai, float& bv, int& bi, bool desc) {
     // Stride 32: a and b of one lane; a is the lower position.
     const bool a_first = topk_before(av, ai, bv, bi);

@@ -20,6 +20,9 @@ if [[ $MODE == dev ]]; then
   [[ -x /usr/bin/chromium ]] || need_apt+=(chromium) # the page test's browsers (tests/tests/page.rs)
   [[ -x /usr/bin/firefox-esr ]] || need_apt+=(firefox-esr)
   command -v npm >/dev/null || need_apt+=(npm)                          # puppeteer-core for the page test
+  command -v nats-server >/dev/null || need_apt+=(nats-server)          # stages in other processes (tests/tests/distributed.rs)
+  command -v haproxy >/dev/null || need_apt+=(haproxy)                  # gateways behind a load balancer
+  command -v ip >/dev/null || need_apt+=(iproute2)                      # the two-host test's network namespaces and netem
 fi
 if ((${#need_apt[@]})); then
   SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO=sudo

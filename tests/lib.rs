@@ -1,8 +1,9 @@
 //! Helpers for the end-to-end tests in `tests/tests/`: the real `omnistream`
 //! binary, the real models, real clients.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use omnistream_codecs::wav::parse_wav;
 use omnistream_codecs::StreamResampler;
@@ -177,6 +178,15 @@ impl Server {
     pub fn ws_url(&self, path: &str) -> String {
         format!("ws://127.0.0.1:{}{path}", self.port)
     }
+    /// Ends the process at once (SIGKILL: no goodbye to anyone).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+    /// The process's output so far.
+    pub fn output(&self) -> String {
+        self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
     /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
@@ -202,22 +212,51 @@ impl Drop for Server {
     }
 }
 
+/// A free loopback TCP port.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
 /// Starts `omnistream serve` (default profile) with `extra` arguments and waits
 /// until it listens (models loaded and warmed up).
 pub fn spawn_server(extra: &[&str]) -> Server {
+    let port = free_port();
+    let mut args = vec!["serve", "--port"];
+    let p = port.to_string();
+    args.push(&p);
+    args.extend_from_slice(extra);
+    spawn_ready(&args, "listening on", port)
+}
+
+/// Starts `omnistream stage` (one replica of `stage` of `profile`, over the
+/// NATS server at `nats`) and waits until it is ready. Its `port` is 0.
+pub fn spawn_stage(profile: &str, stage: &str, nats: &str, extra: &[&str]) -> Server {
+    let mut args = vec![
+        "stage",
+        "--profile",
+        profile,
+        "--stage",
+        stage,
+        "--nats",
+        nats,
+    ];
+    args.extend_from_slice(extra);
+    spawn_ready(&args, " ready (", 0)
+}
+
+/// Runs `omnistream ARGS` and waits for `ready` on its standard output.
+fn spawn_ready(args: &[&str], ready: &str, port: u16) -> Server {
     use std::io::BufRead;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
     let mut child = Command::new(binary())
-        .args(["serve", "--port", &port.to_string()])
-        .args(extra)
+        .args(args)
         .current_dir(root())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .expect("starting omnistream serve");
+        .expect("starting omnistream");
     let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
     let (tx, rx) = std::sync::mpsc::channel();
     let stdout = child.stdout.take().expect("stdout");
@@ -228,12 +267,13 @@ pub fn spawn_server(extra: &[&str]) -> Server {
     ] {
         let log = log.clone();
         let tx = tx.clone();
+        let ready = ready.to_string();
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stream)
                 .lines()
                 .map_while(Result::ok)
             {
-                if is_stdout && line.contains("listening on") {
+                if is_stdout && line.contains(&ready) {
                     let _ = tx.send(());
                 }
                 if let Ok(mut l) = log.lock() {
@@ -255,9 +295,78 @@ pub fn spawn_server(extra: &[&str]) -> Server {
         || !server.alive()
     {
         let log = server.log.lock().map(|l| l.clone()).unwrap_or_default();
-        panic!("omnistream serve did not start:\n{log}");
+        panic!("omnistream {} did not start:\n{log}", args.join(" "));
     }
     server
+}
+
+/// A real `nats-server` (Debian's) on a loopback port, with the deploy
+/// config's payload limit; killed on drop.
+pub struct Nats {
+    child: Option<std::process::Child>,
+    pub port: u16,
+    /// `nats://127.0.0.1:PORT`
+    pub url: String,
+    _dir: tempfile::TempDir,
+    conf: PathBuf,
+}
+
+impl Nats {
+    pub fn start() -> Self {
+        let port = free_port();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let conf = dir.path().join("nats.conf");
+        std::fs::write(
+            &conf,
+            format!("listen: 127.0.0.1:{port}\nmax_payload: 64MB\n"),
+        )
+        .expect("write nats.conf");
+        let mut n = Self {
+            child: None,
+            port,
+            url: format!("nats://127.0.0.1:{port}"),
+            _dir: dir,
+            conf,
+        };
+        n.up();
+        n
+    }
+
+    fn up(&mut self) {
+        let child = Command::new("nats-server")
+            .arg("-c")
+            .arg(&self.conf)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("starting nats-server (apt-get install nats-server)");
+        self.child = Some(child);
+        let end = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(Instant::now() < end, "nats-server did not listen");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stops the server (SIGKILL).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same port.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.up();
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 /// Runs a pytest file from `tests/python/` against `server` (`OMNISTREAM_URL`);
@@ -299,6 +408,133 @@ pub fn http_get(port: u16, path: &str) -> String {
     buf.split_once("\r\n\r\n")
         .map(|(_, b)| b.to_string())
         .unwrap_or_default()
+}
+
+// ------------------------------------------------------------ HTTP clients
+
+/// An HTTP response, as curl saw it.
+pub struct Resp {
+    pub status: u16,
+    /// Header block(s), lower-cased.
+    pub headers: String,
+    pub body: String,
+}
+
+impl Resp {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+    /// Asserts an OpenAI-shaped error with this status.
+    pub fn assert_error(&self, status: u16, what: &str) -> serde_json::Value {
+        assert_eq!(self.status, status, "{what}: {} {}", self.status, self.body);
+        let v = self.json();
+        let err = &v["error"];
+        assert!(
+            err["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{what}: {v}"
+        );
+        assert!(
+            err["type"].is_string() && err["code"].is_string(),
+            "{what}: {v}"
+        );
+        err.clone()
+    }
+}
+
+/// `curl -X POST url` with a JSON body (or a body file), extra headers.
+pub fn post(url: &str, body: &str, headers: &[&str]) -> Resp {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("body");
+    std::fs::write(&file, body).unwrap();
+    curl(url, Some(&file), headers)
+}
+
+pub fn curl(url: &str, body: Option<&std::path::Path>, headers: &[&str]) -> Resp {
+    let dir = tempfile::tempdir().unwrap();
+    let (hfile, bfile) = (dir.path().join("h"), dir.path().join("b"));
+    let mut c = Command::new("curl");
+    c.args(["-sS", "--max-time", "300", "-D"])
+        .arg(&hfile)
+        .arg("-o")
+        .arg(&bfile)
+        .args(["-w", "%{http_code}"]);
+    if let Some(b) = body {
+        c.args(["-X", "POST", "-H", "Content-Type: application/json"])
+            .arg("--data-binary")
+            .arg(format!("@{}", b.display()));
+    }
+    for h in headers {
+        c.args(["-H", h]);
+    }
+    let out = c.arg(url).output().expect("running curl");
+    let code = String::from_utf8_lossy(&out.stdout);
+    Resp {
+        status: code.trim().parse().unwrap_or_else(|_| {
+            panic!(
+                "curl {url}: {code:?} {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        }),
+        headers: std::fs::read_to_string(&hfile)
+            .unwrap_or_default()
+            .to_lowercase(),
+        body: std::fs::read_to_string(&bfile).unwrap_or_default(),
+    }
+}
+
+/// Every sample of `/metrics`: (name, labels) -> value.
+pub fn samples(server: &Server) -> Vec<(String, BTreeMap<String, String>, f64)> {
+    server
+        .metrics()
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (key, value) = l.rsplit_once(' ')?;
+            let value: f64 = value.parse().ok()?;
+            let (name, labels) = match key.split_once('{') {
+                Some((n, rest)) => {
+                    let labels = rest
+                        .trim_end_matches('}')
+                        .split("\",")
+                        .filter_map(|kv| {
+                            let (k, v) = kv.split_once('=')?;
+                            Some((k.to_string(), v.trim_matches('"').to_string()))
+                        })
+                        .collect();
+                    (n.to_string(), labels)
+                }
+                None => (key.to_string(), BTreeMap::new()),
+            };
+            Some((name, labels, value))
+        })
+        .collect()
+}
+
+/// The sum of `name` samples carrying all of `labels`.
+pub fn metric(server: &Server, name: &str, labels: &[(&str, &str)]) -> f64 {
+    samples(server)
+        .into_iter()
+        .filter(|(n, l, _)| {
+            n == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| l.get(*k).map(String::as_str) == Some(v))
+        })
+        .map(|(_, _, v)| v)
+        .sum()
+}
+
+/// Waits (up to `secs`) for `cond`; false if it never held.
+pub fn eventually(secs: u64, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    cond()
 }
 
 // ------------------------------------------------------ speech for the tests

@@ -1,6 +1,7 @@
 //! `omnistream`: stream speech from staged omni models.
 
 mod bench;
+mod distributed;
 mod fetch;
 mod run;
 mod serve;
@@ -93,6 +94,28 @@ enum Command {
         /// Seconds a session may stay idle before it is closed.
         #[arg(long, default_value_t = 600)]
         idle_timeout: u64,
+        /// NATS server that joins this gateway to the profile's remote stages
+        /// (`placement: remote`), e.g. nats://127.0.0.1:4222.
+        #[arg(long, env = "OMNISTREAM_NATS")]
+        nats: Option<String>,
+        /// Seconds to wait at start for each remote stage's first replica.
+        #[arg(long, default_value_t = 300)]
+        wait_stages: u64,
+    },
+    /// Run one replica of one stage as its own process, joined to gateways and
+    /// the other stages over NATS.
+    Stage {
+        #[command(flatten)]
+        profile: ProfileArg,
+        /// The stage's `name` in the profile.
+        #[arg(long)]
+        stage: String,
+        /// Which of its replicas (picks its entry of `devices`).
+        #[arg(long, default_value_t = 0)]
+        replica: usize,
+        /// NATS server, e.g. nats://127.0.0.1:4222.
+        #[arg(long, env = "OMNISTREAM_NATS")]
+        nats: String,
     },
     /// Drive a running server (or, with --compare, servers started per profile)
     /// with load sweeps; TTFT, TPOT, TTFP, RTF, throughput; JSON, Markdown, PNG plots.
@@ -169,6 +192,8 @@ fn main() -> Result<()> {
             max_sessions,
             max_in_flight,
             idle_timeout,
+            nats,
+            wait_stages,
         } => {
             let rt = tokio::runtime::Runtime::new().context("starting tokio")?;
             rt.block_on(serve::run(serve::ServeOptions {
@@ -181,6 +206,22 @@ fn main() -> Result<()> {
                     max_in_flight: max_in_flight.max(1),
                     idle_timeout: std::time::Duration::from_secs(idle_timeout.max(1)),
                 },
+                nats,
+                wait_stages: std::time::Duration::from_secs(wait_stages),
+            }))
+        }
+        Command::Stage {
+            profile,
+            stage,
+            replica,
+            nats,
+        } => {
+            let rt = tokio::runtime::Runtime::new().context("starting tokio")?;
+            rt.block_on(distributed::run_stage(distributed::StageOptions {
+                profile: profile.profile,
+                stage,
+                replica,
+                nats,
             }))
         }
         Command::BenchPipeline {

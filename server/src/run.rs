@@ -13,7 +13,16 @@ use omnistream_stages::engine::{
 use omnistream_stages::models::qwen3_omni::weights::Progress;
 use omnistream_stages::models::tokenizer::ChatMessage;
 use omnistream_stages::profile::Profile;
-use omnistream_stages::roles::build_pipeline_with_progress;
+use omnistream_stages::roles::build_pipeline_placed;
+
+/// Remote stages' inputs and what their replicas announced, by stage index.
+pub type RemoteStages = std::collections::HashMap<
+    usize,
+    (
+        std::sync::Arc<dyn omnistream_stages::engine::StageInput>,
+        omnistream_stages::engine::remote::StageMeta,
+    ),
+>;
 
 /// What one request produced, and when.
 #[derive(Debug, Default, Clone)]
@@ -57,6 +66,11 @@ pub fn load_pipeline(profile: &Path) -> Result<Pipeline> {
 }
 
 pub fn load_profile(profile: &Profile) -> Result<Pipeline> {
+    load_profile_placed(profile, Default::default())
+}
+
+/// [`load_profile`] with the remote stages' inputs (by stage index).
+pub fn load_profile_placed(profile: &Profile, remote: RemoteStages) -> Result<Pipeline> {
     // A progress bar for checkpoints read tensor by tensor (Qwen3-Omni's ~70 GB).
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
@@ -70,7 +84,7 @@ pub fn load_profile(profile: &Profile) -> Result<Pipeline> {
         b.set_length(total);
         b.set_position(read);
     });
-    let p = build_pipeline_with_progress(profile, Some(progress))
+    let p = build_pipeline_placed(profile, Some(progress), remote)
         .with_context(|| format!("loading {}", profile.file.display()));
     bar.finish_and_clear();
     p

@@ -154,6 +154,17 @@ pub struct StageSpec {
     pub model: ModelSpec,
     #[serde(default = "default_device")]
     pub device: String,
+    /// Independent workers of this stage, each with its own batch and state; a
+    /// request stays on the replica it was given for its whole life.
+    #[serde(default = "default_replicas")]
+    pub replicas: usize,
+    /// One device per replica (`[cuda:0, cuda:1]`); overrides `device`.
+    #[serde(default)]
+    pub devices: Vec<String>,
+    /// `local`: the stage's replicas run inside `omnistream serve`; `remote`:
+    /// each replica is its own `omnistream stage` process, reached over NATS.
+    #[serde(default)]
+    pub placement: Placement,
     /// Requests a stage works on in one step; more are queued, never refused here.
     pub max_num_seqs: usize,
     /// Longest prompt chunk an `ar` stage prefills in one step, so a long prompt
@@ -185,6 +196,34 @@ pub struct StageSpec {
 
 fn default_device() -> String {
     "cpu".to_string()
+}
+
+fn default_replicas() -> usize {
+    1
+}
+
+/// Where a stage's replicas run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// Worker threads inside `omnistream serve` (in-process connectors).
+    #[default]
+    Local,
+    /// `omnistream stage` processes, on this host or others, joined over NATS.
+    Remote,
+}
+
+/// Most replicas of one stage (a guard against typos such as `replicas: 1000`).
+pub const MAX_REPLICAS: usize = 64;
+
+impl StageSpec {
+    /// The device of replica `replica`: its `devices` entry, else `device`.
+    pub fn device_of(&self, replica: usize) -> &str {
+        self.devices
+            .get(replica)
+            .map(String::as_str)
+            .unwrap_or(&self.device)
+    }
 }
 
 /// Where a stage runs: `cpu`, or `cuda` / `cuda:N` (GPU N) in a build with the
@@ -518,28 +557,55 @@ impl Profile {
             if s.max_model_len.is_some_and(|n| n < 2) {
                 return Err(self.invalid(key("max_model_len"), "must be at least 2"));
             }
-            match parse_device(&s.device) {
-                Err(msg) => return Err(self.invalid(key("device"), msg)),
-                Ok(DeviceSpec::Cuda(_)) if !s.model.model_type.is_qwen3_omni() => {
-                    return Err(self.invalid(
-                        key("device"),
-                        "only Qwen3-Omni stages run on a GPU; the others run on cpu",
-                    ))
+            if s.replicas == 0 || s.replicas > MAX_REPLICAS {
+                return Err(self.invalid(
+                    key("replicas"),
+                    format!("must be 1 to {MAX_REPLICAS}, got {}", s.replicas),
+                ));
+            }
+            if !s.devices.is_empty() && s.devices.len() != s.replicas {
+                return Err(self.invalid(
+                    key("devices"),
+                    format!(
+                        "{} entries for {} replicas: give one device per replica",
+                        s.devices.len(),
+                        s.replicas
+                    ),
+                ));
+            }
+            let device_keys: Vec<(String, &str)> = if s.devices.is_empty() {
+                vec![(key("device"), s.device.as_str())]
+            } else {
+                s.devices
+                    .iter()
+                    .enumerate()
+                    .map(|(j, d)| (key(&format!("devices[{j}]")), d.as_str()))
+                    .collect()
+            };
+            for (k, d) in device_keys {
+                match parse_device(d) {
+                    Err(msg) => return Err(self.invalid(k, msg)),
+                    Ok(DeviceSpec::Cuda(_)) if !s.model.model_type.is_qwen3_omni() => {
+                        return Err(self.invalid(
+                            k,
+                            "only Qwen3-Omni stages run on a GPU; the others run on cpu",
+                        ))
+                    }
+                    Ok(_) => {}
                 }
-                Ok(_) => {}
             }
             // Stages sharing one checkpoint share its weights, so one device.
             if let Some(other) = self.stages[..i].iter().find(|o| {
                 o.model.model_type.is_qwen3_omni()
                     && s.model.model_type.is_qwen3_omni()
                     && o.model.path == s.model.path
-                    && parse_device(&o.device) != parse_device(&s.device)
+                    && parse_device(o.device_of(0)) != parse_device(s.device_of(0))
             }) {
                 return Err(self.invalid(
                     key("device"),
                     format!(
                         "{:?} shares its checkpoint with stage {:?} on {:?}: stages of one checkpoint run on one device",
-                        s.device, other.name, other.device
+                        s.device_of(0), other.name, other.device_of(0)
                     ),
                 ));
             }
@@ -605,6 +671,16 @@ impl Profile {
         }
         for (j, c) in self.connectors.iter().enumerate() {
             let key = |k: &str| format!("connectors[{j}].{k}");
+            let feeds_local = |c: &ConnectorSpec| {
+                self.stages.get(c.from).map(|s| s.placement) == Some(Placement::Remote)
+                    && self.stages.get(c.to).map(|s| s.placement) == Some(Placement::Local)
+            };
+            if feeds_local(c) {
+                return Err(self.invalid(
+                    format!("stages[{}].placement", c.to),
+                    "a remote stage cannot feed a local one: place the stages after a remote stage remote too",
+                ));
+            }
             if c.from + 1 != c.to || c.to >= self.stages.len() {
                 return Err(self.invalid(
                     key("to"),

@@ -183,27 +183,22 @@ impl StageModel for SlowDecoder {
 fn pipeline(max_seqs: usize) -> Pipeline {
     Pipeline::start(
         vec![
-            StageDef {
-                name: "thinker".into(),
-                role: StageRole::Thinker,
-                model: Box::new(WordThinker {
+            StageDef::local(
+                "thinker",
+                StageRole::Thinker,
+                Box::new(WordThinker {
                     max: max_seqs,
                     reqs: HashMap::new(),
                 }),
-                input_capacity: 64,
-            },
-            StageDef {
-                name: "talker".into(),
-                role: StageRole::Talker,
-                model: Box::<CharTalker>::default(),
-                input_capacity: 4,
-            },
-            StageDef {
-                name: "code2wav".into(),
-                role: StageRole::Code2Wav,
-                model: Box::<SlowDecoder>::default(),
-                input_capacity: 4,
-            },
+                64,
+            ),
+            StageDef::local("talker", StageRole::Talker, Box::<CharTalker>::default(), 4),
+            StageDef::local(
+                "code2wav",
+                StageRole::Code2Wav,
+                Box::<SlowDecoder>::default(),
+                4,
+            ),
         ],
         Some(100),
     )

@@ -137,18 +137,13 @@ fn tts(voice: &Arc<PiperVoice>, policy: ChunkPolicy) -> Pipeline {
     .unwrap();
     Pipeline::start(
         vec![
-            StageDef {
-                name: "talker".into(),
-                role: StageRole::Talker,
-                model: Box::new(talker),
-                input_capacity: 16,
-            },
-            StageDef {
-                name: "code2wav".into(),
-                role: StageRole::Code2Wav,
-                model: Box::new(PiperCode2Wav::new(voice.clone(), policy, 2)),
-                input_capacity: 16,
-            },
+            StageDef::local("talker", StageRole::Talker, Box::new(talker), 16),
+            StageDef::local(
+                "code2wav",
+                StageRole::Code2Wav,
+                Box::new(PiperCode2Wav::new(voice.clone(), policy, 2)),
+                16,
+            ),
         ],
         Some(voice.sample_rate()),
     )

@@ -2,126 +2,11 @@
 //! edges with plain clients (curl, raw TCP): bad requests, body limit, API
 //! keys, capacity, a client that goes away mid-stream.
 
-use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use omnistream_e2e::{run_pytest, spawn_server, Server};
-
-/// An HTTP response, as curl saw it.
-struct Resp {
-    status: u16,
-    /// Header block(s), lower-cased.
-    headers: String,
-    body: String,
-}
-
-impl Resp {
-    fn json(&self) -> serde_json::Value {
-        serde_json::from_str(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
-    }
-    /// Asserts an OpenAI-shaped error with this status.
-    fn assert_error(&self, status: u16, what: &str) -> serde_json::Value {
-        assert_eq!(self.status, status, "{what}: {} {}", self.status, self.body);
-        let v = self.json();
-        let err = &v["error"];
-        assert!(
-            err["message"].as_str().is_some_and(|m| !m.is_empty()),
-            "{what}: {v}"
-        );
-        assert!(
-            err["type"].is_string() && err["code"].is_string(),
-            "{what}: {v}"
-        );
-        err.clone()
-    }
-}
-
-/// `curl -X POST url` with a JSON body (or a body file), extra headers.
-fn post(url: &str, body: &str, headers: &[&str]) -> Resp {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("body");
-    std::fs::write(&file, body).unwrap();
-    curl(url, Some(&file), headers)
-}
-
-fn curl(url: &str, body: Option<&std::path::Path>, headers: &[&str]) -> Resp {
-    let dir = tempfile::tempdir().unwrap();
-    let (hfile, bfile) = (dir.path().join("h"), dir.path().join("b"));
-    let mut c = Command::new("curl");
-    c.args(["-sS", "--max-time", "300", "-D"])
-        .arg(&hfile)
-        .arg("-o")
-        .arg(&bfile)
-        .args(["-w", "%{http_code}"]);
-    if let Some(b) = body {
-        c.args(["-X", "POST", "-H", "Content-Type: application/json"])
-            .arg("--data-binary")
-            .arg(format!("@{}", b.display()));
-    }
-    for h in headers {
-        c.args(["-H", h]);
-    }
-    let out = c.arg(url).output().expect("running curl");
-    let code = String::from_utf8_lossy(&out.stdout);
-    Resp {
-        status: code.trim().parse().unwrap_or_else(|_| {
-            panic!(
-                "curl {url}: {code:?} {}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        }),
-        headers: std::fs::read_to_string(&hfile)
-            .unwrap_or_default()
-            .to_lowercase(),
-        body: std::fs::read_to_string(&bfile).unwrap_or_default(),
-    }
-}
-
-/// Every sample of `/metrics`: (name, labels) -> value.
-fn samples(server: &Server) -> Vec<(String, BTreeMap<String, String>, f64)> {
-    server
-        .metrics()
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-        .filter_map(|l| {
-            let (key, value) = l.rsplit_once(' ')?;
-            let value: f64 = value.parse().ok()?;
-            let (name, labels) = match key.split_once('{') {
-                Some((n, rest)) => {
-                    let labels = rest
-                        .trim_end_matches('}')
-                        .split("\",")
-                        .filter_map(|kv| {
-                            let (k, v) = kv.split_once('=')?;
-                            Some((k.to_string(), v.trim_matches('"').to_string()))
-                        })
-                        .collect();
-                    (n.to_string(), labels)
-                }
-                None => (key.to_string(), BTreeMap::new()),
-            };
-            Some((name, labels, value))
-        })
-        .collect()
-}
-
-/// The sum of `name` samples carrying all of `labels`.
-fn metric(server: &Server, name: &str, labels: &[(&str, &str)]) -> f64 {
-    samples(server)
-        .into_iter()
-        .filter(|(n, l, _)| {
-            n == name
-                && labels
-                    .iter()
-                    .all(|(k, v)| l.get(*k).map(String::as_str) == Some(v))
-        })
-        .map(|(_, _, v)| v)
-        .sum()
-}
+use omnistream_e2e::{curl, eventually, metric, post, run_pytest, samples, spawn_server, Server};
 
 fn assert_healthy(server: &mut Server) {
     assert!(server.alive(), "server died:\n{}", log(server));
@@ -132,18 +17,6 @@ fn assert_healthy(server: &mut Server) {
 
 fn log(server: &Server) -> String {
     server.log.lock().map(|l| l.clone()).unwrap_or_default()
-}
-
-/// Waits (up to `secs`) for `cond`; false if it never held.
-fn eventually(secs: u64, mut cond: impl FnMut() -> bool) -> bool {
-    let end = Instant::now() + Duration::from_secs(secs);
-    while Instant::now() < end {
-        if cond() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    cond()
 }
 
 /// A streaming chat request with audio over a raw socket, read until its first

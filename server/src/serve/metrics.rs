@@ -40,6 +40,7 @@ pub struct Metrics {
     /// Connections dropped because the client stopped reading.
     pub slow_clients: IntCounter,
     stage: GaugeVec,
+    replica: GaugeVec,
 }
 
 impl Metrics {
@@ -107,6 +108,14 @@ impl Metrics {
         registry.register(Box::new(transcribe_seconds.clone()))?;
         registry.register(Box::new(bytes_out.clone()))?;
         registry.register(Box::new(stage.clone()))?;
+        let replica = GaugeVec::new(
+            Opts::new(
+                "stage_replica",
+                "Per-replica engine counters (`replica`: index in-process, index/process id for a remote one)",
+            ),
+            &["stage", "replica", "metric"],
+        )?;
+        registry.register(Box::new(replica.clone()))?;
         let webrtc_underrun_frames = IntCounter::new(
             "webrtc_underrun_frames_total",
             "WebRTC 20 ms frames of silence sent mid-answer because its audio was late",
@@ -132,14 +141,25 @@ impl Metrics {
             webrtc_underrun_frames,
             slow_clients,
             stage,
+            replica,
         })
     }
 
     /// Prometheus text exposition, with the pipeline's counters refreshed.
     pub fn render(&self, state: &AppState) -> String {
         let stats = state.pipeline.stats();
-        for s in &stats.stages {
-            let set = |m: &str, v: f64| self.stage.with_label_values(&[&s.name, m]).set(v);
+        // Replicas come and go (remote ones): only the live ones are shown.
+        self.replica.reset();
+        let all = stats
+            .stages
+            .iter()
+            .map(|s| (s, None))
+            .chain(stats.replicas.iter().map(|s| (s, Some(s.replica.as_str()))));
+        for (s, replica) in all {
+            let set = |m: &str, v: f64| match replica {
+                None => self.stage.with_label_values(&[&s.name, m]).set(v),
+                Some(r) => self.replica.with_label_values(&[&s.name, r, m]).set(v),
+            };
             set("active_requests", s.active as f64);
             set("queue_depth", s.queue_depth as f64);
             set("steps_total", s.steps as f64);

@@ -29,7 +29,7 @@ use axum::{Json, Router};
 pub use sessions::SessionLimits;
 pub use state::{AppState, ServerConfig};
 
-use crate::run::{chat_spec, load_profile, run_request};
+use crate::run::{chat_spec, load_profile_placed, run_request};
 use omnistream_stages::engine::{
     Modalities, RequestInput, RequestSpec, SamplingOverrides, StageRole, TRANSCRIBE_RATE,
 };
@@ -44,15 +44,26 @@ pub struct ServeOptions {
     /// Extra API keys (added to the profile's `server.api_keys`).
     pub api_keys: Vec<String>,
     pub limits: SessionLimits,
+    /// NATS server joining this gateway to the profile's remote stages.
+    pub nats: Option<String>,
+    /// How long to wait at start for each remote stage's first replica.
+    pub wait_stages: Duration,
 }
 
 /// Loads the pipeline, warms it up, and serves until ctrl-c.
 pub async fn run(opts: ServeOptions) -> Result<()> {
     let profile = Profile::load(&opts.profile)?;
+    let (mesh, remote) =
+        crate::distributed::remote_stages(&profile, opts.nats.as_deref(), opts.wait_stages).await?;
     let pipeline = {
         let profile = profile.clone();
+        let gateway_id = mesh.as_ref().map(|m| m.process());
         tokio::task::spawn_blocking(move || -> Result<_> {
-            let p = load_profile(&profile)?;
+            let mut p = load_profile_placed(&profile, remote)?;
+            if let Some(g) = gateway_id {
+                // Ids unique across the gateways that share the stage processes.
+                p.set_first_request_id((g >> 32) << 32 | 1);
+            }
             // Warm-up: every stage runs once before the first client waits on it.
             let mut warm = chat_spec("Hi", Modalities::TEXT_AUDIO, SamplingOverrides::default());
             warm.sampling.max_tokens = Some(4);
@@ -114,12 +125,11 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
     );
     let reaper = state.sessions.spawn_reaper(Duration::from_secs(5));
     axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        .with_graceful_shutdown(crate::distributed::wait_for_signal())
         .await
         .context("serving")?;
     reaper.abort();
+    drop(mesh);
     Ok(())
 }
 
@@ -176,6 +186,16 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
     .into_response()
 }
 
+/// The error code a failed request's message maps to: `stage_unavailable`
+/// when a stage replica was lost (the engine's messages say so first).
+pub fn failure_code(message: &str) -> &'static str {
+    if message.starts_with("stage_unavailable") {
+        "stage_unavailable"
+    } else {
+        "generation_failed"
+    }
+}
+
 /// An error in the OpenAI shape: `{"error": {"message", "type", "code"}}`.
 #[derive(Debug)]
 pub struct ApiError {
@@ -213,6 +233,24 @@ impl ApiError {
             code: "overloaded",
             message: message.into(),
             retry_after: Some(1),
+        }
+    }
+    /// A stage has no live replica, or lost the one serving this request.
+    pub fn stage_unavailable(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "server_error",
+            code: "stage_unavailable",
+            message: message.into(),
+            retry_after: Some(1),
+        }
+    }
+    /// A request that failed while generating.
+    pub fn failed(message: String) -> Self {
+        if failure_code(&message) == "stage_unavailable" {
+            Self::stage_unavailable(message)
+        } else {
+            Self::internal(message)
         }
     }
     pub fn not_found(message: impl Into<String>) -> Self {

@@ -200,7 +200,7 @@ async fn collect_chat(
             } => break Usage::new(prompt_tokens, cached_tokens, completion_tokens),
             Event::Error(e) => {
                 t.finish(error_outcome(handle));
-                return Err(ApiError::internal(e));
+                return Err(ApiError::failed(e));
             }
         }
     };
@@ -716,6 +716,7 @@ async fn submit(state: &Arc<AppState>, spec: RequestSpec) -> Result<RequestHandl
         .map_err(|e| match e {
             EngineError::BadRequest(m) => ApiError::bad_request("invalid_value", m),
             EngineError::Closed => ApiError::overloaded("the pipeline is shut down"),
+            e @ EngineError::Unavailable(_) => ApiError::stage_unavailable(e.to_string()),
             other => ApiError::internal(other.to_string()),
         })
 }
@@ -726,7 +727,7 @@ async fn first_event(handle: &RequestHandle, skip_text: bool) -> Result<Event, A
     loop {
         match handle.next_event_async().await.unwrap_or_else(ended_early) {
             Event::TextDelta(_) if skip_text => continue,
-            Event::Error(e) => return Err(ApiError::internal(e)),
+            Event::Error(e) => return Err(ApiError::failed(e)),
             ev => return Ok(ev),
         }
     }

@@ -1306,7 +1306,7 @@ impl Job {
             }
             End::Failed(e) => (
                 "failed",
-                json!({"type": "failed", "error": {"type": "server_error", "code": "generation_failed", "message": e}}),
+                json!({"type": "failed", "error": {"type": "server_error", "code": super::failure_code(e), "message": e}}),
                 Value::Null,
             ),
         };
@@ -1955,6 +1955,9 @@ pub(super) mod conn {
             let handle = state.pipeline.submit(spec).map_err(|e| match e {
                 omnistream_stages::engine::EngineError::BadRequest(m) => {
                     ClientError::invalid("invalid_request", m)
+                }
+                e @ omnistream_stages::engine::EngineError::Unavailable(_) => {
+                    ClientError::server("stage_unavailable", e.to_string())
                 }
                 other => ClientError::server("engine_unavailable", other.to_string()),
             })?;

@@ -753,7 +753,7 @@ impl Job {
                 return;
             }
             End::Failed(e) => {
-                let e = ClientError::server("generation_failed", e);
+                let e = ClientError::server(super::failure_code(&e), e);
                 if self.out.send(error_msg(&e)).await.is_err() {
                     return;
                 }

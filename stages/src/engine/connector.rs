@@ -1,5 +1,6 @@
 //! Connectors: bounded channels between stages, behind a trait so that a stage
-//! can later live in another process or host without changing stage code.
+//! can live in another process or host without changing stage code (the NATS
+//! connector is in `remote/`).
 
 use std::time::Duration;
 
@@ -13,6 +14,12 @@ pub struct Closed;
 pub trait ConnectorTx<T>: Send + Sync {
     fn send(&self, item: T) -> Result<(), Closed>;
     fn boxed_clone(&self) -> Box<dyn ConnectorTx<T>>;
+    /// Items sent and not yet taken by the receiver (its queue, and for a
+    /// remote receiver what is still on the wire).
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// Receiving half.
@@ -43,6 +50,9 @@ impl<T: Send + 'static> ConnectorTx<T> for InProcessTx<T> {
     }
     fn boxed_clone(&self) -> Box<dyn ConnectorTx<T>> {
         Box::new(InProcessTx(self.0.clone()))
+    }
+    fn len(&self) -> usize {
+        self.0.len()
     }
 }
 

@@ -8,6 +8,8 @@
 mod connector;
 mod payload;
 mod pipeline;
+pub mod remote;
+mod replica;
 mod request;
 mod stage;
 mod worker;
@@ -15,12 +17,13 @@ mod worker;
 pub use connector::{in_process, Closed, ConnectorRx, ConnectorTx, InProcessRx, InProcessTx};
 pub use payload::{Envelope, FrameChunk, Payload, PromptStates, TextChunk, ThinkerStates};
 pub use pipeline::{
-    Pipeline, PipelineStats, StageDef, StageRole, StageStats, DEFAULT_EVENT_CAPACITY,
-    MAX_SPEECH_CHARS,
+    Pipeline, PipelineStats, StageDef, StagePlacement, StageRole, StageStats,
+    DEFAULT_EVENT_CAPACITY, MAX_SPEECH_CHARS,
 };
+pub use replica::{ReplicaId, StageInput};
 pub use request::{
-    CancelReason, Event, Modalities, RequestCtx, RequestHandle, RequestId, RequestInput,
-    RequestSpec, SamplingOverrides, TRANSCRIBE_RATE,
+    CancelReason, Event, Modalities, RemoteOutlet, RequestCtx, RequestHandle, RequestId,
+    RequestInput, RequestSpec, SamplingOverrides, Usage, TRANSCRIBE_RATE,
 };
 pub use stage::{StageModel, StepOutput};
 
@@ -38,4 +41,7 @@ pub enum EngineError {
     BadRequest(String),
     #[error("the pipeline is shut down")]
     Closed,
+    /// A stage has no live replica (all stopped, or none announced itself yet).
+    #[error("stage_unavailable: {0}")]
+    Unavailable(String),
 }

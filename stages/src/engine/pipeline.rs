@@ -4,11 +4,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::connector::{in_process, ConnectorTx};
+use super::connector::in_process;
 use super::payload::{Envelope, Payload, TextChunk};
-use super::request::{Event, RequestCtx, RequestHandle, RequestInput, RequestSpec};
+use super::replica::{LocalReplica, LocalReplicas, StageInput};
+use super::request::{Event, Outlet, RequestCtx, RequestHandle, RequestInput, RequestSpec};
 use super::stage::StageModel;
-use super::worker::{StageCounters, Worker};
+use super::worker::{self, StageCounters, Worker};
 use super::EngineError;
 
 /// What a stage consumes, which decides where each kind of request enters.
@@ -24,18 +25,52 @@ pub enum StageRole {
     Code2Wav,
 }
 
-/// One stage to start: its model and the capacity of the connector into it.
+/// One stage to start: its replicas and where they run.
 pub struct StageDef {
     pub name: String,
     pub role: StageRole,
-    pub model: Box<dyn StageModel>,
-    pub input_capacity: usize,
+    pub placement: StagePlacement,
 }
 
-/// A snapshot of one stage's counters.
-#[derive(Debug, Clone, Default, serde::Serialize)]
+/// Where a stage's replicas run.
+pub enum StagePlacement {
+    /// Worker threads of this process, one per model, each behind an
+    /// in-process connector of `input_capacity` payloads.
+    Local {
+        replicas: Vec<Box<dyn StageModel>>,
+        input_capacity: usize,
+    },
+    /// Elsewhere (the NATS connector's stage processes).
+    Remote(Arc<dyn StageInput>),
+}
+
+impl StageDef {
+    /// One local replica of `model`.
+    pub fn local(
+        name: impl Into<String>,
+        role: StageRole,
+        model: Box<dyn StageModel>,
+        input_capacity: usize,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            role,
+            placement: StagePlacement::Local {
+                replicas: vec![model],
+                input_capacity,
+            },
+        }
+    }
+}
+
+/// A snapshot of one stage's counters (of one replica, or summed over them).
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct StageStats {
     pub name: String,
+    /// The replica (`0`, `1`, ... in-process; the process's id for a remote
+    /// one); empty for a sum over replicas.
+    #[serde(default)]
+    pub replica: String,
     /// Requests holding state in the stage now.
     pub active: usize,
     /// Payloads waiting on the stage's input connector.
@@ -52,9 +87,35 @@ pub struct StageStats {
     pub alive: bool,
 }
 
+impl StageStats {
+    /// The sum over `replicas` of one stage; alive while any replica is.
+    fn sum(name: &str, replicas: &[StageStats]) -> Self {
+        let mut t = StageStats {
+            name: name.to_string(),
+            ..Default::default()
+        };
+        for r in replicas {
+            t.active += r.active;
+            t.queue_depth += r.queue_depth;
+            t.steps += r.steps;
+            t.step_seconds_total += r.step_seconds_total;
+            t.batch_items_total += r.batch_items_total;
+            t.idle_seconds_total += r.idle_seconds_total;
+            t.finished += r.finished;
+            t.cancelled += r.cancelled;
+            t.failed += r.failed;
+            t.alive |= r.alive;
+        }
+        t
+    }
+}
+
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct PipelineStats {
+    /// One entry per stage, summed over its replicas.
     pub stages: Vec<StageStats>,
+    /// One entry per replica of every stage.
+    pub replicas: Vec<StageStats>,
     /// Requests submitted and not yet dropped by their client.
     pub requests_in_flight: u64,
     pub requests_submitted: u64,
@@ -63,11 +124,11 @@ pub struct PipelineStats {
 pub struct Pipeline {
     names: Vec<String>,
     roles: Vec<StageRole>,
-    inputs: Vec<Box<dyn ConnectorTx<Envelope>>>,
-    counters: Vec<Arc<StageCounters>>,
+    inputs: Vec<Arc<dyn StageInput>>,
     threads: Vec<JoinHandle<()>>,
     shutdown: Arc<AtomicBool>,
     next_id: AtomicU64,
+    first_id: u64,
     in_flight: Arc<AtomicU64>,
     event_capacity: usize,
     sample_rate: Option<u32>,
@@ -83,7 +144,8 @@ pub const MAX_SPEECH_CHARS: usize = 4096;
 pub const DEFAULT_EVENT_CAPACITY: usize = 2048;
 
 impl Pipeline {
-    /// Starts one worker thread per stage, joined in order by in-process connectors.
+    /// Starts one worker thread per local replica; each stage is reached
+    /// through its [`StageInput`] (in-process connectors for local replicas).
     pub fn start(stages: Vec<StageDef>, sample_rate: Option<u32>) -> Result<Self, EngineError> {
         if stages.is_empty() {
             return Err(EngineError::BadRequest("a pipeline needs a stage".into()));
@@ -91,43 +153,62 @@ impl Pipeline {
         let shutdown = Arc::new(AtomicBool::new(false));
         let mut names = Vec::new();
         let mut roles = Vec::new();
-        let mut inputs: Vec<Box<dyn ConnectorTx<Envelope>>> = Vec::new();
-        let mut rxs = Vec::new();
-        for s in &stages {
-            let (tx, rx) = in_process::<Envelope>(s.input_capacity);
-            inputs.push(Box::new(tx));
-            rxs.push(rx);
+        let mut inputs: Vec<Arc<dyn StageInput>> = Vec::new();
+        // Per stage: its local workers still to start (model, receiver, counters).
+        let mut pending = Vec::new();
+        for s in stages {
             names.push(s.name.clone());
             roles.push(s.role);
+            match s.placement {
+                StagePlacement::Local {
+                    replicas,
+                    input_capacity,
+                } => {
+                    let mut ports = Vec::new();
+                    let mut workers = Vec::new();
+                    for model in replicas {
+                        let (tx, rx) = in_process::<Envelope>(input_capacity);
+                        let counters = Arc::new(StageCounters::default());
+                        ports.push(LocalReplica {
+                            tx: Box::new(tx),
+                            counters: counters.clone(),
+                        });
+                        workers.push((model, rx, counters));
+                    }
+                    inputs.push(Arc::new(LocalReplicas::new(s.name, ports)));
+                    pending.push(workers);
+                }
+                StagePlacement::Remote(input) => {
+                    inputs.push(input);
+                    pending.push(Vec::new());
+                }
+            }
         }
-        let mut counters = Vec::new();
         let mut threads = Vec::new();
-        for (index, (def, rx)) in stages.into_iter().zip(rxs).enumerate() {
-            let c = Arc::new(StageCounters::default());
-            counters.push(c.clone());
-            let worker = Worker {
-                index,
-                name: def.name.clone(),
-                model: def.model,
-                rx: Box::new(rx),
-                tx: inputs.get(index + 1).map(|t| t.boxed_clone()),
-                counters: c,
-                shutdown: shutdown.clone(),
-            };
-            let handle = std::thread::Builder::new()
-                .name(format!("stage-{}", def.name))
-                .spawn(move || worker.run())
-                .map_err(|e| EngineError::BadRequest(format!("cannot start a worker: {e}")))?;
-            threads.push(handle);
+        for (index, workers) in pending.into_iter().enumerate() {
+            for (replica, (model, rx, counters)) in workers.into_iter().enumerate() {
+                let worker = Worker {
+                    index,
+                    name: names[index].clone(),
+                    model,
+                    rx: Box::new(rx),
+                    tx: inputs.get(index + 1).cloned(),
+                    counters,
+                    shutdown: shutdown.clone(),
+                };
+                let handle = worker::spawn(worker, replica)
+                    .map_err(|e| EngineError::BadRequest(format!("cannot start a worker: {e}")))?;
+                threads.push(handle);
+            }
         }
         Ok(Self {
             names,
             roles,
             inputs,
-            counters,
             threads,
             shutdown,
             next_id: AtomicU64::new(1),
+            first_id: 1,
             in_flight: Arc::new(AtomicU64::new(0)),
             event_capacity: DEFAULT_EVENT_CAPACITY,
             sample_rate,
@@ -135,6 +216,13 @@ impl Pipeline {
             thinker_hears: false,
             speaks_text: true,
         })
+    }
+
+    /// Request ids start at `first`: gateways that share stage processes give
+    /// theirs distinct ranges, so an id names one request everywhere.
+    pub fn set_first_request_id(&mut self, first: u64) {
+        self.next_id = AtomicU64::new(first.max(1));
+        self.first_id = first.max(1);
     }
 
     /// The voices the Talker speaks with, the default first.
@@ -261,6 +349,12 @@ impl Pipeline {
                 }
             }
         };
+        // Each stage of the route picks its replica now, the least loaded; the
+        // request stays on it for its whole life.
+        let mut route = vec![0; self.inputs.len()];
+        for (i, slot) in route.iter_mut().enumerate().take(last + 1).skip(first) {
+            *slot = self.inputs[i].pick()?;
+        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (etx, erx) = flume::bounded(self.event_capacity);
         let speech = match &spec.input {
@@ -269,23 +363,43 @@ impl Pipeline {
             | RequestInput::Heard { .. }
             | RequestInput::Transcribe { .. } => None,
         };
-        let ctx = Arc::new(RequestCtx::new(id, spec, first, last, etx));
+        let ctx = Arc::new(RequestCtx::new(
+            id,
+            spec,
+            first,
+            last,
+            route,
+            Outlet::Local(etx),
+        ));
+        for input in &self.inputs[first..=last] {
+            input.admit(&ctx);
+        }
         let input = &self.inputs[first];
+        let replica = ctx.route[first];
+        let gone = |_| {
+            EngineError::Unavailable(format!("stage {}: its replica is gone", self.names[first]))
+        };
         input
-            .send(Envelope {
-                request: id,
-                payload: Payload::Start(ctx.clone()),
-            })
-            .map_err(|_| EngineError::Closed)?;
+            .send(
+                replica,
+                Envelope {
+                    request: id,
+                    payload: Payload::Start(ctx.clone()),
+                },
+            )
+            .map_err(gone)?;
         if let Some(text) = speech {
             // Speech input is the whole text at once.
             ctx.emit(Event::TextDelta(text.clone()));
             input
-                .send(Envelope {
-                    request: id,
-                    payload: Payload::Text(TextChunk::text(text, Vec::new(), true)),
-                })
-                .map_err(|_| EngineError::Closed)?;
+                .send(
+                    replica,
+                    Envelope {
+                        request: id,
+                        payload: Payload::Text(TextChunk::text(text, Vec::new(), true)),
+                    },
+                )
+                .map_err(gone)?;
         }
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         Ok(RequestHandle {
@@ -296,28 +410,18 @@ impl Pipeline {
     }
 
     pub fn stats(&self) -> PipelineStats {
-        let stages = self
-            .names
-            .iter()
-            .zip(&self.counters)
-            .map(|(name, c)| StageStats {
-                name: name.clone(),
-                active: c.active.load(Ordering::Relaxed),
-                queue_depth: c.queue_depth.load(Ordering::Relaxed),
-                steps: c.steps.load(Ordering::Relaxed),
-                step_seconds_total: c.step_micros.load(Ordering::Relaxed) as f64 * 1e-6,
-                batch_items_total: c.batch_items.load(Ordering::Relaxed),
-                idle_seconds_total: c.idle_micros.load(Ordering::Relaxed) as f64 * 1e-6,
-                finished: c.finished.load(Ordering::Relaxed),
-                cancelled: c.cancelled.load(Ordering::Relaxed),
-                failed: c.failed.load(Ordering::Relaxed),
-                alive: c.alive.load(Ordering::Relaxed),
-            })
-            .collect();
+        let mut stages = Vec::new();
+        let mut replicas = Vec::new();
+        for (name, input) in self.names.iter().zip(&self.inputs) {
+            let r = input.stats();
+            stages.push(StageStats::sum(name, &r));
+            replicas.extend(r);
+        }
         PipelineStats {
             stages,
+            replicas,
             requests_in_flight: self.in_flight.load(Ordering::Relaxed),
-            requests_submitted: self.next_id.load(Ordering::Relaxed) - 1,
+            requests_submitted: self.next_id.load(Ordering::Relaxed) - self.first_id,
         }
     }
 }

@@ -138,6 +138,29 @@ pub enum Event {
 /// Slots of a client's event queue kept free for the terminal event.
 const RESERVED_SLOTS: usize = 4;
 
+/// Where a request's events go: straight to its client's queue, or, in a stage
+/// process, back over the wire to the gateway that owns the request.
+pub(crate) enum Outlet {
+    Local(flume::Sender<Event>),
+    Remote(Arc<dyn RemoteOutlet>),
+}
+
+/// Token counts a stage gathered for a request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+/// The owner's side of a request, seen from a stage process.
+pub trait RemoteOutlet: Send + Sync {
+    fn event(&self, ctx: &RequestCtx, event: Event);
+    fn fail(&self, ctx: &RequestCtx, msg: String);
+    /// The stage finished the request; `usage` is what it counted.
+    fn stage_finished(&self, ctx: &RequestCtx, usage: Usage);
+}
+
 /// A request's context, shared by every stage that works on it.
 pub struct RequestCtx {
     pub id: RequestId,
@@ -146,11 +169,14 @@ pub struct RequestCtx {
     /// Index of the first and last stage on this request's route.
     pub first_stage: usize,
     pub last_stage: usize,
+    /// For each stage of the pipeline, the replica that holds this request
+    /// (meaningful from `first_stage` to `last_stage`).
+    pub route: Vec<super::ReplicaId>,
     /// Stages of the route that have not finished the request yet.
     stages_left: AtomicUsize,
     cancelled: AtomicBool,
     reason: AtomicU8,
-    events: flume::Sender<Event>,
+    outlet: Outlet,
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
     completion_tokens: AtomicU64,
@@ -162,7 +188,8 @@ impl RequestCtx {
         spec: RequestSpec,
         first_stage: usize,
         last_stage: usize,
-        events: flume::Sender<Event>,
+        route: Vec<super::ReplicaId>,
+        outlet: Outlet,
     ) -> Self {
         Self {
             id,
@@ -170,10 +197,11 @@ impl RequestCtx {
             created: Instant::now(),
             first_stage,
             last_stage,
+            route,
             stages_left: AtomicUsize::new(last_stage.saturating_sub(first_stage) + 1),
             cancelled: AtomicBool::new(false),
             reason: AtomicU8::new(CancelReason::None as u8),
-            events,
+            outlet,
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
             completion_tokens: AtomicU64::new(0),
@@ -209,18 +237,23 @@ impl RequestCtx {
         if self.is_cancelled() {
             return;
         }
+        let events = match &self.outlet {
+            Outlet::Local(events) => events,
+            // The owner applies its client's limits when the event arrives.
+            Outlet::Remote(r) => return r.event(self, event),
+        };
         // The last few slots are kept for the terminal error, so a slow client
         // still learns why its request ended once it catches up.
-        let cap = self.events.capacity().unwrap_or(usize::MAX);
+        let cap = events.capacity().unwrap_or(usize::MAX);
         let terminal = matches!(event, Event::Done { .. } | Event::Error(_));
-        if !terminal && self.events.len() + RESERVED_SLOTS >= cap {
+        if !terminal && events.len() + RESERVED_SLOTS >= cap {
             self.cancel(CancelReason::SlowClient);
-            let _ = self.events.try_send(Event::Error(
+            let _ = events.try_send(Event::Error(
                 "client too slow: output queue full, request dropped".into(),
             ));
             return;
         }
-        match self.events.try_send(event) {
+        match events.try_send(event) {
             Ok(()) => {}
             Err(flume::TrySendError::Full(_)) => self.cancel(CancelReason::SlowClient),
             Err(flume::TrySendError::Disconnected(_)) => self.cancel(CancelReason::Client),
@@ -230,7 +263,12 @@ impl RequestCtx {
     /// Fails the request: the client gets the error; every stage drops it.
     pub fn fail(&self, msg: String) {
         if !self.is_cancelled() {
-            let _ = self.events.try_send(Event::Error(msg));
+            match &self.outlet {
+                Outlet::Local(events) => {
+                    let _ = events.try_send(Event::Error(msg));
+                }
+                Outlet::Remote(r) => r.fail(self, msg),
+            }
         }
         self.cancel(CancelReason::Failed);
     }
@@ -245,18 +283,44 @@ impl RequestCtx {
         self.completion_tokens
             .fetch_add(n as u64, Ordering::Relaxed);
     }
+    /// Adds what a stage in another process counted (the owner's side).
+    pub fn add_usage(&self, u: Usage) {
+        if u.prompt_tokens > 0 {
+            self.prompt_tokens.store(u.prompt_tokens, Ordering::Relaxed);
+        }
+        if u.cached_tokens > 0 {
+            self.cached_tokens.store(u.cached_tokens, Ordering::Relaxed);
+        }
+        self.completion_tokens
+            .fetch_add(u.completion_tokens, Ordering::Relaxed);
+    }
+
+    fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed),
+            cached_tokens: self.cached_tokens.load(Ordering::Relaxed),
+            completion_tokens: self.completion_tokens.load(Ordering::Relaxed),
+        }
+    }
+
     /// Records that one stage of the route has finished the request; true for
     /// the last one to (whichever stage that is), which ends it with [`Self::done`].
+    /// In a stage process the owner keeps that count: this tells it, and is false.
     pub fn stage_finished(&self) -> bool {
+        if let Outlet::Remote(r) = &self.outlet {
+            r.stage_finished(self, self.usage());
+            return false;
+        }
         self.stages_left.fetch_sub(1, Ordering::AcqRel) == 1
     }
 
     /// Emits `Done` with the token counts gathered on the way.
     pub fn done(&self) {
+        let u = self.usage();
         self.emit(Event::Done {
-            prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed) as usize,
-            cached_tokens: self.cached_tokens.load(Ordering::Relaxed) as usize,
-            completion_tokens: self.completion_tokens.load(Ordering::Relaxed) as usize,
+            prompt_tokens: u.prompt_tokens as usize,
+            cached_tokens: u.cached_tokens as usize,
+            completion_tokens: u.completion_tokens as usize,
         });
     }
 }

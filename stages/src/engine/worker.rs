@@ -6,8 +6,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::connector::{ConnectorRx, ConnectorTx};
+use super::connector::ConnectorRx;
 use super::payload::{Envelope, Payload};
+use super::pipeline::StageStats;
+use super::replica::StageInput;
 use super::request::{RequestCtx, RequestId};
 use super::stage::{StageModel, StepOutput};
 
@@ -29,12 +31,42 @@ pub(crate) struct StageCounters {
     pub alive: AtomicBool,
 }
 
+impl StageCounters {
+    pub fn snapshot(&self, name: &str, replica: &str) -> StageStats {
+        StageStats {
+            name: name.to_string(),
+            replica: replica.to_string(),
+            active: self.active.load(Ordering::Relaxed),
+            queue_depth: self.queue_depth.load(Ordering::Relaxed),
+            steps: self.steps.load(Ordering::Relaxed),
+            step_seconds_total: self.step_micros.load(Ordering::Relaxed) as f64 * 1e-6,
+            batch_items_total: self.batch_items.load(Ordering::Relaxed),
+            idle_seconds_total: self.idle_micros.load(Ordering::Relaxed) as f64 * 1e-6,
+            finished: self.finished.load(Ordering::Relaxed),
+            cancelled: self.cancelled.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            alive: self.alive.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Starts `worker` on a thread of its own, named after its stage.
+pub(crate) fn spawn(
+    worker: Worker,
+    replica: usize,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(format!("stage-{}-{replica}", worker.name))
+        .spawn(move || worker.run())
+}
+
 pub(crate) struct Worker {
     pub index: usize,
     pub name: String,
     pub model: Box<dyn StageModel>,
     pub rx: Box<dyn ConnectorRx<Envelope>>,
-    pub tx: Option<Box<dyn ConnectorTx<Envelope>>>,
+    /// The next stage (whatever its replicas and wherever they run).
+    pub tx: Option<Arc<dyn StageInput>>,
     pub counters: Arc<StageCounters>,
     pub shutdown: Arc<AtomicBool>,
 }
@@ -109,10 +141,17 @@ impl Worker {
                 // Downstream stages learn of the request before its first data.
                 if ctx.last_stage > self.index {
                     if let Some(tx) = &self.tx {
-                        let _ = tx.send(Envelope {
+                        let next = ctx.route.get(self.index + 1).copied().unwrap_or(0);
+                        let start = Envelope {
                             request: id,
                             payload: Payload::Start(ctx.clone()),
-                        });
+                        };
+                        if tx.send(next, start).is_err() {
+                            ctx.fail(format!(
+                                "stage_unavailable: {}: the next stage's replica is gone",
+                                self.name
+                            ));
+                        }
                     }
                 }
                 requests.insert(id, ctx);
@@ -165,14 +204,21 @@ impl Worker {
                 continue;
             }
             if let Some(tx) = &self.tx {
+                let next = ctx.route.get(self.index + 1).copied().unwrap_or(0);
                 if tx
-                    .send(Envelope {
-                        request: id,
-                        payload,
-                    })
+                    .send(
+                        next,
+                        Envelope {
+                            request: id,
+                            payload,
+                        },
+                    )
                     .is_err()
                 {
-                    ctx.fail(format!("{}: downstream stage is gone", self.name));
+                    ctx.fail(format!(
+                        "stage_unavailable: {}: the next stage's replica is gone",
+                        self.name
+                    ));
                 }
             }
         }

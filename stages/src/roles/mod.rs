@@ -24,8 +24,10 @@ pub use qwen3_code2wav::{Qwen3OmniCode2Wav, QWEN3_OMNI_SAMPLE_RATE};
 pub use qwen3_talker::Qwen3OmniTalker;
 pub use qwen3_thinker::Qwen3OmniThinker;
 
+use crate::engine::remote::StageMeta;
 use crate::engine::{
-    EngineError, Pipeline, RequestId, StageDef, StageModel, StageRole, StepOutput,
+    EngineError, Pipeline, RequestId, StageDef, StageInput, StageModel, StagePlacement, StageRole,
+    StepOutput,
 };
 use crate::models::piper::{PiperVoice, Scales};
 use crate::models::quantized_llama::QuantizedLlama;
@@ -36,7 +38,7 @@ use crate::models::tokenizer::ChatTokenizer;
 use crate::models::whisper::WhisperAsr;
 use crate::models::ModelError;
 use crate::profile::{
-    ConnectorSpec, DeviceSpec, Dtype, ModelType, Profile, StageSpec, WeightsSource,
+    ConnectorSpec, DeviceSpec, Dtype, ModelType, Placement, Profile, StageSpec, WeightsSource,
 };
 
 /// Name clients use for the Piper voice.
@@ -187,104 +189,203 @@ pub fn build_pipeline_with_progress(
     profile: &Profile,
     progress: Option<Progress>,
 ) -> Result<Pipeline, EngineError> {
-    let device = Device::Cpu;
-    let mut voices: HashMap<PathBuf, Arc<PiperVoice>> = HashMap::new();
-    let mut omni: HashMap<PathBuf, Arc<Qwen3Omni>> = HashMap::new();
-    let mut voice_names = Vec::new();
-    let mut hears = false;
+    build_pipeline_placed(profile, progress, HashMap::new())
+}
+
+/// One stage replica's model, with its role and what it says about itself.
+pub struct BuiltStage {
+    pub role: StageRole,
+    pub model: Box<dyn StageModel>,
+    pub meta: StageMeta,
+}
+
+/// The role a model type plays.
+pub fn role_of(t: ModelType) -> StageRole {
+    match t {
+        ModelType::WhisperCt2 => StageRole::Listener,
+        ModelType::GgufLlama | ModelType::Qwen3OmniThinker => StageRole::Thinker,
+        ModelType::PiperTalker | ModelType::Qwen3OmniTalker => StageRole::Talker,
+        ModelType::PiperDecoder | ModelType::Qwen3OmniCode2wav => StageRole::Code2Wav,
+    }
+}
+
+/// Models already loaded, shared by the stages (and replicas) that use them:
+/// a Piper voice per file, a Qwen3-Omni checkpoint per folder and device.
+#[derive(Default)]
+pub struct ModelCache {
+    voices: HashMap<PathBuf, Arc<PiperVoice>>,
+    omni: HashMap<(PathBuf, String), Arc<Qwen3Omni>>,
+}
+
+/// Starts the pipeline of `profile`: its local stages' replicas loaded here,
+/// its remote stages reached through `remote` (by stage index, with what their
+/// replicas announced).
+pub fn build_pipeline_placed(
+    profile: &Profile,
+    progress: Option<Progress>,
+    mut remote: HashMap<usize, (Arc<dyn StageInput>, StageMeta)>,
+) -> Result<Pipeline, EngineError> {
+    let mut cache = ModelCache::default();
     let mut defs = Vec::new();
-    let mut sample_rate = None;
+    let mut metas = Vec::new();
     for (i, s) in profile.stages.iter().enumerate() {
-        let model_err = |source: ModelError| EngineError::Model {
-            stage: s.name.clone(),
-            source,
-        };
-        let path = profile.resolve(&s.model.path);
-        // The connector into this stage (none for the first).
-        let c = i.checked_sub(1).and_then(|p| profile.connector(p));
-        let mut load_voice = || -> Result<Arc<PiperVoice>, EngineError> {
-            if let Some(v) = voices.get(&path) {
-                return Ok(v.clone());
+        let placement = match s.placement {
+            Placement::Remote => {
+                let (input, meta) = remote.remove(&i).ok_or_else(|| EngineError::Model {
+                    stage: s.name.clone(),
+                    source: ModelError::Invalid(
+                        "placed remote: serve this profile with --nats URL and run its replicas with `omnistream stage`".into(),
+                    ),
+                })?;
+                metas.push(meta);
+                StagePlacement::Remote(input)
             }
-            let json = match &s.model.config {
-                Some(c) => profile.resolve(c),
-                None => PathBuf::from(format!("{}.json", path.display())),
+            Placement::Local => {
+                let mut replicas = Vec::new();
+                for r in 0..s.replicas {
+                    let b = build_stage(profile, i, r, &mut cache, progress.clone())?;
+                    if r == 0 {
+                        metas.push(b.meta);
+                    }
+                    replicas.push(b.model);
+                }
+                StagePlacement::Local {
+                    replicas,
+                    input_capacity: input_capacity(profile, i),
+                }
+            }
+        };
+        defs.push(StageDef {
+            name: s.name.clone(),
+            role: role_of(s.model.model_type),
+            placement,
+        });
+    }
+    let sample_rate = metas.iter().find_map(|m| m.sample_rate);
+    let mut pipeline = Pipeline::start(defs, sample_rate)?;
+    pipeline.set_voices(
+        metas
+            .iter()
+            .find(|m| !m.voices.is_empty())
+            .map(|m| m.voices.clone())
+            .unwrap_or_default(),
+    );
+    pipeline.set_thinker_hears(metas.iter().any(|m| m.hears));
+    // Only Piper's Talker speaks given text; Qwen3-Omni's speaks its Thinker's states.
+    pipeline.set_speaks_text(metas.iter().any(|m| m.speaks_text));
+    Ok(pipeline)
+}
+
+/// Capacity of the connector into stage `i` (the profile's, or a default).
+pub fn input_capacity(profile: &Profile, i: usize) -> usize {
+    i.checked_sub(1)
+        .and_then(|p| profile.connector(p))
+        .map(|c| c.capacity)
+        .unwrap_or(1024)
+}
+
+/// Loads replica `replica` of stage `i` (on its device).
+pub fn build_stage(
+    profile: &Profile,
+    i: usize,
+    replica: usize,
+    cache: &mut ModelCache,
+    progress: Option<Progress>,
+) -> Result<BuiltStage, EngineError> {
+    let device = Device::Cpu;
+    let s = profile
+        .stages
+        .get(i)
+        .ok_or_else(|| EngineError::BadRequest(format!("the profile has no stage {i}")))?;
+    let model_err = |source: ModelError| EngineError::Model {
+        stage: s.name.clone(),
+        source,
+    };
+    let path = profile.resolve(&s.model.path);
+    // The connector into this stage (none for the first).
+    let c = i.checked_sub(1).and_then(|p| profile.connector(p));
+    let voices = &mut cache.voices;
+    let mut load_voice = || -> Result<Arc<PiperVoice>, EngineError> {
+        if let Some(v) = voices.get(&path) {
+            return Ok(v.clone());
+        }
+        let json = match &s.model.config {
+            Some(c) => profile.resolve(c),
+            None => PathBuf::from(format!("{}.json", path.display())),
+        };
+        let v = Arc::new(PiperVoice::load(&path, &json, &device).map_err(model_err)?);
+        voices.insert(path.clone(), v.clone());
+        Ok(v)
+    };
+    let mut meta = StageMeta::default();
+    let model: Box<dyn StageModel> = match s.model.model_type {
+        ModelType::WhisperCt2 => {
+            // The model file names its folder: config and tokenizer sit beside it.
+            let dir = path.parent().unwrap_or(std::path::Path::new("."));
+            let asr = WhisperAsr::load(dir, &device).map_err(model_err)?;
+            Box::new(Listener::new(Arc::new(asr)))
+        }
+        ModelType::GgufLlama => {
+            let (llm, tok) = QuantizedLlama::load(&path, &device).map_err(model_err)?;
+            Box::new(LlmThinker::new(
+                Arc::new(llm),
+                Arc::new(tok),
+                s.sampling.clone(),
+                s.max_num_seqs,
+                s.max_prefill_tokens.unwrap_or(DEFAULT_MAX_PREFILL),
+                s.prefix_cache_entries
+                    .unwrap_or(DEFAULT_PREFIX_CACHE_ENTRIES),
+            ))
+        }
+        ModelType::PiperTalker => {
+            let voice = load_voice()?;
+            let d = voice.config().default_scales.clone();
+            let scales = Scales {
+                noise_scale: s.sampling.noise_scale.unwrap_or(d.noise_scale),
+                length_scale: s.sampling.length_scale.unwrap_or(d.length_scale),
+                noise_w: s.sampling.noise_w.unwrap_or(d.noise_w),
             };
-            let v = Arc::new(PiperVoice::load(&path, &json, &device).map_err(model_err)?);
-            voices.insert(path.clone(), v.clone());
-            Ok(v)
-        };
-        let (role, model): (StageRole, Box<dyn StageModel>) = match s.model.model_type {
-            ModelType::WhisperCt2 => {
-                // The model file names its folder: config and tokenizer sit beside it.
-                let dir = path.parent().unwrap_or(std::path::Path::new("."));
-                let asr = WhisperAsr::load(dir, &device).map_err(model_err)?;
-                (StageRole::Listener, Box::new(Listener::new(Arc::new(asr))))
-            }
-            ModelType::GgufLlama => {
-                let (llm, tok) = QuantizedLlama::load(&path, &device).map_err(model_err)?;
-                (
-                    StageRole::Thinker,
-                    Box::new(LlmThinker::new(
-                        Arc::new(llm),
-                        Arc::new(tok),
-                        s.sampling.clone(),
-                        s.max_num_seqs,
-                        s.max_prefill_tokens.unwrap_or(DEFAULT_MAX_PREFILL),
-                        s.prefix_cache_entries
-                            .unwrap_or(DEFAULT_PREFIX_CACHE_ENTRIES),
-                    )),
-                )
-            }
-            ModelType::PiperTalker => {
-                let voice = load_voice()?;
-                let d = voice.config().default_scales.clone();
-                let scales = Scales {
-                    noise_scale: s.sampling.noise_scale.unwrap_or(d.noise_scale),
-                    length_scale: s.sampling.length_scale.unwrap_or(d.length_scale),
-                    noise_w: s.sampling.noise_w.unwrap_or(d.noise_w),
-                };
-                let policy = SpanPolicy {
-                    async_chunk: profile.async_chunk,
-                    min_span_chars: c
-                        .and_then(|c| c.min_span_chars)
-                        .unwrap_or(DEFAULT_MIN_SPAN_CHARS),
-                    max_span_tokens: c
-                        .and_then(|c| c.max_span_tokens)
-                        .unwrap_or(DEFAULT_MAX_SPAN_TOKENS),
-                    initial_span_tokens: c
-                        .and_then(|c| c.initial_span_tokens.or(c.max_span_tokens))
-                        .unwrap_or(DEFAULT_MAX_SPAN_TOKENS),
-                };
-                let talker = PiperTalker::new(
-                    voice,
-                    PIPER_VOICE_NAME.to_string(),
-                    scales,
-                    s.sampling.seed,
-                    policy,
-                    s.max_num_seqs,
-                )
-                .map_err(model_err)?;
-                (StageRole::Talker, Box::new(talker))
-            }
-            ModelType::PiperDecoder => {
-                let voice = load_voice()?;
-                sample_rate = Some(voice.sample_rate());
-                (
-                    StageRole::Code2Wav,
-                    Box::new(PiperCode2Wav::new(
-                        voice,
-                        chunk_policy(profile, c),
-                        s.max_num_seqs,
-                    )),
-                )
-            }
-            ModelType::Qwen3OmniThinker => {
-                let model = load_omni(&mut omni, &path, s, progress.clone())?;
-                let tok_dir = profile.resolve(s.model.tokenizer.as_ref().unwrap_or(&s.model.path));
-                let tok = ChatTokenizer::from_hf_dir(&tok_dir).map_err(model_err)?;
-                hears = true;
-                let thinker = Qwen3OmniThinker::new(
+            let policy = SpanPolicy {
+                async_chunk: profile.async_chunk,
+                min_span_chars: c
+                    .and_then(|c| c.min_span_chars)
+                    .unwrap_or(DEFAULT_MIN_SPAN_CHARS),
+                max_span_tokens: c
+                    .and_then(|c| c.max_span_tokens)
+                    .unwrap_or(DEFAULT_MAX_SPAN_TOKENS),
+                initial_span_tokens: c
+                    .and_then(|c| c.initial_span_tokens.or(c.max_span_tokens))
+                    .unwrap_or(DEFAULT_MAX_SPAN_TOKENS),
+            };
+            let talker = PiperTalker::new(
+                voice,
+                PIPER_VOICE_NAME.to_string(),
+                scales,
+                s.sampling.seed,
+                policy,
+                s.max_num_seqs,
+            )
+            .map_err(model_err)?;
+            meta.voices = vec![PIPER_VOICE_NAME.to_string()];
+            meta.speaks_text = true;
+            Box::new(talker)
+        }
+        ModelType::PiperDecoder => {
+            let voice = load_voice()?;
+            meta.sample_rate = Some(voice.sample_rate());
+            Box::new(PiperCode2Wav::new(
+                voice,
+                chunk_policy(profile, c),
+                s.max_num_seqs,
+            ))
+        }
+        ModelType::Qwen3OmniThinker => {
+            let model = load_omni(&mut cache.omni, &path, s, replica, progress)?;
+            let tok_dir = profile.resolve(s.model.tokenizer.as_ref().unwrap_or(&s.model.path));
+            let tok = ChatTokenizer::from_hf_dir(&tok_dir).map_err(model_err)?;
+            meta.hears = true;
+            Box::new(
+                Qwen3OmniThinker::new(
                     model,
                     Arc::new(tok),
                     s.sampling.clone(),
@@ -293,24 +394,23 @@ pub fn build_pipeline_with_progress(
                     s.max_prefill_tokens.unwrap_or(DEFAULT_QWEN3_PREFILL),
                     !s.enforce_eager,
                 )
-                .map_err(model_err)?;
-                (StageRole::Thinker, Box::new(thinker))
-            }
-            ModelType::Qwen3OmniTalker => {
-                let model = load_omni(&mut omni, &path, s, progress.clone())?;
-                let names = Qwen3OmniTalker::voice_names(&model);
-                let default = s
-                    .voice
-                    .clone()
-                    .or_else(|| names.iter().find(|n| *n == "ethan").cloned())
-                    .or_else(|| names.first().cloned())
-                    .ok_or_else(|| {
-                        model_err(ModelError::Invalid("the Talker has no voices".into()))
-                    })?;
-                voice_names = std::iter::once(default.clone())
-                    .chain(names.into_iter().filter(|n| *n != default))
-                    .collect();
-                let talker = Qwen3OmniTalker::new(
+                .map_err(model_err)?,
+            )
+        }
+        ModelType::Qwen3OmniTalker => {
+            let model = load_omni(&mut cache.omni, &path, s, replica, progress)?;
+            let names = Qwen3OmniTalker::voice_names(&model);
+            let default = s
+                .voice
+                .clone()
+                .or_else(|| names.iter().find(|n| *n == "ethan").cloned())
+                .or_else(|| names.first().cloned())
+                .ok_or_else(|| model_err(ModelError::Invalid("the Talker has no voices".into())))?;
+            meta.voices = std::iter::once(default.clone())
+                .chain(names.into_iter().filter(|n| *n != default))
+                .collect();
+            Box::new(
+                Qwen3OmniTalker::new(
                     model,
                     s.sampling.clone(),
                     s.code_predictor_sampling.clone(),
@@ -319,45 +419,25 @@ pub fn build_pipeline_with_progress(
                     s.max_model_len.unwrap_or(DEFAULT_MAX_MODEL_LEN),
                     !s.enforce_eager,
                 )
-                .map_err(model_err)?;
-                (StageRole::Talker, Box::new(talker))
-            }
-            ModelType::Qwen3OmniCode2wav => {
-                let model = load_omni(&mut omni, &path, s, progress.clone())?;
-                sample_rate = Some(QWEN3_OMNI_SAMPLE_RATE);
-                (
-                    StageRole::Code2Wav,
-                    Box::new(Qwen3OmniCode2Wav::new(
-                        model,
-                        chunk_policy(profile, c),
-                        s.max_num_seqs,
-                        !s.enforce_eager,
-                    )),
-                )
-            }
-        };
-        let input_capacity = c.map(|c| c.capacity).unwrap_or(1024);
-        defs.push(StageDef {
-            name: s.name.clone(),
-            role,
-            model,
-            input_capacity,
-        });
-    }
-    let mut pipeline = Pipeline::start(defs, sample_rate)?;
-    if voice_names.is_empty() && pipeline.has_role(StageRole::Talker) {
-        voice_names.push(PIPER_VOICE_NAME.to_string());
-    }
-    pipeline.set_voices(voice_names);
-    pipeline.set_thinker_hears(hears);
-    // Only Piper's Talker speaks given text; Qwen3-Omni's speaks its Thinker's states.
-    pipeline.set_speaks_text(
-        profile
-            .stages
-            .iter()
-            .any(|s| s.model.model_type == ModelType::PiperTalker),
-    );
-    Ok(pipeline)
+                .map_err(model_err)?,
+            )
+        }
+        ModelType::Qwen3OmniCode2wav => {
+            let model = load_omni(&mut cache.omni, &path, s, replica, progress)?;
+            meta.sample_rate = Some(QWEN3_OMNI_SAMPLE_RATE);
+            Box::new(Qwen3OmniCode2Wav::new(
+                model,
+                chunk_policy(profile, c),
+                s.max_num_seqs,
+                !s.enforce_eager,
+            ))
+        }
+    };
+    Ok(BuiltStage {
+        role: role_of(s.model.model_type),
+        model,
+        meta,
+    })
 }
 
 /// A frame connector's chunk sizes (the profile's, or the defaults).
@@ -374,13 +454,13 @@ fn chunk_policy(profile: &Profile, c: Option<&ConnectorSpec>) -> ChunkPolicy {
     }
 }
 
-/// The device a stage's `device` names (validated with the profile).
-fn stage_device(s: &StageSpec) -> Result<Device, EngineError> {
+/// The device of a stage's replica (validated with the profile).
+pub fn stage_device(s: &StageSpec, replica: usize) -> Result<Device, EngineError> {
     let model_err = |msg: String| EngineError::Model {
         stage: s.name.clone(),
         source: ModelError::Invalid(msg),
     };
-    match crate::profile::parse_device(&s.device).map_err(model_err)? {
+    match crate::profile::parse_device(s.device_of(replica)).map_err(model_err)? {
         DeviceSpec::Cpu => Ok(Device::Cpu),
         DeviceSpec::Cuda(n) => {
             Device::new_cuda(n).map_err(|e| model_err(format!("cannot open CUDA device {n}: {e}")))
@@ -388,14 +468,17 @@ fn stage_device(s: &StageSpec) -> Result<Device, EngineError> {
     }
 }
 
-/// The Qwen3-Omni checkpoint at `path`, loaded once for all its stages.
+/// The Qwen3-Omni checkpoint at `path`, loaded once per device for all its
+/// stages and replicas there.
 fn load_omni(
-    cache: &mut HashMap<PathBuf, Arc<Qwen3Omni>>,
+    cache: &mut HashMap<(PathBuf, String), Arc<Qwen3Omni>>,
     path: &std::path::Path,
     s: &StageSpec,
+    replica: usize,
     progress: Option<Progress>,
 ) -> Result<Arc<Qwen3Omni>, EngineError> {
-    if let Some(m) = cache.get(path) {
+    let key = (path.to_path_buf(), s.device_of(replica).to_string());
+    if let Some(m) = cache.get(&key) {
         return Ok(m.clone());
     }
     let model_err = |source: ModelError| EngineError::Model {
@@ -406,7 +489,7 @@ fn load_omni(
         Dtype::F32 => candle_core::DType::F32,
         Dtype::Bf16 => candle_core::DType::BF16,
     };
-    let device = stage_device(s)?;
+    let device = stage_device(s, replica)?;
     let model = match s.model.weights {
         WeightsSource::Checkpoint => Qwen3Omni::load(path, dtype, &device, progress),
         WeightsSource::Random => {
@@ -416,7 +499,7 @@ fn load_omni(
     }
     .map_err(model_err)?;
     let model = Arc::new(model);
-    cache.insert(path.to_path_buf(), model.clone());
+    cache.insert(key, model.clone());
     Ok(model)
 }
 

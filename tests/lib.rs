@@ -223,17 +223,33 @@ pub fn free_port() -> u16 {
 /// Starts `omnistream serve` (default profile) with `extra` arguments and waits
 /// until it listens (models loaded and warmed up).
 pub fn spawn_server(extra: &[&str]) -> Server {
+    spawn_server_in(&[], extra)
+}
+
+/// [`spawn_server`] under a command prefix (`ip netns exec NS`).
+pub fn spawn_server_in(prefix: &[&str], extra: &[&str]) -> Server {
     let port = free_port();
     let mut args = vec!["serve", "--port"];
     let p = port.to_string();
     args.push(&p);
     args.extend_from_slice(extra);
-    spawn_ready(&args, "listening on", port)
+    spawn_ready(prefix, &args, "listening on", port)
 }
 
 /// Starts `omnistream stage` (one replica of `stage` of `profile`, over the
 /// NATS server at `nats`) and waits until it is ready. Its `port` is 0.
 pub fn spawn_stage(profile: &str, stage: &str, nats: &str, extra: &[&str]) -> Server {
+    spawn_stage_in(&[], profile, stage, nats, extra)
+}
+
+/// [`spawn_stage`] under a command prefix (`ip netns exec NS`).
+pub fn spawn_stage_in(
+    prefix: &[&str],
+    profile: &str,
+    stage: &str,
+    nats: &str,
+    extra: &[&str],
+) -> Server {
     let mut args = vec![
         "stage",
         "--profile",
@@ -244,13 +260,22 @@ pub fn spawn_stage(profile: &str, stage: &str, nats: &str, extra: &[&str]) -> Se
         nats,
     ];
     args.extend_from_slice(extra);
-    spawn_ready(&args, " ready (", 0)
+    spawn_ready(prefix, &args, " ready (", 0)
 }
 
-/// Runs `omnistream ARGS` and waits for `ready` on its standard output.
-fn spawn_ready(args: &[&str], ready: &str, port: u16) -> Server {
+/// Runs `[PREFIX] omnistream ARGS` and waits for `ready` on its standard output.
+fn spawn_ready(prefix: &[&str], args: &[&str], ready: &str, port: u16) -> Server {
     use std::io::BufRead;
-    let mut child = Command::new(binary())
+    let bin = binary();
+    let mut cmd = match prefix.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(&bin);
+            c
+        }
+        None => Command::new(&bin),
+    };
+    let mut child = cmd
         .args(args)
         .current_dir(root())
         .stdout(std::process::Stdio::piped())
@@ -373,10 +398,15 @@ impl Drop for Nats {
 /// panics with pytest's report and the server's log unless it passed. Returns
 /// the report.
 pub fn run_pytest(server: &Server, file: &str) -> String {
+    run_pytest_at(&server.url, server, file)
+}
+
+/// [`run_pytest`] against `url` (a load balancer in front of `server`).
+pub fn run_pytest_at(url: &str, server: &Server, file: &str) -> String {
     let out = Command::new("python3")
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
         .arg(root().join("tests/python").join(file))
-        .env("OMNISTREAM_URL", &server.url)
+        .env("OMNISTREAM_URL", url)
         .current_dir(root())
         .output()
         .expect("running pytest");

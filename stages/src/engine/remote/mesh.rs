@@ -283,7 +283,7 @@ impl Mesh {
                 match e {
                     async_nats::Event::Disconnected => mesh.on_disconnect(),
                     async_nats::Event::Connected => {
-                        tracing::warn!("NATS: connected again");
+                        tracing::info!("NATS: connected");
                         mesh.max_payload.store(
                             mesh.client.server_info().max_payload.max(1024),
                             Ordering::Relaxed,

@@ -1,0 +1,67 @@
+"""A TCP proxy that delays every byte by a fixed time in each direction: the
+link between two test hosts (network namespaces) where the kernel has no
+netem qdisc. Order is kept; bandwidth is not limited.
+
+    python3 delay_proxy.py --listen 127.0.0.1:4222 --to 10.0.0.2:4222 --delay-ms 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def deliver() -> None:
+        while True:
+            due, data = await queue.get()
+            if data is None:
+                break
+            wait = due - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    task = asyncio.create_task(deliver())
+    try:
+        while data := await reader.read(65536):
+            queue.put_nowait((time.monotonic() + delay, data))
+    except (ConnectionError, OSError):
+        pass
+    queue.put_nowait((0.0, None))
+    try:
+        await task
+    except (ConnectionError, OSError):
+        pass
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--listen", required=True)
+    ap.add_argument("--to", required=True)
+    ap.add_argument("--delay-ms", type=float, required=True)
+    a = ap.parse_args()
+    lhost, lport = a.listen.rsplit(":", 1)
+    thost, tport = a.to.rsplit(":", 1)
+    delay = a.delay_ms / 1000.0
+
+    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        try:
+            ur, uw = await asyncio.open_connection(thost, int(tport))
+        except OSError:
+            cw.close()
+            return
+        await asyncio.gather(pipe(cr, uw, delay), pipe(ur, cw, delay))
+
+    server = await asyncio.start_server(handle, lhost, int(lport))
+    print("delay proxy ready", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+asyncio.run(main())

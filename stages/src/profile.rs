@@ -916,7 +916,11 @@ connectors:
     #[test]
     fn the_shipped_profiles_parse() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
-        for f in ["tiny-cpu.yaml", "tiny-cpu-sync.yaml"] {
+        for f in [
+            "tiny-cpu.yaml",
+            "tiny-cpu-sync.yaml",
+            "distributed/tiny-cpu.yaml",
+        ] {
             let text = std::fs::read_to_string(root.join(f)).unwrap();
             // Model files may be absent here: only a missing-file error is acceptable.
             match Profile::parse(&text, &root.join(f)) {
@@ -935,6 +939,12 @@ connectors:
         // The tiny one points at the committed fixture checkpoint.
         let tiny = Profile::load(&root.join("qwen3-omni-tiny.yaml")).unwrap();
         assert_eq!(tiny.stages.len(), 3);
+        let split = Profile::load(&root.join("distributed/qwen3-omni-tiny.yaml")).unwrap();
+        let placed: Vec<Placement> = split.stages.iter().map(|s| s.placement).collect();
+        assert_eq!(
+            placed,
+            [Placement::Local, Placement::Remote, Placement::Remote]
+        );
         assert_eq!(tiny.stages[1].voice.as_deref(), Some("ethan"));
         // The GPU ones: every stage on cuda, which only a CUDA build accepts; the
         // voice one decodes eagerly in the Thinker only.
@@ -1002,6 +1012,53 @@ connectors:
                 .contains("connectors[1].codec_left_context_frames"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn replicas_devices_and_placement() {
+        let (_d, path, yaml) = fixture();
+        let talker = "name: talker, kind: generation,";
+        let with = |extra: &str| yaml.replace(talker, &format!("{talker} {extra}"));
+        let p = Profile::parse(&with("replicas: 2, devices: [cpu, cpu],"), &path).unwrap();
+        assert_eq!(p.stages[1].replicas, 2);
+        assert_eq!(p.stages[1].device_of(1), "cpu");
+        assert_eq!(p.stages[0].replicas, 1, "one replica unless said");
+        assert_eq!(p.stages[0].placement, Placement::Local);
+        // The Talker and what follows it remote: a gateway keeps the Thinker.
+        let split = with("placement: remote,").replace(
+            "name: code2wav, kind: generation,",
+            "name: code2wav, kind: generation, placement: remote,",
+        );
+        let p = Profile::parse(&split, &path).unwrap();
+        assert_eq!(p.stages[1].placement, Placement::Remote);
+        for (extra, key, msg) in [
+            ("replicas: 0,", "stages[1].replicas", "must be 1 to 64"),
+            ("replicas: 65,", "stages[1].replicas", "must be 1 to 64"),
+            (
+                "replicas: 2, devices: [cpu],",
+                "stages[1].devices",
+                "1 entries for 2 replicas",
+            ),
+            (
+                "replicas: 2, devices: [cpu, tpu],",
+                "stages[1].devices[1]",
+                "unknown device",
+            ),
+            ("placement: elsewhere,", "", "unknown variant `elsewhere`"),
+            ("replica: 2,", "", "unknown field `replica`"),
+            // Remote Talker, local Code2Wav: the Talker could not reach it.
+            (
+                "placement: remote,",
+                "stages[2].placement",
+                "a remote stage cannot feed a local one",
+            ),
+        ] {
+            let e = err(&with(extra), &path);
+            assert!(
+                e.contains(&path.display().to_string()) && e.contains(key) && e.contains(msg),
+                "{extra}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor};
 use omnistream_stages::engine::{
     CancelReason, Event, FrameChunk, Modalities, Payload, Pipeline, RequestCtx, RequestId,
-    RequestInput, RequestSpec, SamplingOverrides, StageDef, StageModel, StageRole, StepOutput,
-    TextChunk,
+    RequestInput, RequestSpec, SamplingOverrides, StageDef, StageModel, StagePlacement, StageRole,
+    StepOutput, TextChunk,
 };
 use omnistream_stages::models::tokenizer::ChatMessage;
 use omnistream_stages::models::{ModelError, Result};
@@ -379,4 +379,68 @@ fn bad_requests_are_refused_or_fail_cleanly() {
         Modalities::from_names(&["audio"]).unwrap(),
         Modalities::TEXT_AUDIO
     );
+}
+
+/// Two replicas of the Talker and of Code2Wav: concurrent requests spread
+/// over both (least loaded), each request's payloads stay on its replica (a
+/// payload sent to the other would be dropped there, and its request would
+/// never finish), and every answer is its own.
+#[test]
+fn replicas_share_requests_and_keep_each_on_its_own() {
+    let two = |m: fn() -> Box<dyn StageModel>| StagePlacement::Local {
+        replicas: vec![m(), m()],
+        input_capacity: 4,
+    };
+    let p = Pipeline::start(
+        vec![
+            StageDef::local(
+                "thinker",
+                StageRole::Thinker,
+                Box::new(WordThinker {
+                    max: 8,
+                    reqs: HashMap::new(),
+                }),
+                64,
+            ),
+            StageDef {
+                name: "talker".into(),
+                role: StageRole::Talker,
+                placement: two(|| Box::<CharTalker>::default()),
+            },
+            StageDef {
+                name: "code2wav".into(),
+                role: StageRole::Code2Wav,
+                placement: two(|| Box::<SlowDecoder>::default()),
+            },
+        ],
+        Some(100),
+    )
+    .unwrap();
+    let prompts: Vec<String> = (0..12)
+        .map(|i| vec![format!("q{i}"); 1 + i % 5].join(" "))
+        .collect();
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|t| p.submit(chat(t, Modalities::TEXT_AUDIO)).unwrap())
+        .collect();
+    for (h, prompt) in handles.iter().zip(&prompts) {
+        let (text, samples, err) = collect(h);
+        assert_eq!(err, None);
+        assert_eq!(text.trim_end(), prompt);
+        assert_eq!(samples, (prompt.len() + 1) * 10, "{prompt}");
+    }
+    drop(handles);
+    wait_idle(&p);
+    let s = p.stats();
+    for stage in ["talker", "code2wav"] {
+        let reps: Vec<_> = s.replicas.iter().filter(|r| r.name == stage).collect();
+        assert_eq!(reps.len(), 2, "{s:?}");
+        assert!(
+            reps.iter().all(|r| r.finished >= 3),
+            "{stage} not spread: {reps:?}"
+        );
+        assert_eq!(reps.iter().map(|r| r.finished).sum::<u64>(), 12);
+        let total = s.stages.iter().find(|t| t.name == stage).unwrap();
+        assert_eq!(total.finished, 12, "the stage's sum over its replicas");
+    }
 }

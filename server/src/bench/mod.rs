@@ -523,22 +523,76 @@ async fn run_level(
 }
 
 /// `omnistream serve` started by the bench for `--compare`; killed on drop.
+/// For a profile with remote stages, also a `nats-server` on loopback and one
+/// `omnistream stage` process per replica of each remote stage.
 struct SpawnedServer {
     child: Child,
     url: String,
+    /// NATS and the stage processes (killed after the gateway).
+    helpers: Vec<Child>,
 }
 
 impl SpawnedServer {
     fn start(profile: &Path, port: u16, out: &Path) -> Result<Self> {
         let exe = std::env::current_exe().context("locating the omnistream binary")?;
-        let log_path = out.join(format!("server-{}.log", label_of(profile)));
-        let log = std::fs::File::create(&log_path)
-            .with_context(|| format!("creating {}", log_path.display()))?;
-        let child = Command::new(exe)
-            .args(["serve", "--host", "127.0.0.1", "--port"])
+        let label = label_of(profile);
+        let log_file = |name: String| -> Result<std::fs::File> {
+            let p = out.join(name);
+            std::fs::File::create(&p).with_context(|| format!("creating {}", p.display()))
+        };
+        let log_path = out.join(format!("server-{label}.log"));
+        let log = log_file(format!("server-{label}.log"))?;
+        let parsed = omnistream_stages::profile::Profile::load(profile)?;
+        let remote: Vec<_> = parsed
+            .stages
+            .iter()
+            .filter(|s| s.placement == omnistream_stages::profile::Placement::Remote)
+            .collect();
+        let mut helpers = Vec::new();
+        let mut nats_url = None;
+        if !remote.is_empty() {
+            let nport = free_port()?;
+            let conf = out.join(format!("nats-{label}.conf"));
+            std::fs::write(
+                &conf,
+                format!("listen: 127.0.0.1:{nport}\nmax_payload: 64MB\n"),
+            )?;
+            helpers.push(
+                Command::new("nats-server")
+                    .arg("-c")
+                    .arg(&conf)
+                    .stdout(Stdio::null())
+                    .stderr(log_file(format!("nats-{label}.log"))?)
+                    .spawn()
+                    .context("starting nats-server (apt-get install nats-server)")?,
+            );
+            let url = format!("nats://127.0.0.1:{nport}");
+            for s in &remote {
+                for r in 0..s.replicas {
+                    helpers.push(
+                        Command::new(&exe)
+                            .args(["stage", "--stage", &s.name, "--replica", &r.to_string()])
+                            .arg("--profile")
+                            .arg(profile)
+                            .args(["--nats", &url])
+                            .stdout(Stdio::null())
+                            .stderr(log_file(format!("stage-{label}-{}-{r}.log", s.name))?)
+                            .spawn()
+                            .context("starting omnistream stage")?,
+                    );
+                }
+            }
+            nats_url = Some(url);
+        }
+        let mut cmd = Command::new(exe);
+        cmd.args(["serve", "--host", "127.0.0.1", "--port"])
             .arg(port.to_string())
             .arg("--profile")
-            .arg(profile)
+            .arg(profile);
+        if let Some(url) = &nats_url {
+            cmd.args(["--nats", url]);
+        }
+        let child = cmd
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -546,6 +600,7 @@ impl SpawnedServer {
         let mut server = Self {
             child,
             url: format!("http://127.0.0.1:{port}"),
+            helpers,
         };
         let health = format!("127.0.0.1:{port}");
         let t0 = Instant::now();
@@ -574,6 +629,10 @@ impl Drop for SpawnedServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        for c in self.helpers.iter_mut().rev() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 

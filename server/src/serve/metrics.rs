@@ -170,6 +170,11 @@ impl Metrics {
             set("cancelled_total", s.cancelled as f64);
             set("failed_total", s.failed as f64);
             set("alive", if s.alive { 1.0 } else { 0.0 });
+            if s.wire_messages_in > 0 {
+                set("wire_messages_in_total", s.wire_messages_in as f64);
+                set("wire_bytes_in_total", s.wire_bytes_in as f64);
+                set("wire_seconds_in_total", s.wire_seconds_in_total);
+            }
         }
         let mut buf = Vec::new();
         if TextEncoder::new()
@@ -185,6 +190,39 @@ impl Metrics {
              omnistream_engine_requests_in_flight {}\n",
             stats.requests_in_flight
         ));
+        if let Some(w) = &stats.wire {
+            for (name, help, v) in [
+                (
+                    "messages_out_total",
+                    "Messages this gateway sent over NATS",
+                    w.messages_out as f64,
+                ),
+                (
+                    "bytes_out_total",
+                    "Bytes this gateway sent over NATS",
+                    w.bytes_out as f64,
+                ),
+                (
+                    "events_in_total",
+                    "Events from stage processes",
+                    w.events_in as f64,
+                ),
+                (
+                    "event_bytes_in_total",
+                    "Bytes of events from stage processes",
+                    w.event_bytes_in as f64,
+                ),
+                (
+                    "event_seconds_total",
+                    "Sum of the events' stage-to-gateway latencies (seconds)",
+                    w.event_seconds_total,
+                ),
+            ] {
+                text.push_str(&format!(
+                    "# HELP omnistream_wire_{name} {help}\n# TYPE omnistream_wire_{name} counter\nomnistream_wire_{name} {v}\n"
+                ));
+            }
+        }
         if let Some(rtc) = state.webrtc.as_ref() {
             text.push_str(&format!(
                 "# HELP omnistream_webrtc_peers Live WebRTC peer connections\n\

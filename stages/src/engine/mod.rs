@@ -17,7 +17,7 @@ mod worker;
 pub use connector::{in_process, Closed, ConnectorRx, ConnectorTx, InProcessRx, InProcessTx};
 pub use payload::{Envelope, FrameChunk, Payload, PromptStates, TextChunk, ThinkerStates};
 pub use pipeline::{
-    Pipeline, PipelineStats, StageDef, StagePlacement, StageRole, StageStats,
+    Pipeline, PipelineStats, StageDef, StagePlacement, StageRole, StageStats, WireStats,
     DEFAULT_EVENT_CAPACITY, MAX_SPEECH_CHARS,
 };
 pub use replica::{ReplicaId, StageInput};

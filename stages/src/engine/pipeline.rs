@@ -85,6 +85,26 @@ pub struct StageStats {
     pub cancelled: u64,
     pub failed: u64,
     pub alive: bool,
+    /// A remote replica: payloads it took off the wire, their bytes, and the
+    /// sum of their sender-to-receiver latencies.
+    #[serde(default)]
+    pub wire_messages_in: u64,
+    #[serde(default)]
+    pub wire_bytes_in: u64,
+    #[serde(default)]
+    pub wire_seconds_in_total: f64,
+}
+
+/// This process's traffic over NATS (a gateway with remote stages).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct WireStats {
+    pub messages_out: u64,
+    pub bytes_out: u64,
+    /// Events from stage processes (text, audio, failures, stage finished).
+    pub events_in: u64,
+    pub event_bytes_in: u64,
+    /// Sum of the events' sender-to-gateway latencies.
+    pub event_seconds_total: f64,
 }
 
 impl StageStats {
@@ -105,6 +125,9 @@ impl StageStats {
             t.cancelled += r.cancelled;
             t.failed += r.failed;
             t.alive |= r.alive;
+            t.wire_messages_in += r.wire_messages_in;
+            t.wire_bytes_in += r.wire_bytes_in;
+            t.wire_seconds_in_total += r.wire_seconds_in_total;
         }
         t
     }
@@ -116,6 +139,8 @@ pub struct PipelineStats {
     pub stages: Vec<StageStats>,
     /// One entry per replica of every stage.
     pub replicas: Vec<StageStats>,
+    /// Traffic over NATS, when some stage is remote.
+    pub wire: Option<WireStats>,
     /// Requests submitted and not yet dropped by their client.
     pub requests_in_flight: u64,
     pub requests_submitted: u64,
@@ -420,6 +445,7 @@ impl Pipeline {
         PipelineStats {
             stages,
             replicas,
+            wire: self.inputs.iter().find_map(|i| i.wire()),
             requests_in_flight: self.in_flight.load(Ordering::Relaxed),
             requests_submitted: self.next_id.load(Ordering::Relaxed) - self.first_id,
         }

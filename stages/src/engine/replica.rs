@@ -28,6 +28,10 @@ pub trait StageInput: Send + Sync {
     fn admit(&self, _ctx: &Arc<RequestCtx>) {}
     /// One snapshot per replica.
     fn stats(&self) -> Vec<StageStats>;
+    /// This process's traffic to and from remote stages, if it has any.
+    fn wire(&self) -> Option<super::pipeline::WireStats> {
+        None
+    }
 }
 
 /// Index of the smallest load; ties go round robin from `start`, so that

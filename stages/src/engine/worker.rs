@@ -46,6 +46,7 @@ impl StageCounters {
             cancelled: self.cancelled.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
             alive: self.alive.load(Ordering::Relaxed),
+            ..Default::default()
         }
     }
 }

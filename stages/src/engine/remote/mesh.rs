@@ -3,7 +3,7 @@
 //! (a gateway) or holds (a stage process), and the hosted stage's input.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,7 @@ use futures_util::StreamExt;
 use super::wire::{self, Announce, AnnounceRole, OwnerMsg, StageMeta, StageMsg, WireError};
 use crate::engine::connector::{Closed, ConnectorRx};
 use crate::engine::payload::{Envelope, Payload};
-use crate::engine::pipeline::StageStats;
+use crate::engine::pipeline::{StageStats, WireStats};
 use crate::engine::replica::{least_loaded, ReplicaId, StageInput};
 use crate::engine::request::{CancelReason, Outlet, RemoteOutlet, RequestCtx, RequestId, Usage};
 use crate::engine::stage::StageModel;
@@ -92,6 +92,26 @@ struct HostedInfo {
     device: Device,
 }
 
+/// Messages, bytes and summed latency of one direction of traffic.
+#[derive(Default)]
+struct Hop {
+    messages: AtomicU64,
+    bytes: AtomicU64,
+    micros: AtomicU64,
+}
+
+impl Hop {
+    fn record(&self, bytes: usize, sent_micros: u64) {
+        self.messages.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        let lat = wire::now_micros().saturating_sub(sent_micros);
+        self.micros.fetch_add(lat, Ordering::Relaxed);
+    }
+    fn seconds(&self) -> f64 {
+        self.micros.load(Ordering::Relaxed) as f64 * 1e-6
+    }
+}
+
 /// Ids recently cancelled (bounded).
 #[derive(Default)]
 struct RecentSet {
@@ -132,6 +152,11 @@ pub struct Mesh {
     max_payload: AtomicUsize,
     /// Counts of messages refused (wrong version, corrupt), for the logs and tests.
     pub refused: AtomicUsize,
+    /// The hosted replica's input payloads; a gateway's incoming events.
+    inputs: Hop,
+    events: Hop,
+    out_messages: AtomicU64,
+    out_bytes: AtomicU64,
 }
 
 impl Mesh {
@@ -209,6 +234,10 @@ impl Mesh {
             hosted: Mutex::new(None),
             max_payload: AtomicUsize::new(max_payload.max(1024)),
             refused: AtomicUsize::new(0),
+            inputs: Hop::default(),
+            events: Hop::default(),
+            out_messages: AtomicU64::new(0),
+            out_bytes: AtomicU64::new(0),
         });
         mesh.start_tasks(out_rx, ev_rx).await?;
         Ok(mesh)
@@ -325,6 +354,9 @@ impl Mesh {
     }
 
     fn push(&self, subject: String, reply: Option<String>, payload: Vec<u8>) {
+        self.out_messages.fetch_add(1, Ordering::Relaxed);
+        self.out_bytes
+            .fetch_add(payload.len() as u64, Ordering::Relaxed);
         let _ = self.out.send(Outgoing {
             subject,
             reply,
@@ -335,7 +367,10 @@ impl Mesh {
     fn announce(&self) {
         let role = match lock(&self.hosted).as_ref() {
             Some(h) => {
-                let stats = h.counters.snapshot(&h.stage, &h.replica.to_string());
+                let mut stats = h.counters.snapshot(&h.stage, &h.replica.to_string());
+                stats.wire_messages_in = self.inputs.messages.load(Ordering::Relaxed);
+                stats.wire_bytes_in = self.inputs.bytes.load(Ordering::Relaxed);
+                stats.wire_seconds_in_total = self.inputs.seconds();
                 AnnounceRole::Replica {
                     stage: h.stage.clone(),
                     stage_index: h.stage_index as u32,
@@ -519,6 +554,7 @@ impl Mesh {
                 return;
             }
         };
+        self.events.record(m.payload.len(), h.sent_micros);
         let Some(ctx) = self.requests.get(&h.request).map(|t| t.ctx.clone()) else {
             return; // ended here already
         };
@@ -690,6 +726,17 @@ impl Mesh {
         self.requests.len()
     }
 
+    /// This process's traffic so far.
+    pub fn wire_stats(&self) -> WireStats {
+        WireStats {
+            messages_out: self.out_messages.load(Ordering::Relaxed),
+            bytes_out: self.out_bytes.load(Ordering::Relaxed),
+            events_in: self.events.messages.load(Ordering::Relaxed),
+            event_bytes_in: self.events.bytes.load(Ordering::Relaxed),
+            event_seconds_total: self.events.seconds(),
+        }
+    }
+
     /// Hosts one replica of a stage: subscribes to its input and starts its
     /// worker. Returns the worker's thread; it ends once `shutdown` is set.
     pub async fn host(
@@ -762,6 +809,7 @@ impl Mesh {
             Ok(h) => h,
             Err(e) => return refuse(None, e),
         };
+        self.inputs.record(m.payload.len(), h.sent_micros);
         let msg: StageMsg = match wire::decode(&m.payload) {
             Ok((_, msg)) => msg,
             Err(e) => return refuse(Some(h), e),
@@ -977,6 +1025,10 @@ impl StageInput for RemoteStage {
 
     fn admit(&self, ctx: &Arc<RequestCtx>) {
         self.mesh.own(ctx);
+    }
+
+    fn wire(&self) -> Option<WireStats> {
+        Some(self.mesh.wire_stats())
     }
 
     fn stats(&self) -> Vec<StageStats> {

@@ -467,9 +467,19 @@ pub struct Header {
     pub version: u16,
     pub request: RequestId,
     pub owner: u64,
+    /// When it was sent (µs since the Unix epoch, the sender's clock): the
+    /// receiver's per-hop latency where the clocks agree (one host, or NTP).
+    pub sent_micros: u64,
 }
 
-const HEADER_LEN: usize = 2 + 8 + 8;
+const HEADER_LEN: usize = 2 + 8 + 8 + 8;
+
+/// Now, in µs since the Unix epoch.
+pub fn now_micros() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
 
 /// `header || postcard(body)`.
 pub fn encode<T: Serialize>(
@@ -481,6 +491,7 @@ pub fn encode<T: Serialize>(
     out.extend_from_slice(&WIRE_VERSION.to_le_bytes());
     out.extend_from_slice(&request.to_le_bytes());
     out.extend_from_slice(&owner.to_le_bytes());
+    out.extend_from_slice(&now_micros().to_le_bytes());
     postcard::to_io(body, &mut out).map_err(WireError::from)?;
     Ok(out)
 }
@@ -499,6 +510,7 @@ pub fn header(bytes: &[u8]) -> Result<Header, WireError> {
         version: u16::from_le_bytes([bytes[0], bytes[1]]),
         request: u64_at(2),
         owner: u64_at(10),
+        sent_micros: u64_at(18),
     })
 }
 

@@ -140,6 +140,11 @@ pub async fn run_stage(opts: StageOptions) -> Result<()> {
         opts.profile.display()
     );
     wait_for_signal().await;
+    mesh.stop_hosted(&format!(
+        "stage_unavailable: stage {} replica {} is shutting down",
+        spec.name, opts.replica
+    ))
+    .await;
     shutdown.store(true, Ordering::Release);
     tokio::task::spawn_blocking(move || worker.join())
         .await

@@ -710,3 +710,56 @@ fn stages_on_another_host_over_a_delayed_link() {
 fn spawn_stage_in_retry(prefix: &[&str], stage: &str, nats: &str) -> Server {
     omnistream_e2e::spawn_stage_in(prefix, SPLIT, stage, nats, &[])
 }
+
+/// The shipped deployment files are what the tools accept, and name only
+/// stages the profile has.
+#[test]
+fn shipped_deploy_files_are_valid() {
+    let dir = omnistream_e2e::root().join("deploy/distributed");
+    let run = |cmd: &str, args: &[&str]| {
+        let out = std::process::Command::new(cmd)
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .unwrap_or_else(|e| panic!("{cmd}: {e}"));
+        assert!(
+            out.status.success(),
+            "{cmd} {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run("nats-server", &["-t", "-c", "nats.conf"]);
+    // haproxy -c resolves server names: point them at loopback to check.
+    let cfg = std::fs::read_to_string(dir.join("haproxy.cfg"))
+        .unwrap()
+        .replace("gateway-1:", "127.0.0.1:")
+        .replace("gateway-2:", "127.0.0.1:");
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("haproxy.cfg");
+    std::fs::write(&path, cfg).unwrap();
+    run("haproxy", &["-c", "-f", path.to_str().unwrap()]);
+    // compose and Kubernetes: YAML, and every `stage --stage NAME` names a
+    // remote stage of the profile they run.
+    let script = r#"
+import sys, yaml
+profile = yaml.safe_load(open("tiny-cpu.yaml"))
+remote = {s["name"] for s in profile["stages"] if s.get("placement") == "remote"}
+docs = [yaml.safe_load(open("compose.yaml"))] + list(yaml.safe_load_all(open("k8s/omnistream.yaml")))
+found = set()
+def walk(x):
+    if isinstance(x, dict):
+        for v in x.values(): walk(v)
+    elif isinstance(x, list):
+        if x and x[0] == "stage":
+            name = x[x.index("--stage") + 1]
+            assert name in remote, f"{name} is not a remote stage of tiny-cpu.yaml"
+            found.add(name)
+        for v in x: walk(v)
+for d in docs: walk(d)
+assert found == remote, (found, remote)
+kinds = [d["kind"] for d in docs[1:]]
+assert kinds.count("Deployment") == 4 and "Ingress" in kinds and "Service" in kinds, kinds
+"#;
+    run("python3", &["-c", script]);
+}

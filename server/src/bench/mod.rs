@@ -235,12 +235,12 @@ pub fn bench(args: BenchArgs) -> Result<()> {
                 } else {
                     args.port.checked_add(i as u16).context("--port too high")?
                 };
-                bar.set_message(format!("starting {}", label_of(p)));
+                bar.set_message(format!("starting {}", profile_label(p)));
                 let s = SpawnedServer::start(p, port, &args.out)?;
                 (s.url.clone(), Some(s))
             }
         };
-        let label = profile.map_or_else(|| url.clone(), |p| label_of(p));
+        let label = profile.map_or_else(|| url.clone(), |p| profile_label(p));
         let client = Client::new(&url, args.api_key.clone())?;
         let run = rt.block_on(sweep(&args, &client, &loads, &label, &bar));
         drop(server);
@@ -309,6 +309,16 @@ fn x_label<'a>(runs: impl IntoIterator<Item = &'a Run>) -> &'static str {
         "request rate (requests/s)"
     } else {
         "concurrency (requests in flight)"
+    }
+}
+
+/// A profile's label: its file's stem, with its folder when that is not
+/// `deploy/` (`distributed-tiny-cpu` beside `tiny-cpu`).
+fn profile_label(path: &Path) -> String {
+    let stem = label_of(path);
+    match path.parent().and_then(|p| p.file_name()) {
+        Some(dir) if dir != "deploy" => format!("{}-{stem}", dir.to_string_lossy()),
+        _ => stem,
     }
 }
 
@@ -535,7 +545,7 @@ struct SpawnedServer {
 impl SpawnedServer {
     fn start(profile: &Path, port: u16, out: &Path) -> Result<Self> {
         let exe = std::env::current_exe().context("locating the omnistream binary")?;
-        let label = label_of(profile);
+        let label = profile_label(profile);
         let log_file = |name: String| -> Result<std::fs::File> {
             let p = out.join(name);
             std::fs::File::create(&p).with_context(|| format!("creating {}", p.display()))

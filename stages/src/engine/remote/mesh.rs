@@ -726,6 +726,23 @@ impl Mesh {
         self.requests.len()
     }
 
+    /// A stage process stopping (SIGTERM): its requests fail now with `msg`,
+    /// rather than when its announcements are missed; waits briefly for the
+    /// outbox to drain.
+    pub async fn stop_hosted(&self, msg: &str) {
+        for t in self.requests.iter() {
+            if t.owner != self.process && !t.ctx.is_cancelled() {
+                t.ctx.fail(msg.to_string());
+            }
+        }
+        *lock(&self.hosted) = None;
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !self.out.is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let _ = self.client.flush().await;
+    }
+
     /// This process's traffic so far.
     pub fn wire_stats(&self) -> WireStats {
         WireStats {

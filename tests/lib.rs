@@ -298,12 +298,13 @@ fn spawn_ready(prefix: &[&str], args: &[&str], ready: &str, port: u16) -> Server
                 .lines()
                 .map_while(Result::ok)
             {
-                if is_stdout && line.contains(&ready) {
-                    let _ = tx.send(());
-                }
+                // Logged first: a caller woken by the ready line finds it there.
                 if let Ok(mut l) = log.lock() {
                     l.push_str(&line);
                     l.push('\n');
+                }
+                if is_stdout && line.contains(&ready) {
+                    let _ = tx.send(());
                 }
             }
         });

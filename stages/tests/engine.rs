@@ -234,6 +234,25 @@ fn collect(h: &omnistream_stages::engine::RequestHandle) -> (String, usize, Opti
     }
 }
 
+/// Submits every prompt at once (text and audio), then checks that each
+/// answer is its own: its words, and audio for exactly its characters.
+fn submit_all_and_check(
+    p: &Pipeline,
+    prompts: &[String],
+) -> Vec<omnistream_stages::engine::RequestHandle> {
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|t| p.submit(chat(t, Modalities::TEXT_AUDIO)).unwrap())
+        .collect();
+    for (h, prompt) in handles.iter().zip(prompts) {
+        let (text, samples, err) = collect(h);
+        assert_eq!(err, None);
+        assert_eq!(text.trim_end(), prompt);
+        assert_eq!(samples, (prompt.len() + 1) * 10, "{prompt}");
+    }
+    handles
+}
+
 fn wait_idle(p: &Pipeline) {
     let t0 = Instant::now();
     while p.stats().stages.iter().any(|s| s.active > 0) {
@@ -286,16 +305,7 @@ fn concurrent_requests_interleave_batch_and_do_not_mix() {
                 .join(" ")
         })
         .collect();
-    let handles: Vec<_> = prompts
-        .iter()
-        .map(|t| p.submit(chat(t, Modalities::TEXT_AUDIO)).unwrap())
-        .collect();
-    for (h, prompt) in handles.iter().zip(&prompts) {
-        let (text, samples, err) = collect(h);
-        assert_eq!(err, None);
-        assert_eq!(text.trim_end(), prompt);
-        assert_eq!(samples, (prompt.len() + 1) * 10);
-    }
+    let handles = submit_all_and_check(&p, &prompts);
     let s = p.stats();
     let thinker = &s.stages[0];
     assert!(
@@ -419,16 +429,7 @@ fn replicas_share_requests_and_keep_each_on_its_own() {
     let prompts: Vec<String> = (0..12)
         .map(|i| vec![format!("q{i}"); 1 + i % 5].join(" "))
         .collect();
-    let handles: Vec<_> = prompts
-        .iter()
-        .map(|t| p.submit(chat(t, Modalities::TEXT_AUDIO)).unwrap())
-        .collect();
-    for (h, prompt) in handles.iter().zip(&prompts) {
-        let (text, samples, err) = collect(h);
-        assert_eq!(err, None);
-        assert_eq!(text.trim_end(), prompt);
-        assert_eq!(samples, (prompt.len() + 1) * 10, "{prompt}");
-    }
+    let handles = submit_all_and_check(&p, &prompts);
     drop(handles);
     wait_idle(&p);
     let s = p.stats();

@@ -556,21 +556,13 @@ mod tests {
             let u = back.to_tensor(&Device::Cpu).unwrap();
             assert_eq!(u.dims(), t.dims());
             assert_eq!(u.dtype(), dt);
-            let a: Vec<f64> = t
-                .to_dtype(DType::F64)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let b: Vec<f64> = u
-                .to_dtype(DType::F64)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            assert_eq!(a, b, "{dt:?}");
+            let f64s = |x: &Tensor| -> Vec<f64> {
+                x.to_dtype(DType::F64)
+                    .and_then(|x| x.flatten_all())
+                    .and_then(|x| x.to_vec1())
+                    .unwrap()
+            };
+            assert_eq!(f64s(&t), f64s(&u), "{dt:?}");
         }
     }
 

@@ -1,6 +1,9 @@
 //! Stages beyond one process: the real binary's `omnistream stage` processes
 //! and `omnistream serve --nats` gateways, joined through a real `nats-server`
-//! (Debian's) on loopback, started and stopped here.
+//! (Debian's) on loopback, started and stopped here. They run one at a time
+//! (`exclusive`): each starts several processes, and two tests' worth on two
+//! cores change the timings they judge (first audio, the death bound) and the
+//! Qwen3-Omni Talker's pacing against its Thinker.
 
 use std::sync::Arc;
 use std::thread;
@@ -119,6 +122,7 @@ fn assert_idle(gw: &Server) {
 
 #[test]
 fn split_tiny_pipeline_answers_exactly_as_in_process() {
+    let _serial = omnistream_e2e::exclusive();
     let nats = Nats::start();
     let _talker = spawn_stage(SPLIT, "talker", &nats.url, &[]);
     let _c2w = spawn_stage(SPLIT, "code2wav", &nats.url, &[]);
@@ -153,6 +157,7 @@ fn split_tiny_pipeline_answers_exactly_as_in_process() {
 
 #[test]
 fn split_qwen3_omni_tiny_carries_thinker_states_exactly() {
+    let _serial = omnistream_e2e::exclusive();
     let split = "deploy/distributed/qwen3-omni-tiny.yaml";
     let nats = Nats::start();
     let _talker = spawn_stage(split, "talker", &nats.url, &[]);
@@ -173,6 +178,7 @@ fn split_qwen3_omni_tiny_carries_thinker_states_exactly() {
 /// replicas of each stage work, and every answer is its own text, heard.
 #[test]
 fn two_replicas_share_concurrent_requests_without_cross_talk() {
+    let _serial = omnistream_e2e::exclusive();
     let nats = Nats::start();
     let _stages: Vec<Server> = ["talker", "talker", "code2wav", "code2wav"]
         .iter()
@@ -234,6 +240,7 @@ fn two_replicas_share_concurrent_requests_without_cross_talk() {
 /// succeed; a restarted replica takes work again; a NATS restart is survived.
 #[test]
 fn a_dead_replica_fails_only_its_requests_and_the_system_recovers() {
+    let _serial = omnistream_e2e::exclusive();
     let mut nats = Nats::start();
     let _talker = spawn_stage(SPLIT, "talker", &nats.url, &[]);
     let mut a = spawn_stage(SPLIT, "code2wav", &nats.url, &[]);
@@ -325,6 +332,7 @@ fn a_dead_replica_fails_only_its_requests_and_the_system_recovers() {
 /// keeps serving.
 #[test]
 fn bad_messages_on_a_stage_subject_are_refused_not_fatal() {
+    let _serial = omnistream_e2e::exclusive();
     use futures_util::StreamExt;
     use omnistream_stages::engine::remote::wire;
     let nats = Nats::start();
@@ -436,6 +444,7 @@ async fn realtime_turn(ws_url: &str) -> String {
 /// gateway killed the other serves every new session.
 #[test]
 fn gateways_behind_haproxy_share_the_stages() {
+    let _serial = omnistream_e2e::exclusive();
     let nats = Nats::start();
     let _talker = spawn_stage(SPLIT, "talker", &nats.url, &[]);
     let _c2w = spawn_stage(SPLIT, "code2wav", &nats.url, &[]);
@@ -601,6 +610,7 @@ fn timed_speech(prefix: &[String], url: &str, text: &str) -> (f64, Vec<u8>) {
 /// and the first-audio cost of the delay is reported.
 #[test]
 fn stages_on_another_host_over_a_delayed_link() {
+    let _serial = omnistream_e2e::exclusive();
     let hosts = Hosts::new();
     let on_gw = Hosts::on(&hosts.gateway);
     let on_st = Hosts::on(&hosts.stages);
@@ -698,6 +708,7 @@ fn spawn_stage_in_retry(prefix: &[&str], stage: &str, nats: &str) -> Server {
 /// stages the profile has.
 #[test]
 fn shipped_deploy_files_are_valid() {
+    let _serial = omnistream_e2e::exclusive();
     let dir = omnistream_e2e::root().join("deploy/distributed");
     let run = |cmd: &str, args: &[&str]| {
         let out = std::process::Command::new(cmd)

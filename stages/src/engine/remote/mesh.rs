@@ -322,33 +322,9 @@ impl Mesh {
                 }
             }
         });
-        let w = weak.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(HEARTBEAT);
-            loop {
-                tick.tick().await;
-                let Some(mesh) = w.upgrade() else { break };
-                mesh.announce();
-            }
-        });
-        let w = weak.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(MONITOR);
-            loop {
-                tick.tick().await;
-                let Some(mesh) = w.upgrade() else { break };
-                mesh.monitor();
-            }
-        });
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(SWEEP);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                let Some(mesh) = weak.upgrade() else { break };
-                mesh.sweep();
-            }
-        });
+        every(HEARTBEAT, weak.clone(), Self::announce);
+        every(MONITOR, weak.clone(), Self::monitor);
+        every(SWEEP, weak, Self::sweep);
         self.announce();
         Ok(())
     }
@@ -721,11 +697,6 @@ impl Mesh {
         }
     }
 
-    /// Requests this process tracks now (owned or held): 0 when nothing leaked.
-    pub fn tracked(&self) -> usize {
-        self.requests.len()
-    }
-
     /// A stage process stopping (SIGTERM): its requests fail now with `msg`,
     /// rather than when its announcements are missed; waits briefly for the
     /// outbox to drain.
@@ -889,6 +860,20 @@ impl Mesh {
             );
         }
     }
+}
+
+/// Runs `f` on the mesh every `period` while it lives (a late tick is delayed,
+/// not bunched up).
+fn every(period: Duration, mesh: Weak<Mesh>, f: fn(&Mesh)) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(mesh) = mesh.upgrade() else { break };
+            f(&mesh);
+        }
+    });
 }
 
 /// One replica for [`Mesh::host`].

@@ -4,7 +4,8 @@
 # GPU host's driver is CUDA 13.0, which rejects PTX from newer toolkits), and
 # libcuda is a link-time stub (the real driver resolves the symbols at run time).
 #
-#   scripts/cuda/build.sh            # -> cuda-bin/omnistream (+ .xz) and libopus.so.0
+#   scripts/cuda/build.sh            # -> cuda-bin/omnistream (+ .xz), libopus.so.0
+#                                    #    and nats-server.xz
 #   WITH_TESTS=1 scripts/cuda/build.sh   # also cuda-bin/stages-tests: the engine's
 #                                        # unit tests, the GPU-only ones included
 #
@@ -57,6 +58,12 @@ cp "$CARGO_TARGET_DIR/gpu/omnistream" cuda-bin/omnistream
 # The GPU host has no libopus: it travels beside the binary ($ORIGIN is on the rpath).
 cp -L "$(ldconfig -p | awk '/libopus.so.0 /{print $NF; exit}')" cuda-bin/libopus.so.0
 xz -T0 -6 -kf cuda-bin/omnistream
+# Nor has it nats-server (the split pipeline's bench, step `split`): Debian's
+# static build travels too, when this machine has it (scripts/setup.sh --dev).
+if command -v nats-server >/dev/null || [ -x /usr/sbin/nats-server ]; then
+  cp "$(command -v nats-server || echo /usr/sbin/nats-server)" cuda-bin/nats-server
+  xz -T0 -6 -kf cuda-bin/nats-server
+fi
 if [ -n "${WITH_TESTS:-}" ]; then
   # With the binary's package in the same call, features resolve as for the
   # binary and nothing is rebuilt but the engine's test harness.

@@ -46,6 +46,15 @@
 #   voice      chat with audio, deploy/qwen3-omni-h200-voice.yaml
 #   long       prompt 2,500, answer 900, audio on, c=1,8
 #   reference  scripts/cuda/reference_gpu.py (transformers, batch 1)
+#   split      through `omnistream serve` + `omnistream bench` (HTTP), side by side
+#              in one run: the single process (deploy/qwen3-omni-h200.yaml) against
+#              the Thinker in the gateway and the Talker + Code2Wav in one stage
+#              process on the same GPU, over a nats-server on loopback
+#              (deploy/distributed/qwen3-omni-h200.yaml; carry cuda-bin/nats-server.xz):
+#              TTFP, RTF and the rest at SPLIT_C (default 1,32), SPLIT_N requests
+#              a level (default 32), prompts of 100 words, answers of 200 tokens
+#   split-mps  the same with the CUDA MPS daemon started for the run (both
+#              sides through it), when the host has nvidia-cuda-mps-control
 #
 # Everything printed goes to $OUT/log.txt; the JSON reports to $OUT/json.tar.gz
 # ($OUT, or bench-out/gpu; at most 8 files come back from the device tool).
@@ -141,6 +150,29 @@ has chat-nopri && OMNISTREAM_STAGE_PRIORITY=off bench "${CHAT_S:-200}" "${H200[@
 has chat-overlap && OMNISTREAM_STAGE_PRIORITY=eager bench "${CHAT_S:-200}" "${H200[@]}" --name chat-overlap "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has voice && bench "${CHAT_S:-200}" --profile deploy/qwen3-omni-h200-voice.yaml --name chat-voice "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has long && bench "${LONG_S:-240}" "${H200[@]}" --name long --prompt-tokens 2500 --output-tokens 900 --concurrency "${LONG_C:-1,8}"
+split() {
+  local name=$1
+  step "$name"
+  PATH=$PWD/cuda-bin:$PATH timeout "${SPLIT_S:-560}" cuda-bin/omnistream bench \
+    --compare deploy/qwen3-omni-h200.yaml deploy/distributed/qwen3-omni-h200.yaml \
+    --concurrency "${SPLIT_C:-1,32}" --num-prompts "${SPLIT_N:-32}" --input-len 100 --output-len 200 \
+    --voice ethan --no-plots --out "$OUT/json/$name" 2>&1 | grep -v '^\s*$' | tail -40
+  cat "$OUT/json/$name/bench.md"
+  tail -5 "$OUT/json/$name"/*.log
+}
+has split && split split
+if has split-mps; then
+  if command -v nvidia-cuda-mps-control >/dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && split split-mps
+    echo quit | nvidia-cuda-mps-control
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  else
+    step split-mps
+    echo "no nvidia-cuda-mps-control on this host: MPS not tried"
+  fi
+fi
 if has reference; then
   step reference
   timeout "${REF_S:-240}" python3 scripts/cuda/reference_gpu.py 2>&1 | tail -20 | tee "$OUT/json/reference.json"

@@ -19,7 +19,9 @@ const CONNECT_WAIT: Duration = Duration::from_secs(30);
 /// Options of `omnistream stage`.
 pub struct StageOptions {
     pub profile: std::path::PathBuf,
-    pub stage: String,
+    /// One or more stages' names: several share the process and its models
+    /// (e.g. Qwen3-Omni's Talker and Code2Wav, one checkpoint loaded once).
+    pub stages: Vec<String>,
     pub replica: usize,
     pub nats: String,
 }
@@ -61,18 +63,16 @@ pub async fn remote_stages(
     Ok((Some(mesh), stages))
 }
 
-/// Runs one replica of one stage until SIGINT or SIGTERM.
-pub async fn run_stage(opts: StageOptions) -> Result<()> {
-    let profile = Profile::load(&opts.profile)?;
-    let index = profile
+/// The index of the stage named `name`, or an error listing the names.
+fn stage_index(profile: &Profile, name: &str) -> Result<usize> {
+    profile
         .stages
         .iter()
-        .position(|s| s.name == opts.stage)
+        .position(|s| s.name == name)
         .with_context(|| {
             format!(
-                "{}: no stage named {:?} (stages: {})",
-                opts.profile.display(),
-                opts.stage,
+                "{}: no stage named {name:?} (stages: {})",
+                profile.file.display(),
                 profile
                     .stages
                     .iter()
@@ -80,75 +80,107 @@ pub async fn run_stage(opts: StageOptions) -> Result<()> {
                     .collect::<Vec<_>>()
                     .join(", ")
             )
-        })?;
-    let spec = &profile.stages[index];
-    if opts.replica >= spec.replicas {
-        bail!(
-            "{}: stage {:?} has {} replica(s) (replicas:), so --replica is 0..{}",
-            opts.profile.display(),
-            spec.name,
-            spec.replicas,
-            spec.replicas - 1
-        );
+        })
+}
+
+/// Runs one replica of each of `opts.stages` (each its own worker, joined to
+/// NATS on its own connection) until SIGINT or SIGTERM.
+pub async fn run_stage(opts: StageOptions) -> Result<()> {
+    let profile = Profile::load(&opts.profile)?;
+    let mut indices = Vec::new();
+    for name in &opts.stages {
+        let index = stage_index(&profile, name)?;
+        let spec = &profile.stages[index];
+        if opts.replica >= spec.replicas {
+            bail!(
+                "{}: stage {:?} has {} replica(s) (replicas:), so --replica is 0..{}",
+                opts.profile.display(),
+                spec.name,
+                spec.replicas,
+                spec.replicas - 1
+            );
+        }
+        if indices.contains(&index) {
+            bail!("stage {name:?} is named twice in --stage");
+        }
+        indices.push(index);
     }
-    let device = stage_device(spec, opts.replica)?;
+    if indices.is_empty() {
+        bail!("--stage names no stage");
+    }
     let built = {
         let profile = profile.clone();
-        let replica = opts.replica;
+        let (replica, indices) = (opts.replica, indices.clone());
         tokio::task::spawn_blocking(move || {
-            build_stage(&profile, index, replica, &mut ModelCache::default(), None)
+            // One cache: stages of one checkpoint load it once, with their parts only.
+            let mut cache = ModelCache::for_stages(&profile, indices.iter().map(|&i| (i, replica)));
+            indices
+                .iter()
+                .map(|&i| build_stage(&profile, i, replica, &mut cache, None))
+                .collect::<Result<Vec<_>, _>>()
         })
         .await
-        .context("loading the stage")??
+        .context("loading the stages")??
     };
-    let mesh = Mesh::connect(&opts.nats, &profile.name, false, CONNECT_WAIT).await?;
-    // The next stage, if this one feeds one (always over NATS from here).
-    let next: Option<Arc<dyn StageInput>> = profile
-        .connector(index)
-        .and_then(|_| profile.stages.get(index + 1))
-        .map(|n| {
-            Arc::new(RemoteStage::new(
-                mesh.clone(),
-                index + 1,
-                n.name.clone(),
-                input_capacity(&profile, index + 1),
-            )) as Arc<dyn StageInput>
-        });
     let shutdown = Arc::new(AtomicBool::new(false));
-    // Upstream processes each hold up to the connector's capacity in flight.
-    let queue_capacity = input_capacity(&profile, index).saturating_mul(64).max(1024);
-    let worker = mesh
-        .host(HostedStage {
-            name: spec.name.clone(),
-            index,
-            replica: opts.replica as u32,
-            model: built.model,
-            meta: built.meta,
-            device,
-            queue_capacity,
-            next,
-            shutdown: shutdown.clone(),
-        })
-        .await?;
-    // Tests and scripts wait for this line.
-    println!(
-        "omnistream stage {} replica {} ready ({:016x}) on {} (profile {})",
-        spec.name,
-        opts.replica,
-        mesh.process(),
-        opts.nats,
-        opts.profile.display()
-    );
+    let mut hosted = Vec::new();
+    for (index, built) in indices.into_iter().zip(built) {
+        let spec = &profile.stages[index];
+        let device = stage_device(spec, opts.replica)?;
+        let mesh = Mesh::connect(&opts.nats, &profile.name, false, CONNECT_WAIT).await?;
+        // The next stage, if this one feeds one (always over NATS from here,
+        // even when it runs in this process).
+        let next: Option<Arc<dyn StageInput>> = profile
+            .connector(index)
+            .and_then(|_| profile.stages.get(index + 1))
+            .map(|n| {
+                Arc::new(RemoteStage::new(
+                    mesh.clone(),
+                    index + 1,
+                    n.name.clone(),
+                    input_capacity(&profile, index + 1),
+                )) as Arc<dyn StageInput>
+            });
+        // Upstream processes each hold up to the connector's capacity in flight.
+        let queue_capacity = input_capacity(&profile, index).saturating_mul(64).max(1024);
+        let worker = mesh
+            .host(HostedStage {
+                name: spec.name.clone(),
+                index,
+                replica: opts.replica as u32,
+                model: built.model,
+                meta: built.meta,
+                device,
+                queue_capacity,
+                next,
+                shutdown: shutdown.clone(),
+            })
+            .await?;
+        // Tests and scripts wait for this line.
+        println!(
+            "omnistream stage {} replica {} ready ({:016x}) on {} (profile {})",
+            spec.name,
+            opts.replica,
+            mesh.process(),
+            opts.nats,
+            opts.profile.display()
+        );
+        hosted.push((spec.name.clone(), mesh, worker));
+    }
     wait_for_signal().await;
-    mesh.stop_hosted(&format!(
-        "stage_unavailable: stage {} replica {} is shutting down",
-        spec.name, opts.replica
-    ))
-    .await;
+    for (name, mesh, _) in &hosted {
+        mesh.stop_hosted(&format!(
+            "stage_unavailable: stage {name} replica {} is shutting down",
+            opts.replica
+        ))
+        .await;
+    }
     shutdown.store(true, Ordering::Release);
-    tokio::task::spawn_blocking(move || worker.join())
-        .await
-        .ok();
+    for (_, _, worker) in hosted {
+        tokio::task::spawn_blocking(move || worker.join())
+            .await
+            .ok();
+    }
     Ok(())
 }
 

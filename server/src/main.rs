@@ -102,14 +102,15 @@ enum Command {
         #[arg(long, default_value_t = 300)]
         wait_stages: u64,
     },
-    /// Run one replica of one stage as its own process, joined to gateways and
-    /// the other stages over NATS.
+    /// Run one replica of a stage (or of several, sharing the process and their
+    /// models) as its own process, joined to gateways and the other stages over NATS.
     Stage {
         #[command(flatten)]
         profile: ProfileArg,
-        /// The stage's `name` in the profile.
-        #[arg(long)]
-        stage: String,
+        /// The stage's `name` in the profile; several as `talker,code2wav` (or
+        /// --stage repeated) run in this one process.
+        #[arg(long = "stage", required = true, value_delimiter = ',')]
+        stages: Vec<String>,
         /// Which of its replicas (picks its entry of `devices`).
         #[arg(long, default_value_t = 0)]
         replica: usize,
@@ -212,14 +213,14 @@ fn main() -> Result<()> {
         }
         Command::Stage {
             profile,
-            stage,
+            stages,
             replica,
             nats,
         } => {
             let rt = tokio::runtime::Runtime::new().context("starting tokio")?;
             rt.block_on(distributed::run_stage(distributed::StageOptions {
                 profile: profile.profile,
-                stage,
+                stages,
                 replica,
                 nats,
             }))

@@ -165,6 +165,12 @@ pub struct StageSpec {
     /// each replica is its own `omnistream stage` process, reached over NATS.
     #[serde(default)]
     pub placement: Placement,
+    /// Remote stages naming the same `process` run together, one process per
+    /// replica (`omnistream stage --stage talker,code2wav`), sharing their models
+    /// (Qwen3-Omni's Talker and Code2Wav: one checkpoint, loaded once). They
+    /// need the same `replicas` and devices.
+    #[serde(default)]
+    pub process: Option<String>,
     /// Requests a stage works on in one step; more are queued, never refused here.
     pub max_num_seqs: usize,
     /// Longest prompt chunk an `ar` stage prefills in one step, so a long prompt
@@ -669,6 +675,36 @@ impl Profile {
                 ));
             }
         }
+        for (i, s) in self.stages.iter().enumerate() {
+            let Some(group) = &s.process else { continue };
+            let key = format!("stages[{i}].process");
+            if s.placement != Placement::Remote {
+                return Err(self.invalid(
+                    key,
+                    "only remote stages run in a process of their own (placement: remote)",
+                ));
+            }
+            if group.is_empty() {
+                return Err(self.invalid(key, "must name the process"));
+            }
+            let first = self
+                .stages
+                .iter()
+                .find(|o| o.process.as_ref() == Some(group));
+            if let Some(o) = first.filter(|o| o.name != s.name) {
+                let devices = |x: &StageSpec| {
+                    (0..x.replicas)
+                        .map(|r| x.device_of(r).to_string())
+                        .collect::<Vec<_>>()
+                };
+                if o.replicas != s.replicas || devices(o) != devices(s) {
+                    return Err(self.invalid(
+                        key,
+                        format!("stages {:?} and {:?} share process {group:?}, so need the same replicas and devices", o.name, s.name),
+                    ));
+                }
+            }
+        }
         for (j, c) in self.connectors.iter().enumerate() {
             let key = |k: &str| format!("connectors[{j}].{k}");
             let feeds_local = |c: &ConnectorSpec| {
@@ -1031,6 +1067,21 @@ connectors:
         );
         let p = Profile::parse(&split, &path).unwrap();
         assert_eq!(p.stages[1].placement, Placement::Remote);
+        // Talker and Code2Wav in one process: same replicas and devices, or an error.
+        let grouped = split
+            .replace("placement: remote,", "placement: remote, process: audio,")
+            .replace(
+                "name: talker, kind: generation, placement: remote, process: audio,",
+                "name: talker, kind: generation, placement: remote, process: audio, replicas: 2,",
+            );
+        let e = err(&grouped, &path);
+        assert!(
+            e.contains("stages[2].process") && e.contains("same replicas"),
+            "{e}"
+        );
+        let grouped = grouped.replace("process: audio, replicas: 2,", "process: audio,");
+        let p = Profile::parse(&grouped, &path).unwrap();
+        assert_eq!(p.stages[2].process.as_deref(), Some("audio"));
         for (extra, key, msg) in [
             ("replicas: 0,", "stages[1].replicas", "must be 1 to 64"),
             ("replicas: 65,", "stages[1].replicas", "must be 1 to 64"),
@@ -1046,6 +1097,7 @@ connectors:
             ),
             ("placement: elsewhere,", "", "unknown variant `elsewhere`"),
             ("replica: 2,", "", "unknown field `replica`"),
+            ("process: audio,", "stages[1].process", "only remote stages"),
             // Remote Talker, local Code2Wav: the Talker could not reach it.
             (
                 "placement: remote,",

@@ -160,8 +160,9 @@ fn split_qwen3_omni_tiny_carries_thinker_states_exactly() {
     let _serial = omnistream_e2e::exclusive();
     let split = "deploy/distributed/qwen3-omni-tiny.yaml";
     let nats = Nats::start();
-    let _talker = spawn_stage(split, "talker", &nats.url, &[]);
-    let _c2w = spawn_stage(split, "code2wav", &nats.url, &[]);
+    // Talker and Code2Wav share one process (and one load of the checkpoint,
+    // without its Thinker), as on a GPU.
+    let audio = spawn_stage(split, "talker,code2wav", &nats.url, &[]);
     let gw = spawn_server(&["--profile", split, "--nats", &nats.url]);
     let local = spawn_server(&["--profile", "deploy/qwen3-omni-tiny.yaml"]);
     for prompt in ["Hello there, who are you?", "Tell me about the sea."] {
@@ -172,6 +173,13 @@ fn split_qwen3_omni_tiny_carries_thinker_states_exactly() {
         assert!(a_split == a_local, "{prompt}: audio differs");
     }
     assert_idle(&gw);
+    let out = audio.output();
+    for stage in ["talker", "code2wav"] {
+        assert!(
+            out.contains(&format!("omnistream stage {stage} replica 0 ready")),
+            "{out}"
+        );
+    }
 }
 
 /// Eight concurrent answers over two Talker and two Code2Wav processes: both

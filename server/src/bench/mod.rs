@@ -577,16 +577,31 @@ impl SpawnedServer {
                     .context("starting nats-server (apt-get install nats-server)")?,
             );
             let url = format!("nats://127.0.0.1:{nport}");
+            // Stages that share a `process` start together, one process a replica.
+            let mut groups: Vec<(Option<&str>, Vec<&str>, usize)> = Vec::new();
             for s in &remote {
-                for r in 0..s.replicas {
+                match groups
+                    .iter_mut()
+                    .find(|g| g.0.is_some() && g.0 == s.process.as_deref())
+                {
+                    Some(g) => g.1.push(&s.name),
+                    None => groups.push((s.process.as_deref(), vec![&s.name], s.replicas)),
+                }
+            }
+            for (_, names, replicas) in &groups {
+                let names = names.join(",");
+                for r in 0..*replicas {
                     helpers.push(
                         Command::new(&exe)
-                            .args(["stage", "--stage", &s.name, "--replica", &r.to_string()])
+                            .args(["stage", "--stage", &names, "--replica", &r.to_string()])
                             .arg("--profile")
                             .arg(profile)
                             .args(["--nats", &url])
                             .stdout(Stdio::null())
-                            .stderr(log_file(format!("stage-{label}-{}-{r}.log", s.name))?)
+                            .stderr(log_file(format!(
+                                "stage-{label}-{}-{r}.log",
+                                names.replace(',', "+")
+                            ))?)
                             .spawn()
                             .context("starting omnistream stage")?,
                     );

@@ -32,7 +32,7 @@ use crate::engine::{
 use crate::models::piper::{PiperVoice, Scales};
 use crate::models::quantized_llama::QuantizedLlama;
 use crate::models::qwen3_omni::layers::KvSlots;
-use crate::models::qwen3_omni::omni::Qwen3Omni;
+use crate::models::qwen3_omni::omni::{Parts, Qwen3Omni};
 use crate::models::qwen3_omni::weights::Progress;
 use crate::models::tokenizer::ChatTokenizer;
 use crate::models::whisper::WhisperAsr;
@@ -215,6 +215,44 @@ pub fn role_of(t: ModelType) -> StageRole {
 pub struct ModelCache {
     voices: HashMap<PathBuf, Arc<PiperVoice>>,
     omni: HashMap<(PathBuf, String), Arc<Qwen3Omni>>,
+    /// The Qwen3-Omni parts to build per checkpoint and device (all, unplanned).
+    plan: HashMap<(PathBuf, String), Parts>,
+}
+
+impl ModelCache {
+    /// A cache for the stage replicas `(stage index, replica)` this process
+    /// builds: each Qwen3-Omni checkpoint is loaded once per device with only
+    /// the parts those stages use (a Talker + Code2Wav process reads no Thinker).
+    pub fn for_stages(profile: &Profile, stages: impl IntoIterator<Item = (usize, usize)>) -> Self {
+        let mut cache = Self::default();
+        for (i, r) in stages {
+            let Some(s) = profile.stages.get(i) else {
+                continue;
+            };
+            let Some(part) = omni_part(s.model.model_type) else {
+                continue;
+            };
+            let key = (profile.resolve(&s.model.path), s.device_of(r).to_string());
+            let e = cache.plan.entry(key).or_insert(Parts::NONE);
+            *e = e.union(part);
+        }
+        cache
+    }
+}
+
+/// The part of Qwen3-Omni a stage of this type runs.
+fn omni_part(t: ModelType) -> Option<Parts> {
+    let only = |f: fn(&mut Parts)| {
+        let mut p = Parts::NONE;
+        f(&mut p);
+        Some(p)
+    };
+    match t {
+        ModelType::Qwen3OmniThinker => only(|p| p.thinker = true),
+        ModelType::Qwen3OmniTalker => only(|p| p.talker = true),
+        ModelType::Qwen3OmniCode2wav => only(|p| p.code2wav = true),
+        _ => None,
+    }
 }
 
 /// Starts the pipeline of `profile`: its local stages' replicas loaded here,
@@ -225,7 +263,13 @@ pub fn build_pipeline_placed(
     progress: Option<Progress>,
     mut remote: HashMap<usize, (Arc<dyn StageInput>, StageMeta)>,
 ) -> Result<Pipeline, EngineError> {
-    let mut cache = ModelCache::default();
+    let local = profile
+        .stages
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.placement == Placement::Local)
+        .flat_map(|(i, s)| (0..s.replicas).map(move |r| (i, r)));
+    let mut cache = ModelCache::for_stages(profile, local);
     let mut defs = Vec::new();
     let mut metas = Vec::new();
     for (i, s) in profile.stages.iter().enumerate() {
@@ -380,7 +424,7 @@ pub fn build_stage(
             ))
         }
         ModelType::Qwen3OmniThinker => {
-            let model = load_omni(&mut cache.omni, &path, s, replica, progress)?;
+            let model = load_omni(cache, &path, s, replica, progress)?;
             let tok_dir = profile.resolve(s.model.tokenizer.as_ref().unwrap_or(&s.model.path));
             let tok = ChatTokenizer::from_hf_dir(&tok_dir).map_err(model_err)?;
             meta.hears = true;
@@ -398,7 +442,7 @@ pub fn build_stage(
             )
         }
         ModelType::Qwen3OmniTalker => {
-            let model = load_omni(&mut cache.omni, &path, s, replica, progress)?;
+            let model = load_omni(cache, &path, s, replica, progress)?;
             let names = Qwen3OmniTalker::voice_names(&model);
             let default = s
                 .voice
@@ -423,14 +467,17 @@ pub fn build_stage(
             )
         }
         ModelType::Qwen3OmniCode2wav => {
-            let model = load_omni(&mut cache.omni, &path, s, replica, progress)?;
+            let model = load_omni(cache, &path, s, replica, progress)?;
             meta.sample_rate = Some(QWEN3_OMNI_SAMPLE_RATE);
-            Box::new(Qwen3OmniCode2Wav::new(
-                model,
-                chunk_policy(profile, c),
-                s.max_num_seqs,
-                !s.enforce_eager,
-            ))
+            Box::new(
+                Qwen3OmniCode2Wav::new(
+                    model,
+                    chunk_policy(profile, c),
+                    s.max_num_seqs,
+                    !s.enforce_eager,
+                )
+                .map_err(model_err)?,
+            )
         }
     };
     Ok(BuiltStage {
@@ -469,18 +516,27 @@ pub fn stage_device(s: &StageSpec, replica: usize) -> Result<Device, EngineError
 }
 
 /// The Qwen3-Omni checkpoint at `path`, loaded once per device for all its
-/// stages and replicas there.
+/// stages and replicas there, with the parts the cache's plan names.
 fn load_omni(
-    cache: &mut HashMap<(PathBuf, String), Arc<Qwen3Omni>>,
+    cache: &mut ModelCache,
     path: &std::path::Path,
     s: &StageSpec,
     replica: usize,
     progress: Option<Progress>,
 ) -> Result<Arc<Qwen3Omni>, EngineError> {
     let key = (path.to_path_buf(), s.device_of(replica).to_string());
-    if let Some(m) = cache.get(&key) {
-        return Ok(m.clone());
+    let need = omni_part(s.model.model_type).unwrap_or(Parts::ALL);
+    if let Some(m) = cache.omni.get(&key) {
+        if m.parts().union(need) == m.parts() {
+            return Ok(m.clone());
+        }
     }
+    let parts = cache
+        .plan
+        .get(&key)
+        .copied()
+        .unwrap_or(Parts::ALL)
+        .union(need);
     let model_err = |source: ModelError| EngineError::Model {
         stage: s.name.clone(),
         source,
@@ -491,15 +547,15 @@ fn load_omni(
     };
     let device = stage_device(s, replica)?;
     let model = match s.model.weights {
-        WeightsSource::Checkpoint => Qwen3Omni::load(path, dtype, &device, progress),
+        WeightsSource::Checkpoint => Qwen3Omni::load_parts(path, dtype, &device, progress, parts),
         WeightsSource::Random => {
             crate::models::qwen3_omni::omni::Qwen3OmniConfig::from_file(&path.join("config.json"))
-                .and_then(|cfg| Qwen3Omni::random(&cfg, dtype, &device))
+                .and_then(|cfg| Qwen3Omni::random_parts(&cfg, dtype, &device, parts))
         }
     }
     .map_err(model_err)?;
     let model = Arc::new(model);
-    cache.insert(key, model.clone());
+    cache.omni.insert(key, model.clone());
     Ok(model)
 }
 
@@ -531,5 +587,42 @@ mod slot_tests {
         let v: Vec<f32> = all.flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(v, vec![1.0, 0.0, 3.0, 0.0]);
         assert!(leave_slot(&mut running, &[], 99).is_empty());
+    }
+}
+
+#[cfg(test)]
+mod cache_tests {
+    use super::*;
+
+    /// A stage process running the Talker and Code2Wav of a split profile loads
+    /// the checkpoint once, without its Thinker; the in-process pipeline loads
+    /// it whole.
+    #[test]
+    fn stage_processes_load_only_their_parts_once() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let split = Profile::load(&root.join("deploy/distributed/qwen3-omni-tiny.yaml")).unwrap();
+        let mut cache = ModelCache::for_stages(&split, [(1, 0), (2, 0)]);
+        for i in [1, 2] {
+            build_stage(&split, i, 0, &mut cache, None).unwrap();
+        }
+        assert_eq!(
+            cache.omni.len(),
+            1,
+            "one checkpoint, one device: loaded once"
+        );
+        let m = cache.omni.values().next().unwrap();
+        assert_eq!(
+            m.parts(),
+            Parts {
+                thinker: false,
+                ..Parts::ALL
+            }
+        );
+        let whole = Profile::load(&root.join("deploy/qwen3-omni-tiny.yaml")).unwrap();
+        let cache = ModelCache::for_stages(&whole, [(0, 0), (1, 0), (2, 0)]);
+        assert_eq!(
+            cache.plan.values().copied().collect::<Vec<_>>(),
+            [Parts::ALL]
+        );
     }
 }

@@ -55,11 +55,11 @@ impl Qwen3OmniCode2Wav {
         policy: ChunkPolicy,
         max_num_seqs: usize,
         cuda_graphs: bool,
-    ) -> Self {
-        let slots = model.code2wav().new_slots(max_num_seqs.max(1));
-        let graphs = (cuda_graphs && graphs::available(model.thinker().device()))
-            .then(Code2WavGraphs::default);
-        Self {
+    ) -> Result<Self> {
+        let slots = model.code2wav()?.new_slots(max_num_seqs.max(1));
+        let graphs =
+            (cuda_graphs && graphs::available(model.device())).then(Code2WavGraphs::default);
+        Ok(Self {
             graphs,
             model,
             policy,
@@ -67,7 +67,7 @@ impl Qwen3OmniCode2Wav {
             reqs: Requests::default(),
             owners: vec![None; slots.capacity()],
             slots,
-        }
+        })
     }
 
     /// A free slot, reset for a new stream (more slots when all are taken).
@@ -166,7 +166,8 @@ impl Qwen3OmniCode2Wav {
             // One copy to the host for the whole group.
             let decoded = Tensor::stack(&codes, 0)
                 .and_then(|codes| {
-                    let c2w = self.model.code2wav();
+                    let c2w = (self.model.code2wav())
+                        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                     match &mut self.graphs {
                         Some(g) => c2w.step_slots_graphed(&mut self.slots, g, &slots, &codes),
                         None => c2w.step_slots(&mut self.slots, &slots, &codes),
@@ -241,7 +242,7 @@ impl StageModel for Qwen3OmniCode2Wav {
 
     fn step(&mut self, out: &mut StepOutput) {
         // Ahead of the Thinker's next step on a shared GPU (graphs::yield_to_urgent).
-        let dev = self.model.thinker().device();
+        let dev = self.model.device();
         let _urgent = graphs::UrgentSection::decoder_step(dev, self.graphs.is_some());
         let mut reqs = std::mem::take(&mut self.reqs);
         let policy = self.policy;
@@ -268,7 +269,10 @@ impl StageModel for Qwen3OmniCode2Wav {
         };
         let t = std::time::Instant::now();
         let (first, chunk) = (self.policy.initial_frames, self.policy.chunk_frames);
-        let c2w = self.model.code2wav();
+        // The constructor checked the part is there.
+        let Ok(c2w) = self.model.code2wav() else {
+            return;
+        };
         match c2w.warm_up_graphs(&mut self.slots, g, self.max_num_seqs, first, chunk) {
             Ok(n) => tracing::info!("Code2Wav: {n} graphs captured in {:?}", t.elapsed()),
             // Buckets not captured are captured at their first step, or run eagerly.

@@ -151,13 +151,13 @@ impl Qwen3OmniTalker {
             .min(model.config().talker.text_config.max_position_embeddings)
             .max(2);
         // The Talker shares the Thinker's device (one checkpoint, one device).
-        let graphs = (cuda_graphs && graphs::available(model.thinker().device()))
+        let graphs = (cuda_graphs && graphs::available(model.device()))
             .then(|| TalkerGraphs::new(max_num_seqs));
         let scratch = match graphs {
             Some(_) => TalkerGraphs::scratch_slots(max_num_seqs),
             None => 0,
         };
-        let slots = model.talker().new_slots(max_num_seqs + scratch, max_len)?;
+        let slots = model.talker()?.new_slots(max_num_seqs + scratch, max_len)?;
         Ok(Self {
             defaults,
             cp_defaults,
@@ -221,7 +221,7 @@ impl Qwen3OmniTalker {
         if let (Some(p), true) = (&projected, fed.len() == b) {
             return Ok(p.unsqueeze(1)?);
         }
-        let tts = self.model.tts();
+        let tts = self.model.tts()?;
         let mut next = 0;
         let mut rows = Vec::with_capacity(b);
         for t in &texts {
@@ -240,7 +240,7 @@ impl Qwen3OmniTalker {
     /// Prefills `batch` in one left-padded forward, each request into the next free
     /// KV slot (the caller checked there are enough).
     fn prefill(&mut self, batch: &mut [(RequestId, Req)]) -> Result<()> {
-        let talker = self.model.talker();
+        let talker = self.model.talker()?;
         let mut inputs = Vec::with_capacity(batch.len());
         for (_, r) in batch.iter() {
             let (Some(prompt), Some(first)) = (&r.prompt, r.fed.first()) else {
@@ -373,7 +373,7 @@ impl Qwen3OmniTalker {
         };
         let result =
             self.model
-                .talker()
+                .talker()?
                 .step_slots(slots, &rows, &code0, &text, &mut samplers, graphs);
         for (id, sampler) in ids.iter().zip(samplers) {
             if let Some(r) = reqs.get_mut(id) {
@@ -488,7 +488,7 @@ impl StageModel for Qwen3OmniTalker {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
-        let dev = self.model.thinker().device().clone();
+        let dev = self.model.device().clone();
         for id in self.lost.drain(..) {
             out.failed
                 .push((id, ModelError::Invalid("its KV slot was lost".into())));
@@ -572,12 +572,12 @@ impl StageModel for Qwen3OmniTalker {
         let Some(g) = &mut self.graphs else {
             return;
         };
+        // The constructor checked the part is there.
+        let Ok(talker) = self.model.talker() else {
+            return;
+        };
         let t = std::time::Instant::now();
-        match self
-            .model
-            .talker()
-            .warm_up_graphs(g, &self.slots, self.max_num_seqs)
-        {
+        match talker.warm_up_graphs(g, &self.slots, self.max_num_seqs) {
             Ok(n) => tracing::info!("Talker: {n} decode graphs captured in {:?}", t.elapsed()),
             Err(e) => tracing::warn!("Talker: capturing decode graphs: {e}"),
         }
@@ -585,7 +585,7 @@ impl StageModel for Qwen3OmniTalker {
             return;
         }
         let t = std::time::Instant::now();
-        let cp = self.model.talker().code_predictor();
+        let cp = talker.code_predictor();
         match cp.warm_up_graphs(&mut g.predictor, self.max_num_seqs, &self.cp_defaults) {
             Ok(n) => tracing::info!(
                 "Talker: {n} code predictor graphs captured in {:?}",

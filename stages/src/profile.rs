@@ -303,8 +303,14 @@ fn default_capacity() -> usize {
 pub struct ServerSpec {
     #[serde(default)]
     pub api_keys: Vec<String>,
+    /// Browser origins (`scheme://host:port`) allowed besides the server's own;
+    /// `*` allows any.
     #[serde(default)]
     pub allowed_origins: Vec<String>,
+    /// Host names clients may reach the server by, besides `localhost` and IP
+    /// addresses (DNS rebinding always comes with a name); `*` allows any.
+    #[serde(default)]
+    pub allowed_hosts: Vec<String>,
     #[serde(default)]
     pub webrtc: WebRtcSpec,
     /// Voice activity detection for `server_vad` turn detection; without it

@@ -112,6 +112,11 @@ fn bad_requests_keys_and_body_limit_are_openai_errors() {
     let e = post(chat, hello, &[]).assert_error(401, "no key");
     assert_eq!(e["code"], "invalid_api_key");
     post(chat, hello, &["Authorization: Bearer wrong"]).assert_error(401, "wrong key");
+    post(chat, hello, &["Authorization: Bearer secre"]).assert_error(401, "a prefix of the key");
+    post(chat, hello, &["Authorization: Basic secret"]).assert_error(401, "another scheme");
+    // The scheme is case-insensitive (RFC 9110).
+    let r = post(chat, hello, &["Authorization: bearer secret"]);
+    assert_eq!(r.status, 200, "lower-case scheme: {}", r.body);
     post(speech, r#"{"input":"Hi"}"#, &[]).assert_error(401, "speech without key");
     let r = curl(&format!("{}/metrics", server.url), None, &[]);
     assert_eq!(r.status, 401, "metrics need the key too");
@@ -288,5 +293,142 @@ fn over_capacity_is_503_and_a_client_that_leaves_is_cancelled() {
         "{}",
         r.headers
     );
+    assert_healthy(&mut server);
+}
+
+/// One raw HTTP/1.1 exchange (`Connection: close`): status and body.
+fn raw(server: &Server, head: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(s, "{head}Connection: close\r\n\r\n{body}").unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {out:?}"));
+    let body = out
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    (status, body)
+}
+
+/// The OpenAI error body's `error` object, with its code checked.
+fn error_code(body: &str, code: &str) -> serde_json::Value {
+    // A chunked body: the JSON sits between the chunk sizes.
+    let start = body.find('{').unwrap_or(0);
+    let end = body.rfind('}').map_or(body.len(), |e| e + 1);
+    let v: serde_json::Value = serde_json::from_str(&body[start..end])
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"));
+    assert_eq!(v["error"]["code"], code, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{v}"
+    );
+    v["error"].clone()
+}
+
+/// What a hostile page or a careless client sends is refused before the
+/// pipeline, with the right status and a JSON error; the server serves on.
+#[test]
+fn hostile_and_careless_requests_get_the_right_errors() {
+    let mut server = spawn_server(&[]);
+    let port = server.port;
+    let hello = r#"{"model":"m","messages":[{"role":"user","content":"Say hi."}],"max_tokens":4}"#;
+    let post_chat = |extra: &str, ctype: &str, body: &str| {
+        raw(
+            &server,
+            &format!(
+                "POST /v1/chat/completions HTTP/1.1\r\n{extra}Content-Type: {ctype}\r\nContent-Length: {}\r\n",
+                body.len()
+            ),
+            body,
+        )
+    };
+    let own = format!("Host: 127.0.0.1:{port}\r\n");
+
+    // DNS rebinding: a page's own name resolved to this server. Host and
+    // Origin agree with each other, but the name is not this server's.
+    let evil = format!("Host: evil.example:{port}\r\nOrigin: http://evil.example:{port}\r\n");
+    let (s, b) = post_chat(&evil, "application/json", hello);
+    assert_eq!(s, 403, "{b}");
+    error_code(&b, "host_not_allowed");
+    let upgrade = "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n";
+    let (s, b) = raw(
+        &server,
+        &format!("GET /v1/realtime HTTP/1.1\r\n{evil}{upgrade}"),
+        "",
+    );
+    assert_eq!(s, 403, "rebinding WebSocket upgrade: {b}");
+    // Another site's page; this site's page over another scheme.
+    for origin in [
+        "http://evil.example",
+        &format!("https://127.0.0.1:{port}"),
+        "null",
+    ] {
+        let (s, b) = post_chat(
+            &format!("{own}Origin: {origin}\r\n"),
+            "application/json",
+            hello,
+        );
+        assert_eq!(s, 403, "{origin}: {b}");
+        error_code(&b, "origin_not_allowed");
+    }
+    // A simple cross-origin request's content type, even without an Origin.
+    let (s, b) = post_chat(&own, "text/plain;charset=UTF-8", hello);
+    assert_eq!(s, 415, "{b}");
+    error_code(&b, "unsupported_media_type");
+    // This server's own page, by IP and by localhost, is served.
+    let (s, b) = post_chat(
+        &format!("{own}Origin: http://127.0.0.1:{port}\r\n"),
+        "application/json",
+        hello,
+    );
+    assert_eq!(s, 200, "{b}");
+    let local = format!("Host: localhost:{port}\r\nOrigin: http://localhost:{port}\r\n");
+    let (s, b) = post_chat(&local, "application/json", hello);
+    assert_eq!(s, 200, "{b}");
+
+    // A prompt over the Thinker's context: the client's fault, as OpenAI says it.
+    let long = serde_json::json!({
+        "messages": [{"role": "user", "content": "hello ".repeat(12000)}],
+        "max_tokens": 4,
+    })
+    .to_string();
+    let (s, b) = post_chat(&own, "application/json", &long);
+    assert_eq!(s, 400, "{b}");
+    let e = error_code(&b, "context_length_exceeded");
+    assert_eq!(e["param"], "messages", "{e}");
+    assert_eq!(e["type"], "invalid_request_error", "{e}");
+
+    // Transcription: an upload declared over 25 MB is refused from its header
+    // (nothing of it sent); a body that is not multipart gets the JSON shape.
+    let (s, b) = raw(
+        &server,
+        &format!(
+            "POST /v1/audio/transcriptions HTTP/1.1\r\n{own}Content-Type: multipart/form-data; boundary=x\r\nContent-Length: {}\r\n",
+            26 << 20
+        ),
+        "",
+    );
+    assert_eq!(s, 413, "{b}");
+    error_code(&b, "request_too_large");
+    let (s, b) = raw(
+        &server,
+        &format!(
+            "POST /v1/audio/transcriptions HTTP/1.1\r\n{own}Content-Type: application/json\r\nContent-Length: {}\r\n",
+            hello.len()
+        ),
+        hello,
+    );
+    assert_eq!(s, 400, "{b}");
+    error_code(&b, "invalid_content_type");
+
+    // None of it reached the pipeline; the server is well.
+    assert_eq!(metric(&server, "omnistream_requests_in_flight", &[]), 0.0);
     assert_healthy(&mut server);
 }

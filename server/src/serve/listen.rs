@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use axum::extract::{DefaultBodyLimit, Multipart, State};
+use axum::extract::multipart::MultipartError;
+use axum::extract::{DefaultBodyLimit, FromRequest, Multipart, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -151,17 +152,64 @@ fn api_error(e: ClientError) -> ApiError {
         code: e.code,
         message: e.message,
         retry_after: (status == StatusCode::SERVICE_UNAVAILABLE).then_some(1),
+        param: None,
     }
 }
 
 /// The OpenAI transcription API: multipart `file` (WAV or Ogg Opus, any
 /// rate), `model`, optional `response_format` (`json` or `text`) and
 /// `language` (`en`: the recognizer is English-only).
-async fn transcriptions(State(state): State<Arc<AppState>>, mut form: Multipart) -> Response {
-    match transcription(&state, &mut form).await {
+async fn transcriptions(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let reply = async {
+        // Refused from the header, before a byte of the body is read.
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > MAX_UPLOAD_BYTES as u64) {
+            return Err(upload_too_large());
+        }
+        let mut form = Multipart::from_request(req, &state)
+            .await
+            .map_err(|e| ApiError {
+                status: e.status(),
+                kind: "invalid_request_error",
+                code: "invalid_content_type",
+                message: format!(
+                    "{}: send multipart/form-data with a `file` field",
+                    e.body_text()
+                ),
+                retry_after: None,
+                param: None,
+            })?;
+        transcription(&state, &mut form).await
+    };
+    match reply.await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
+}
+
+/// 413 in the JSON error shape.
+fn upload_too_large() -> ApiError {
+    ApiError {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        kind: "invalid_request_error",
+        code: "request_too_large",
+        message: format!("the upload is larger than {} MB", MAX_UPLOAD_BYTES >> 20),
+        retry_after: None,
+        param: Some("file"),
+    }
+}
+
+/// A multipart error: 413 past the size limit (a body sent without its
+/// length), else 400.
+fn multipart_error(e: MultipartError, what: String) -> ApiError {
+    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        return upload_too_large();
+    }
+    ApiError::bad_request("invalid_request", format!("{what}: {}", e.body_text()))
 }
 
 async fn transcription(state: &AppState, form: &mut Multipart) -> Result<Response, ApiError> {
@@ -169,17 +217,16 @@ async fn transcription(state: &AppState, form: &mut Multipart) -> Result<Respons
     let mut file = None;
     let mut format = "json".to_string();
     let mut model = None;
-    while let Some(field) = form.next_field().await.map_err(|e| {
-        bad(
-            "invalid_request",
-            format!("the multipart body is malformed: {e}"),
-        )
-    })? {
+    while let Some(field) = form
+        .next_field()
+        .await
+        .map_err(|e| multipart_error(e, "the multipart body is malformed".into()))?
+    {
         let name = field.name().unwrap_or_default().to_string();
         let data = field
             .bytes()
             .await
-            .map_err(|e| bad("invalid_request", format!("reading field {name:?}: {e}")))?;
+            .map_err(|e| multipart_error(e, format!("reading field {name:?}")))?;
         let text = || String::from_utf8_lossy(&data).trim().to_string();
         match name.as_str() {
             "file" => file = Some(data),

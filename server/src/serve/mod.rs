@@ -105,6 +105,7 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
         model_name: profile.name.clone(),
         api_keys,
         allowed_origins: server.allowed_origins.clone(),
+        allowed_hosts: server.allowed_hosts.clone(),
         limits: opts.limits,
         vad,
     };
@@ -152,6 +153,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .merge(web::routes())
         .merge(api)
+        // Before everything else, the key check included: a page elsewhere,
+        // or one that rebinds its name to this server, is refused outright.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::same_site,
+        ))
         .with_state(state)
 }
 
@@ -191,10 +198,23 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
 pub fn failure_code(message: &str) -> &'static str {
     if message.starts_with("stage_unavailable") {
         "stage_unavailable"
+    } else if message.contains(CONTEXT_LENGTH_EXCEEDED) {
+        CONTEXT_LENGTH_EXCEEDED
     } else {
         "generation_failed"
     }
 }
+
+/// The error `type` of a failure code: the client's fault, or the server's.
+pub fn failure_kind(code: &str) -> &'static str {
+    match code {
+        CONTEXT_LENGTH_EXCEEDED => "invalid_request_error",
+        _ => "server_error",
+    }
+}
+
+/// A prompt over the Thinker's context: the client's fault (400), as OpenAI.
+const CONTEXT_LENGTH_EXCEEDED: &str = omnistream_stages::models::CONTEXT_LENGTH_EXCEEDED;
 
 /// An error in the OpenAI shape: `{"error": {"message", "type", "code"}}`.
 #[derive(Debug)]
@@ -205,6 +225,8 @@ pub struct ApiError {
     pub message: String,
     /// Seconds for `Retry-After` (503 when over capacity).
     pub retry_after: Option<u64>,
+    /// The request field at fault (OpenAI's `param`).
+    pub param: Option<&'static str>,
 }
 
 impl ApiError {
@@ -215,6 +237,7 @@ impl ApiError {
             code,
             message: message.into(),
             retry_after: None,
+            param: None,
         }
     }
     pub fn unauthorized() -> Self {
@@ -224,6 +247,7 @@ impl ApiError {
             code: "invalid_api_key",
             message: "missing or invalid API key".into(),
             retry_after: None,
+            param: None,
         }
     }
     pub fn overloaded(message: impl Into<String>) -> Self {
@@ -233,6 +257,7 @@ impl ApiError {
             code: "overloaded",
             message: message.into(),
             retry_after: Some(1),
+            param: None,
         }
     }
     /// A stage has no live replica, or lost the one serving this request.
@@ -243,14 +268,28 @@ impl ApiError {
             code: "stage_unavailable",
             message: message.into(),
             retry_after: Some(1),
+            param: None,
         }
     }
     /// A request that failed while generating.
     pub fn failed(message: String) -> Self {
-        if failure_code(&message) == "stage_unavailable" {
-            Self::stage_unavailable(message)
-        } else {
-            Self::internal(message)
+        match failure_code(&message) {
+            "stage_unavailable" => Self::stage_unavailable(message),
+            CONTEXT_LENGTH_EXCEEDED => Self {
+                param: Some("messages"),
+                ..Self::bad_request(CONTEXT_LENGTH_EXCEEDED, message)
+            },
+            _ => Self::internal(message),
+        }
+    }
+    pub fn forbidden(code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::FORBIDDEN,
+            kind: "invalid_request_error",
+            code,
+            message: message.into(),
+            retry_after: None,
+            param: None,
         }
     }
     pub fn not_found(message: impl Into<String>) -> Self {
@@ -260,6 +299,7 @@ impl ApiError {
             code: "not_found",
             message: message.into(),
             retry_after: None,
+            param: None,
         }
     }
     pub fn internal(message: impl Into<String>) -> Self {
@@ -269,10 +309,11 @@ impl ApiError {
             code: "internal_error",
             message: message.into(),
             retry_after: None,
+            param: None,
         }
     }
     pub fn body(&self) -> serde_json::Value {
-        serde_json::json!({"error": {"message": self.message, "type": self.kind, "code": self.code, "param": null}})
+        serde_json::json!({"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param}})
     }
 }
 

@@ -669,6 +669,24 @@ async fn read_json<T: DeserializeOwned>(req: Request) -> Result<T, ApiError> {
     if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
         return Err(too_large());
     }
+    // JSON or nothing said: a text/plain or form body is what a page elsewhere
+    // can send without asking first (a CORS "simple request").
+    let ctype = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .map(|v| v.to_str().unwrap_or("?").to_ascii_lowercase());
+    if let Some(t) = ctype {
+        let essence = t.split(';').next().unwrap_or("").trim();
+        if essence != "application/json" && !essence.ends_with("+json") {
+            return Err(ApiError {
+                status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                ..ApiError::bad_request(
+                    "unsupported_media_type",
+                    format!("Content-Type {essence:?}: send application/json"),
+                )
+            });
+        }
+    }
     let bytes = Bytes::from_request(req, &()).await.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
             too_large()
@@ -687,6 +705,7 @@ fn too_large() -> ApiError {
         code: "request_too_large",
         message: format!("request body is larger than {MAX_BODY_BYTES} bytes"),
         retry_after: None,
+        param: None,
     }
 }
 

@@ -1306,7 +1306,7 @@ impl Job {
             }
             End::Failed(e) => (
                 "failed",
-                json!({"type": "failed", "error": {"type": "server_error", "code": super::failure_code(e), "message": e}}),
+                json!({"type": "failed", "error": {"type": super::failure_kind(super::failure_code(e)), "code": super::failure_code(e), "message": e}}),
                 Value::Null,
             ),
         };
@@ -1356,7 +1356,6 @@ pub(super) mod conn {
 
     use axum::body::Bytes;
     use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
-    use axum::http::StatusCode;
     use base64::Engine as _;
     use futures_util::stream::SplitSink;
     use futures_util::{Sink, SinkExt};
@@ -1440,6 +1439,14 @@ pub(super) mod conn {
                 ..Self::invalid(code, message)
             }
         }
+        /// A request that failed: its code and type from the message.
+        pub fn failed(message: String) -> Self {
+            let code = super::super::failure_code(&message);
+            Self {
+                kind: super::super::failure_kind(code),
+                ..Self::invalid(code, message)
+            }
+        }
         pub fn slow_client() -> Self {
             Self::server(
                 "slow_client",
@@ -1471,13 +1478,10 @@ pub(super) mod conn {
     }
 
     fn forbidden_origin() -> ApiError {
-        ApiError {
-            status: StatusCode::FORBIDDEN,
-            kind: "invalid_request_error",
-            code: "origin_not_allowed",
-            message: "this Origin may not open WebSockets here (server.allowed_origins)".into(),
-            retry_after: None,
-        }
+        ApiError::forbidden(
+            "origin_not_allowed",
+            "this Origin may not open WebSockets here (server.allowed_origins)",
+        )
     }
 
     /// The shared WebSocket upgrade: Origin check, a session (or 503 over the

@@ -15,8 +15,10 @@ pub struct ServerConfig {
     pub model_name: String,
     /// Accepted API keys; empty = no key needed.
     pub api_keys: Vec<String>,
-    /// Origins allowed to open browser WebSockets; empty = same origin only.
+    /// Browser origins allowed besides the server's own; `*`: any.
     pub allowed_origins: Vec<String>,
+    /// Host names allowed besides `localhost` and IP addresses; `*`: any.
+    pub allowed_hosts: Vec<String>,
     pub limits: SessionLimits,
     /// Voice activity detection for `server_vad` turns; `None`: clients
     /// commit their turns themselves.

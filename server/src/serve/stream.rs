@@ -753,7 +753,7 @@ impl Job {
                 return;
             }
             End::Failed(e) => {
-                let e = ClientError::server(super::failure_code(&e), e);
+                let e = ClientError::failed(e);
                 if self.out.send(error_msg(&e)).await.is_err() {
                     return;
                 }

@@ -84,3 +84,29 @@ impl FrameChunk {
         self.len() == 0
     }
 }
+
+impl Payload {
+    /// The Thinker's states moved to `device` (other payloads as they are):
+    /// a stage process decodes on its NATS task and moves them on the worker's
+    /// thread, the one that then uses them, as in-process.
+    pub fn states_to(self, device: &candle_core::Device) -> candle_core::Result<Payload> {
+        let Payload::Text(mut t) = self else {
+            return Ok(self);
+        };
+        if let Some(s) = t.states.as_mut() {
+            if let Some(p) = s.prompt.as_mut() {
+                if !p.embeds.device().same_device(device) {
+                    *p = Arc::new(PromptStates {
+                        ids: p.ids.clone(),
+                        embeds: p.embeds.to_device(device)?,
+                        hidden: p.hidden.to_device(device)?,
+                    });
+                }
+            }
+            if let Some(e) = s.embeds.as_mut() {
+                *e = e.to_device(device)?;
+            }
+        }
+        Ok(Payload::Text(t))
+    }
+}

@@ -31,6 +31,13 @@ pub enum ModelError {
     Phonemizer(String),
     #[error("{0}")]
     Invalid(String),
+    /// The prompt leaves no room in the context (the client's fault: the server
+    /// answers 400 `context_length_exceeded`, as OpenAI does).
+    #[error("context_length_exceeded: the prompt is {prompt} tokens; this model's context is {context} tokens, prompt and answer together: shorten the messages")]
+    ContextLength { prompt: usize, context: usize },
 }
+
+/// The error code of [`ModelError::ContextLength`], found in failed requests' messages.
+pub const CONTEXT_LENGTH_EXCEEDED: &str = "context_length_exceeded";
 
 pub type Result<T> = std::result::Result<T, ModelError>;

@@ -233,10 +233,10 @@ impl StageModel for LlmThinker {
             return Err(ModelError::Invalid("empty prompt".into()));
         }
         if prompt.len() >= max_ctx {
-            return Err(ModelError::Invalid(format!(
-                "prompt is {} tokens; the model's context is {max_ctx}",
-                prompt.len()
-            )));
+            return Err(ModelError::ContextLength {
+                prompt: prompt.len(),
+                context: max_ctx,
+            });
         }
         ctx.set_prompt_tokens(prompt.len());
         let (cache, cached) = self.cached_prefix(&prompt)?;

@@ -517,12 +517,14 @@ impl StageModel for Qwen3OmniThinker {
             }
         };
         let prompt = self.prompt(messages, audio.as_deref())?;
-        if prompt.is_empty() || prompt.len() >= self.max_len {
-            return Err(ModelError::Invalid(format!(
-                "prompt is {} tokens; this stage's context is {}",
-                prompt.len(),
-                self.max_len
-            )));
+        if prompt.is_empty() {
+            return Err(ModelError::Invalid("empty prompt".into()));
+        }
+        if prompt.len() >= self.max_len {
+            return Err(ModelError::ContextLength {
+                prompt: prompt.len(),
+                context: self.max_len,
+            });
         }
         ctx.set_prompt_tokens(prompt.len());
         let o = &ctx.spec.sampling;

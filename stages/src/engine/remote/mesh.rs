@@ -89,7 +89,6 @@ struct HostedInfo {
     counters: Arc<StageCounters>,
     queue: flume::Receiver<(Envelope, Option<String>)>,
     meta: StageMeta,
-    device: Device,
 }
 
 /// Messages, bytes and summed latency of one direction of traffic.
@@ -391,7 +390,7 @@ impl Mesh {
             } => {
                 let mut reps = lock(&self.replicas);
                 let e = reps.entry(a.process).or_insert_with(|| {
-                    tracing::warn!(
+                    tracing::info!(
                         "stage {stage} replica {replica} ({:016x}) joined",
                         a.process
                     );
@@ -740,7 +739,6 @@ impl Mesh {
             counters: counters.clone(),
             queue: qrx.clone(),
             meta: stage.meta.clone(),
-            device: stage.device.clone(),
         });
         let mut sub = self.subscribe(self.subject("in", self.process)).await?;
         let weak = Arc::downgrade(self);
@@ -757,6 +755,7 @@ impl Mesh {
             rx: Box::new(NatsRx {
                 rx: qrx,
                 mesh: Arc::downgrade(self),
+                device: stage.device.clone(),
             }),
             tx: stage.next,
             counters,
@@ -802,10 +801,9 @@ impl Mesh {
             Ok((_, msg)) => msg,
             Err(e) => return refuse(Some(h), e),
         };
-        let device = match lock(&self.hosted).as_ref() {
-            Some(hosted) => hosted.device.clone(),
-            None => return,
-        };
+        if lock(&self.hosted).is_none() {
+            return;
+        }
         let payload = match msg {
             StageMsg::Start(start) => {
                 if lock(&self.cancelled).set.contains(&h.request) {
@@ -842,7 +840,8 @@ impl Mesh {
                 );
                 Payload::Start(ctx)
             }
-            other => match other.into_payload(&device) {
+            // Onto the device on the worker's thread (`NatsRx`), not this task's.
+            other => match other.into_payload(&Device::Cpu) {
                 Ok(p) => p,
                 Err(e) => return refuse(Some(h), e),
             },
@@ -883,7 +882,7 @@ pub struct HostedStage {
     pub replica: u32,
     pub model: Box<dyn StageModel>,
     pub meta: StageMeta,
-    /// Where its tensors are decoded to.
+    /// Where the Thinker's states go as the worker takes them.
     pub device: Device,
     /// Payloads held before the worker takes them (≥ the upstream's window
     /// times the upstream processes).
@@ -898,14 +897,40 @@ pub struct HostedStage {
 struct NatsRx {
     rx: flume::Receiver<(Envelope, Option<String>)>,
     mesh: Weak<Mesh>,
+    /// The replica's device: the Thinker's states go there as they are taken.
+    device: Device,
 }
 
 impl NatsRx {
-    fn taken(&self, item: (Envelope, Option<String>)) -> Envelope {
-        if let Some(m) = self.mesh.upgrade() {
-            m.ack(item.1);
+    fn taken(&self, (env, reply): (Envelope, Option<String>)) -> Envelope {
+        let mesh = self.mesh.upgrade();
+        if let Some(m) = &mesh {
+            m.ack(reply);
         }
-        item.0
+        let request = env.request;
+        match env.payload.states_to(&self.device) {
+            Ok(payload) => Envelope { request, payload },
+            Err(e) => {
+                // The request cannot go on here; the worker drops what follows.
+                if let Some(t) = mesh
+                    .as_ref()
+                    .and_then(|m| m.requests.get(&request).map(|t| t.ctx.clone()))
+                {
+                    t.fail(format!(
+                        "stage_unavailable: moving the Thinker's states to the device: {e}"
+                    ));
+                }
+                Envelope {
+                    request,
+                    payload: Payload::Text(crate::engine::payload::TextChunk {
+                        text: String::new(),
+                        token_ids: Vec::new(),
+                        finished: true,
+                        states: None,
+                    }),
+                }
+            }
+        }
     }
 }
 

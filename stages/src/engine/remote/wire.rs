@@ -329,8 +329,9 @@ impl StageMsg {
         })
     }
 
-    /// The payload, its tensors on `device`. `Start` is built by the caller,
-    /// which owns the request's outlet.
+    /// The payload, the Thinker's states on `device`, speech units on the host
+    /// (where the Talker makes them and Code2Wav checks them, as in-process).
+    /// `Start` is built by the caller, which owns the request's outlet.
     pub fn into_payload(self, device: &Device) -> Result<Payload, WireError> {
         Ok(match self {
             Self::Start(_) => {
@@ -361,7 +362,7 @@ impl StageMsg {
                 })
             }
             Self::Frames { frames, finished } => Payload::Frames(FrameChunk {
-                frames: frames.map(|f| f.to_tensor(device)).transpose()?,
+                frames: frames.map(|f| f.to_tensor(&Device::Cpu)).transpose()?,
                 finished,
             }),
         })

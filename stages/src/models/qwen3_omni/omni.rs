@@ -583,7 +583,10 @@ mod tests {
         };
         let m = Qwen3Omni::new_parts(&cfg, fixtures::weights(), audio_side).unwrap();
         assert_eq!(m.parts(), audio_side);
-        let e = m.thinker().err().expect("no Thinker was built").to_string();
+        let Err(e) = m.thinker() else {
+            panic!("no Thinker was built")
+        };
+        let e = e.to_string();
         assert!(e.contains("Thinker was not loaded"), "{e}");
         assert!(m.hear(&[0.0; 16_000]).is_err());
         for (a, b) in [

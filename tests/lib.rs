@@ -183,6 +183,16 @@ impl Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+    /// The process's resident memory (VmRSS), in bytes.
+    pub fn rss_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    }
     /// The process's output so far.
     pub fn output(&self) -> String {
         self.log.lock().map(|l| l.clone()).unwrap_or_default()

@@ -181,6 +181,9 @@ pub struct StageSpec {
     /// prefix (0 turns prefix caching off).
     #[serde(default)]
     pub prefix_cache_entries: Option<usize>,
+    /// `ar` stages: most MiB of KV the prefix cache keeps (default 256).
+    #[serde(default)]
+    pub prefix_cache_mib: Option<usize>,
     /// Qwen3-Omni `ar` stages: longest prompt + answer of one request, in positions
     /// (sizes its KV slot; default 4096, at most the model's own context).
     #[serde(default)]
@@ -552,6 +555,7 @@ impl Profile {
                 for (k, set) in [
                     ("max_prefill_tokens", s.max_prefill_tokens.is_some()),
                     ("prefix_cache_entries", s.prefix_cache_entries.is_some()),
+                    ("prefix_cache_mib", s.prefix_cache_mib.is_some()),
                     ("max_model_len", s.max_model_len.is_some()),
                 ] {
                     if set {

@@ -432,3 +432,77 @@ fn hostile_and_careless_requests_get_the_right_errors() {
     assert_eq!(metric(&server, "omnistream_requests_in_flight", &[]), 0.0);
     assert_healthy(&mut server);
 }
+
+/// The Thinker's prefix cache is bounded by bytes (`prefix_cache_mib`), not
+/// only by entries: distinct long prompts evict the oldest, `/metrics` shows
+/// what it holds, and the process's memory grows by less than the bound.
+#[test]
+fn the_prefix_cache_stays_within_its_byte_bound() {
+    const BOUND: f64 = 32.0 * 1048576.0;
+    // The default profile with a small bound, beside it (its paths are relative).
+    let root = omnistream_e2e::root();
+    let yaml = std::fs::read_to_string(root.join("deploy/tiny-cpu.yaml")).unwrap();
+    assert!(yaml.contains("prefix_cache_entries: 16"));
+    let profile = format!("deploy/.test-prefix-{}.yaml", std::process::id());
+    std::fs::write(
+        root.join(&profile),
+        yaml.replace(
+            "prefix_cache_entries: 16",
+            "prefix_cache_entries: 16\n    prefix_cache_mib: 32",
+        ),
+    )
+    .unwrap();
+    struct Remove(String);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let _remove = Remove(root.join(&profile).display().to_string());
+    let mut server = spawn_server(&["--profile", &profile]);
+    let chat = &format!("{}/v1/chat/completions", server.url);
+    let ask = |i: usize| {
+        // ~450 tokens, each prompt its own from the first word: ~21 MB of KV.
+        let content = format!("{i} {}", "the cat sat ".repeat(150));
+        let body = serde_json::json!({
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 1,
+        });
+        let r = post(chat, &body.to_string(), &[]);
+        assert_eq!(r.status, 200, "{}", r.body);
+    };
+    let held = |server: &Server| {
+        metric(
+            server,
+            "omnistream_stage",
+            &[("stage", "thinker"), ("metric", "cache_bytes")],
+        )
+    };
+    ask(0);
+    assert!(
+        eventually(10, || held(&server) > BOUND / 2.0),
+        "the first prompt's KV is not kept: {}",
+        held(&server)
+    );
+    let before = server.rss_bytes();
+    for i in 1..7 {
+        ask(i);
+        let h = held(&server);
+        assert!(h <= BOUND, "prompt {i}: the cache holds {h} bytes");
+    }
+    assert!(
+        eventually(10, || {
+            let h = held(&server);
+            h > BOUND / 2.0 && h <= BOUND
+        }),
+        "the cache holds {} bytes; bound {BOUND}",
+        held(&server)
+    );
+    // Six prompts' KV is ~140 MB; kept, as before the bound, it would show here.
+    let grown = server.rss_bytes().saturating_sub(before) as f64;
+    assert!(
+        grown < 2.0 * BOUND,
+        "RSS grew by {grown} bytes over 6 long prompts"
+    );
+    assert_healthy(&mut server);
+}

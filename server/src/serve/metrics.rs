@@ -162,6 +162,7 @@ impl Metrics {
             };
             set("active_requests", s.active as f64);
             set("queue_depth", s.queue_depth as f64);
+            set("cache_bytes", s.cache_bytes as f64);
             set("steps_total", s.steps as f64);
             set("step_seconds_total", s.step_seconds_total);
             set("batch_items_total", s.batch_items_total as f64);

@@ -73,6 +73,9 @@ pub struct StageStats {
     pub replica: String,
     /// Requests holding state in the stage now.
     pub active: usize,
+    /// Bytes kept for later requests (the Thinker's prefix cache).
+    #[serde(default)]
+    pub cache_bytes: usize,
     /// Payloads waiting on the stage's input connector.
     pub queue_depth: usize,
     pub steps: u64,
@@ -116,6 +119,7 @@ impl StageStats {
         };
         for r in replicas {
             t.active += r.active;
+            t.cache_bytes += r.cache_bytes;
             t.queue_depth += r.queue_depth;
             t.steps += r.steps;
             t.step_seconds_total += r.step_seconds_total;

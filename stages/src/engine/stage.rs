@@ -35,6 +35,10 @@ pub trait StageModel: Send {
     fn has_ready_work(&self) -> bool;
     /// Requests holding state in this stage.
     fn active(&self) -> usize;
+    /// Bytes held for later requests (a prefix cache's KV), not for any request now.
+    fn cache_bytes(&self) -> usize {
+        0
+    }
     /// Called once on the worker's thread before any request: set-up that must
     /// happen on the thread that steps (capturing CUDA graphs, whose replays and
     /// cached inputs belong to that thread).

@@ -29,6 +29,7 @@ pub(crate) struct StageCounters {
     pub cancelled: AtomicU64,
     pub failed: AtomicU64,
     pub alive: AtomicBool,
+    pub cache_bytes: AtomicUsize,
 }
 
 impl StageCounters {
@@ -37,6 +38,7 @@ impl StageCounters {
             name: name.to_string(),
             replica: replica.to_string(),
             active: self.active.load(Ordering::Relaxed),
+            cache_bytes: self.cache_bytes.load(Ordering::Relaxed),
             queue_depth: self.queue_depth.load(Ordering::Relaxed),
             steps: self.steps.load(Ordering::Relaxed),
             step_seconds_total: self.step_micros.load(Ordering::Relaxed) as f64 * 1e-6,
@@ -97,6 +99,9 @@ impl Worker {
             self.counters
                 .active
                 .store(requests.len(), Ordering::Relaxed);
+            self.counters
+                .cache_bytes
+                .store(self.model.cache_bytes(), Ordering::Relaxed);
 
             if self.model.has_ready_work() {
                 self.step(&mut requests);

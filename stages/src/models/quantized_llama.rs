@@ -161,6 +161,39 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
+    /// Bytes its buffers hold (allocated capacity, not only the valid positions).
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|l| (l.k.elem_count() + l.v.elem_count()) * l.k.dtype().size_in_bytes())
+            .sum()
+    }
+
+    /// A deep copy of the valid positions only (capacity = length): what a
+    /// prefix cache keeps, so its size is what it holds.
+    pub fn try_clone_compact(&self) -> Result<Self> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                Some(l) if self.len > 0 => Ok(Some(LayerCache {
+                    k: l.k.narrow(1, 0, self.len)?.contiguous()?.copy()?,
+                    v: l.v.narrow(1, 0, self.len)?.contiguous()?.copy()?,
+                })),
+                _ => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            len: self.len,
+            capacity: self.len,
+            n_kv_head: self.n_kv_head,
+            head_dim: self.head_dim,
+            max_seq_len: self.max_seq_len,
+        })
+    }
+
     /// A deep copy (the copy and the original can then be extended independently).
     pub fn try_clone(&self) -> Result<Self> {
         let layers = self

@@ -4,7 +4,8 @@
 //! (round-robin when more are waiting), each contributing a prompt chunk
 //! (prefill) or its last token (decode), and runs them as one ragged batch.
 //!
-//! Prefix caching: the KV of recent prompts is kept (LRU, `prefix_cache_entries`);
+//! Prefix caching: the KV of recent prompts is kept (LRU, at most
+//! `prefix_cache_entries` prompts and `prefix_cache_mib` of KV);
 //! a new prompt that shares a prefix with one of them (the system prompt, or
 //! the history of a conversation) starts from a copy and prefills only the rest.
 
@@ -57,6 +58,9 @@ pub struct LlmThinker {
     order: VecDeque<RequestId>,
     prefixes: Vec<PrefixEntry>,
     prefix_capacity: usize,
+    /// Most bytes of KV the prefix cache holds, and what it holds now.
+    prefix_max_bytes: usize,
+    prefix_bytes: usize,
     clock: u64,
 }
 
@@ -72,6 +76,7 @@ impl LlmThinker {
         max_num_seqs: usize,
         max_prefill_tokens: usize,
         prefix_cache_entries: usize,
+        prefix_cache_bytes: usize,
     ) -> Self {
         Self {
             model,
@@ -83,6 +88,8 @@ impl LlmThinker {
             order: VecDeque::new(),
             prefixes: Vec::new(),
             prefix_capacity: prefix_cache_entries,
+            prefix_max_bytes: prefix_cache_bytes,
+            prefix_bytes: 0,
             clock: 0,
         }
     }
@@ -111,15 +118,24 @@ impl LlmThinker {
         }
     }
 
-    /// Keeps the KV of a fully prefilled prompt for later prompts.
+    /// Keeps the KV of a fully prefilled prompt for later prompts, within the
+    /// cache's entry and byte bounds (least recently used entries go first; a
+    /// prompt larger than the whole bound is not kept).
     fn remember_prefix(&mut self, prompt: &[u32], cache: &KvCache) {
         if self.prefix_capacity == 0 || prompt.len() < MIN_PREFIX_TOKENS {
             return;
         }
         self.clock += 1;
         // An entry that is a prefix of this prompt is superseded by it.
-        self.prefixes
-            .retain(|e| common_prefix(&e.tokens, prompt) < e.tokens.len());
+        let mut freed = 0;
+        self.prefixes.retain(|e| {
+            let keep = common_prefix(&e.tokens, prompt) < e.tokens.len();
+            if !keep {
+                freed += e.cache.bytes();
+            }
+            keep
+        });
+        self.prefix_bytes -= freed;
         if self
             .prefixes
             .iter()
@@ -127,20 +143,28 @@ impl LlmThinker {
         {
             return; // already covered by a longer entry
         }
-        let Ok(cache) = cache.try_clone() else {
+        let Ok(cache) = cache.try_clone_compact() else {
             return;
         };
-        if self.prefixes.len() >= self.prefix_capacity {
-            if let Some(lru) = self
+        let bytes = cache.bytes();
+        if bytes > self.prefix_max_bytes {
+            return;
+        }
+        while self.prefixes.len() >= self.prefix_capacity
+            || self.prefix_bytes + bytes > self.prefix_max_bytes
+        {
+            let Some(lru) = self
                 .prefixes
                 .iter()
                 .enumerate()
                 .min_by_key(|(_, e)| e.last_used)
                 .map(|(i, _)| i)
-            {
-                self.prefixes.swap_remove(lru);
-            }
+            else {
+                break;
+            };
+            self.prefix_bytes -= self.prefixes.swap_remove(lru).cache.bytes();
         }
+        self.prefix_bytes += bytes;
         self.prefixes.push(PrefixEntry {
             tokens: prompt.to_vec(),
             cache,
@@ -366,5 +390,9 @@ impl StageModel for LlmThinker {
 
     fn active(&self) -> usize {
         self.seqs.len()
+    }
+
+    fn cache_bytes(&self) -> usize {
+        self.prefix_bytes
     }
 }

@@ -55,6 +55,8 @@ const DEFAULT_MAX_PREFILL: usize = 512;
 const DEFAULT_MAX_MODEL_LEN: usize = 4096;
 const DEFAULT_QWEN3_PREFILL: usize = 8192;
 const DEFAULT_PREFIX_CACHE_ENTRIES: usize = 16;
+/// The prefix cache's KV bound: about 5,000 positions of SmolLM2-135M (46 kB each).
+const DEFAULT_PREFIX_CACHE_MIB: usize = 256;
 
 /// Up to `max` requests of `order` that are ready, in order; they move to the
 /// back of the line so that every request gets its turn.
@@ -379,6 +381,9 @@ pub fn build_stage(
                 s.max_prefill_tokens.unwrap_or(DEFAULT_MAX_PREFILL),
                 s.prefix_cache_entries
                     .unwrap_or(DEFAULT_PREFIX_CACHE_ENTRIES),
+                s.prefix_cache_mib
+                    .unwrap_or(DEFAULT_PREFIX_CACHE_MIB)
+                    .saturating_mul(1 << 20),
             ))
         }
         ModelType::PiperTalker => {

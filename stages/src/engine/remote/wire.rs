@@ -22,7 +22,7 @@ use crate::models::tokenizer::ChatMessage;
 
 /// Bumped on every change of a message's layout: peers of another version are
 /// refused, never misread.
-pub const WIRE_VERSION: u16 = 1;
+pub const WIRE_VERSION: u16 = 2; // 2: stage stats carry cache_bytes
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum WireError {

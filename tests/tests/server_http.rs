@@ -158,6 +158,11 @@ fn bad_requests_keys_and_body_limit_are_openai_errors() {
         ),
         (speech, r#"{"input":"Hi","voice":"joe","speed":9}"#, "speed"),
         (speech, r#"{"input":"","voice":"joe"}"#, "empty input"),
+        (
+            speech,
+            r#"{"input":"... -- !?","voice":"joe"}"#,
+            "punctuation only",
+        ),
         (speech, "[1,2", "speech malformed JSON"),
     ];
     for (url, body, what) in bad {

@@ -582,6 +582,17 @@ impl SpeechPlan {
         if r.input.trim().is_empty() {
             return Err(invalid("`input` must not be empty"));
         }
+        // The rule: speech needs a letter or a digit; punctuation and markup
+        // alone would be an empty recording.
+        if !r.input.chars().any(char::is_alphanumeric) {
+            return Err(ApiError {
+                param: Some("input"),
+                ..ApiError::bad_request(
+                    "nothing_to_say",
+                    "`input` has no letters or digits: there is nothing to say",
+                )
+            });
+        }
         let n = r.input.chars().count();
         if n > MAX_SPEECH_CHARS {
             return Err(invalid(format!(

@@ -152,7 +152,7 @@ impl Phonemizer {
     /// end of text / line), punctuation kept as piper keeps it. Text without
     /// anything speakable gives an empty vec.
     pub fn phonemize(&self, text: &str) -> Result<Vec<String>> {
-        let clauses = split_clauses(&normalize(text));
+        let clauses = split_clauses(&normalize(&unmark(text)));
         if clauses.is_empty() {
             return Ok(Vec::new());
         }
@@ -398,6 +398,95 @@ struct Clause {
     /// The clause text including its terminating punctuation.
     text: String,
     term: Term,
+}
+
+/// Markdown and other markup as a listener hears it read out: emphasis, code
+/// marks, headings, list and quote markers, table pipes go; a link is its text;
+/// a bare URL its host (`https://www.example.com/a?b` -> `example.com`). Chat
+/// models write Markdown, and espeak would read "asterisk asterisk". Works on
+/// any span of a streamed answer (marks cut across spans are still dropped).
+pub fn unmark(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for (i, line) in text.split('\n').enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        let body = line.trim_start();
+        let indent = &line[..line.len() - body.len()];
+        // Block markers at the line's start: headings, quotes, bullets, fences.
+        let mut body = body.trim_start_matches('#').trim_start_matches('>');
+        for bullet in ["- ", "* ", "+ "] {
+            if let Some(rest) = body.strip_prefix(bullet) {
+                body = rest;
+                break;
+            }
+        }
+        out.push_str(indent);
+        unmark_inline(body.trim_start_matches(['#', '>']), &mut out);
+    }
+    out
+}
+
+fn unmark_inline(line: &str, out: &mut String) {
+    let chars: Vec<char> = line.chars().collect();
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        let prev = i.checked_sub(1).map(|j| chars[j]);
+        let next = chars.get(i + 1).copied();
+        match c {
+            '*' | '`' | '~' => {}
+            // snake_case reads as two words; _emphasis_ as the word.
+            '_' if prev.is_some_and(char::is_alphanumeric)
+                && next.is_some_and(char::is_alphanumeric) =>
+            {
+                out.push(' ')
+            }
+            '_' => {}
+            '|' => out.push(','),
+            // [text](url): the text.
+            '[' => {
+                if let Some(close) = chars[i..].iter().position(|&x| x == ']') {
+                    let end = i + close;
+                    if chars.get(end + 1) == Some(&'(') {
+                        if let Some(p) = chars[end..].iter().position(|&x| x == ')') {
+                            unmark_inline(&chars[i + 1..end].iter().collect::<String>(), out);
+                            i = end + p + 1;
+                            continue;
+                        }
+                    }
+                }
+                out.push(c);
+            }
+            'h' if prev.is_none_or(|p| !p.is_alphanumeric()) => {
+                let rest: String = chars[i..].iter().take(8).collect();
+                let scheme = ["https://", "http://"]
+                    .into_iter()
+                    .find(|s| rest.starts_with(s));
+                match scheme {
+                    Some(scheme) => {
+                        let start = i + scheme.len();
+                        let end = chars[start..]
+                            .iter()
+                            .position(|x| x.is_whitespace())
+                            .map_or(chars.len(), |n| start + n);
+                        let url: String = chars[start..end].iter().collect();
+                        let host = url.split(['/', '?', '#']).next().unwrap_or("");
+                        out.push_str(host.strip_prefix("www.").unwrap_or(host));
+                        // A sentence may end right after the URL.
+                        if url.ends_with(['.', ',', '!', '?']) && url.contains('/') {
+                            out.push(url.chars().last().unwrap_or('.'));
+                        }
+                        i = end;
+                        continue;
+                    }
+                    None => out.push(c),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
 }
 
 /// Cleans text for espeak: no control chars or zero-width (non-)joiners,
@@ -873,6 +962,40 @@ mod tests {
         let c = split_clauses(&normalize(". , Hi"));
         assert_eq!(c.len(), 1);
         assert_eq!(c[0].text, ". , Hi");
+    }
+
+    #[test]
+    fn markup_is_not_read_aloud() {
+        for (md, heard) in [
+            ("**2** items cost *100* G", "2 items cost 100 G"),
+            (
+                "## Steps\n- first\n* second\n1. third",
+                " Steps\nfirst\nsecond\n1. third",
+            ),
+            ("Run `cargo test` now.", "Run cargo test now."),
+            ("```rust\nfn main() {}\n```", "rust\nfn main() {}\n"),
+            (
+                "> quoted _word_ and snake_case",
+                " quoted word and snake case",
+            ),
+            ("See [the docs](https://x.org/a).", "See the docs."),
+            (
+                "Go to https://www.example.com/a?b=1 today",
+                "Go to example.com today",
+            ),
+            ("Read http://docs.rs/serde.", "Read docs.rs."),
+            ("| a | b |", ", a , b ,"),
+            ("~~old~~ new", "old new"),
+            // A mark cut across two spans of a stream.
+            ("**bo", "bo"),
+            ("ld** end", "ld end"),
+            (
+                "hyphen-ated words and the http header",
+                "hyphen-ated words and the http header",
+            ),
+        ] {
+            assert_eq!(unmark(md), heard, "{md:?}");
+        }
     }
 
     #[test]

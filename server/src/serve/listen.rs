@@ -162,12 +162,7 @@ fn api_error(e: ClientError) -> ApiError {
 async fn transcriptions(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let reply = async {
         // Refused from the header, before a byte of the body is read.
-        let declared = req
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        if declared.is_some_and(|n| n > MAX_UPLOAD_BYTES as u64) {
+        if super::declared_length(req.headers()).is_some_and(|n| n > MAX_UPLOAD_BYTES as u64) {
             return Err(upload_too_large());
         }
         let mut form = Multipart::from_request(req, &state)

@@ -205,6 +205,15 @@ pub fn failure_code(message: &str) -> &'static str {
     }
 }
 
+/// The body length a request declares (`Content-Length`), to refuse an
+/// oversized body before reading any of it.
+pub fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
 /// The error `type` of a failure code: the client's fault, or the server's.
 pub fn failure_kind(code: &str) -> &'static str {
     match code {

@@ -670,14 +670,9 @@ fn output_format(name: &str, allowed: &[&str], field: &str) -> Result<OutputForm
 
 /// Reads the body (413 past the limit) and parses it (400 with serde's reason).
 async fn read_json<T: DeserializeOwned>(req: Request) -> Result<T, ApiError> {
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
     // Refused before any of it is read (a client waiting on `Expect:
     // 100-continue` never sends it).
-    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+    if super::declared_length(req.headers()).is_some_and(|n| n > MAX_BODY_BYTES as u64) {
         return Err(too_large());
     }
     // JSON or nothing said: a text/plain or form body is what a page elsewhere

@@ -339,10 +339,18 @@ pub struct VadSpec {
     /// cancellation.
     #[serde(default)]
     pub echo_guard_ms: u32,
+    /// The Listener hears only the speech this model finds in its audio
+    /// (faster-whisper's `vad_filter`): silence and noise are not transcribed.
+    #[serde(default = "default_filter_transcriptions")]
+    pub filter_transcriptions: bool,
 }
 
 fn default_min_speech_ms() -> u32 {
     250
+}
+
+fn default_filter_transcriptions() -> bool {
+    true
 }
 
 /// WebRTC peers (`POST /v1/webrtc`): ICE servers for clients behind NAT and

@@ -20,6 +20,7 @@
 //! stream length: [`VadSegmenter::retained_samples`].
 
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -367,6 +368,140 @@ impl VadSegmenter {
     }
 }
 
+// ------------------------------------------------ speech regions (faster-whisper's vad_filter)
+
+/// faster-whisper's `vad_filter` (`VadOptions`, `max_speech_duration_s` infinite): which parts
+/// of a recording a recognizer is given. Defaults are faster-whisper 1.0's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpeechFilterConfig {
+    /// A window at or above this probability starts speech; speech ends on windows below
+    /// `threshold - 0.15` (faster-whisper's `neg_threshold`).
+    pub threshold: f32,
+    /// Speech regions this short or shorter are dropped (clicks, coughs).
+    pub min_speech_ms: u32,
+    /// Silence needed to end a region; shorter gaps stay inside it.
+    pub min_silence_ms: u32,
+    /// Audio kept on each side of a region (half the gap when two are closer than twice this).
+    pub speech_pad_ms: u32,
+}
+
+impl Default for SpeechFilterConfig {
+    fn default() -> Self {
+        Self {
+            threshold: 0.5,
+            min_speech_ms: 250,
+            min_silence_ms: 2000,
+            speech_pad_ms: 400,
+        }
+    }
+}
+
+/// Keeps only the speech of a recording (Silero VAD over the whole of it, from a fresh
+/// state), so a recognizer never sees long silence or noise, where it makes words up.
+#[derive(Debug, Clone)]
+pub struct SpeechFilter {
+    model: Arc<SileroVad>,
+    config: SpeechFilterConfig,
+}
+
+impl SpeechFilter {
+    pub fn new(model: Arc<SileroVad>, config: SpeechFilterConfig) -> Result<Self> {
+        if !(0.0..=1.0).contains(&config.threshold) {
+            return Err(ModelError::Invalid(format!(
+                "speech filter: threshold {} is not in 0..=1",
+                config.threshold
+            )));
+        }
+        Ok(Self { model, config })
+    }
+
+    pub fn config(&self) -> &SpeechFilterConfig {
+        &self.config
+    }
+
+    /// The padded speech regions of `audio` (16 kHz mono), as sample ranges in order and
+    /// apart: faster-whisper's `get_speech_timestamps`.
+    pub fn regions(&self, audio: &[f32]) -> Result<Vec<Range<usize>>> {
+        let cfg = &self.config;
+        let window = self.model.config().window;
+        let per_ms = (self.model.config().sample_rate / 1000) as usize;
+        let min_speech = cfg.min_speech_ms as usize * per_ms;
+        let min_silence = cfg.min_silence_ms as usize * per_ms;
+        let pad = cfg.speech_pad_ms as usize * per_ms;
+        let neg_threshold = cfg.threshold - 0.15;
+
+        let mut state = self.model.new_state();
+        let mut last = vec![0f32; window];
+        let mut speeches: Vec<Range<usize>> = Vec::new();
+        // (start of the region in progress, first sample of the silence that may end it)
+        let mut current: Option<usize> = None;
+        let mut silence_from: Option<usize> = None;
+        for (i, chunk) in audio.chunks(window).enumerate() {
+            // The last chunk is zero-padded to a whole window, as faster-whisper does.
+            let w = if chunk.len() == window {
+                chunk
+            } else {
+                last.fill(0.0);
+                last[..chunk.len()].copy_from_slice(chunk);
+                &last[..]
+            };
+            let p = self.model.step(&mut state, w)?;
+            let at = i * window;
+            if p >= cfg.threshold {
+                silence_from = None;
+            }
+            let Some(start) = current else {
+                if p >= cfg.threshold {
+                    current = Some(at);
+                }
+                continue;
+            };
+            if p < neg_threshold {
+                let from = *silence_from.get_or_insert(at);
+                if at - from >= min_silence {
+                    if from - start > min_speech {
+                        speeches.push(start..from);
+                    }
+                    current = None;
+                    silence_from = None;
+                }
+            }
+        }
+        if let Some(start) = current {
+            if audio.len() - start > min_speech {
+                speeches.push(start..audio.len());
+            }
+        }
+        // Padding: pad on each side, or half the gap where two regions are closer than 2 pads.
+        let n = speeches.len();
+        for i in 0..n {
+            if i == 0 {
+                speeches[0].start = speeches[0].start.saturating_sub(pad);
+            }
+            if i + 1 < n {
+                let gap = speeches[i + 1].start.saturating_sub(speeches[i].end);
+                let grow = if gap < 2 * pad { gap / 2 } else { pad };
+                speeches[i].end += grow;
+                speeches[i + 1].start = speeches[i + 1].start.saturating_sub(grow);
+            } else {
+                speeches[i].end = (speeches[i].end + pad).min(audio.len());
+            }
+        }
+        Ok(speeches)
+    }
+
+    /// The speech of `audio`, its regions joined (faster-whisper's `collect_chunks`); empty
+    /// when there is none.
+    pub fn speech(&self, audio: &[f32]) -> Result<Vec<f32>> {
+        let regions = self.regions(audio)?;
+        let mut out = Vec::with_capacity(regions.iter().map(|r| r.len()).sum());
+        for r in regions {
+            out.extend_from_slice(&audio[r]);
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Instant;
@@ -666,5 +801,104 @@ mod tests {
         seg.push(&[0.0; 100]).expect("push");
         assert!(seg.push(&[0.0, f32::NAN]).is_err());
         assert_eq!(seg.pending.len(), 100);
+    }
+
+    /// Reproducible white noise with an RMS of `dbfs` (xorshift, uniform).
+    fn white_noise(ms: usize, dbfs: f32, mut seed: u64) -> Vec<f32> {
+        let peak = 10f32.powf(dbfs / 20.0) * 3f32.sqrt();
+        (0..ms * 16)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                peak * ((seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+            })
+            .collect()
+    }
+
+    fn filter(file: &str) -> Option<SpeechFilter> {
+        let vad = model(file)?;
+        Some(SpeechFilter::new(vad, SpeechFilterConfig::default()).expect("filter"))
+    }
+
+    #[test]
+    fn speech_filter_finds_nothing_in_silence_and_noise() {
+        for file in [ONNX_FILE, SAFETENSORS_FILE] {
+            let Some(f) = filter(file) else { return };
+            for (name, audio) in [
+                ("digital silence", silence(60_000)),
+                ("-60 dBFS noise", white_noise(60_000, -60.0, 7)),
+                ("-20 dBFS noise (noise.wav)", read_wav("noise.wav")),
+            ] {
+                let t = Instant::now();
+                let r = f.regions(&audio).expect("regions");
+                assert!(r.is_empty(), "{file}: {name}: {r:?}");
+                assert!(f.speech(&audio).expect("speech").is_empty());
+                eprintln!("{file}: {name}: no speech ({:.2?})", t.elapsed());
+            }
+        }
+    }
+
+    #[test]
+    fn speech_filter_keeps_padded_speech() {
+        for file in [ONNX_FILE, SAFETENSORS_FILE] {
+            let Some(f) = filter(file) else { return };
+            // 1 s of silence, the clip (speech ~1.06..4.25 s), 3 s of silence: one region,
+            // 400 ms of padding on each side.
+            let clip = read_wav("speech.wav");
+            let mut audio = silence(1000);
+            audio.extend_from_slice(&clip);
+            audio.extend(silence(3000));
+            let r = f.regions(&audio).expect("regions");
+            eprintln!("{file}: padded speech: {r:?} of {}", audio.len());
+            assert_eq!(r.len(), 1, "{file}: {r:?}");
+            assert!((9_600..=11_200).contains(&r[0].start), "{file}: {r:?}");
+            assert!((72_000..=78_400).contains(&r[0].end), "{file}: {r:?}");
+            let speech = f.speech(&audio).expect("speech");
+            assert_eq!(speech, audio[r[0].clone()]);
+
+            // Silence shorter than min_silence_ms after speech stays in its region, to the end
+            // (not a whole number of windows) here.
+            let mut audio = clip.clone();
+            audio.extend(silence(1500));
+            let r = f.regions(&audio).expect("regions");
+            assert_eq!(r.len(), 1, "{file}: {r:?}");
+            assert_eq!((r[0].start, r[0].end), (0, audio.len()), "{file}");
+
+            // Two clips 5 s apart are two regions; 1 s apart (under min_silence_ms), one.
+            for (gap_ms, regions) in [(5_000, 2), (1_000, 1)] {
+                let mut two = clip.clone();
+                two.extend(silence(gap_ms));
+                two.extend_from_slice(&clip);
+                let r = f.regions(&two).expect("regions");
+                eprintln!("{file}: gap {gap_ms} ms: {r:?}");
+                assert_eq!(r.len(), regions, "{file}: gap {gap_ms} ms: {r:?}");
+                assert!(r.windows(2).all(|w| w[0].end <= w[1].start), "{r:?}");
+                assert_eq!(r.last().map(|r| r.end), Some(two.len()));
+            }
+        }
+    }
+
+    #[test]
+    fn speech_filter_refuses_bad_input() {
+        let Some(vad) = model(SAFETENSORS_FILE) else {
+            return;
+        };
+        for threshold in [1.5, -0.1, f32::NAN] {
+            let config = SpeechFilterConfig {
+                threshold,
+                ..SpeechFilterConfig::default()
+            };
+            assert!(matches!(
+                SpeechFilter::new(vad.clone(), config),
+                Err(ModelError::Invalid(_))
+            ));
+        }
+        let f = SpeechFilter::new(vad, SpeechFilterConfig::default()).expect("filter");
+        assert!(matches!(
+            f.regions(&[0.0, f32::INFINITY]),
+            Err(ModelError::Invalid(_))
+        ));
+        assert!(f.regions(&[]).expect("empty").is_empty());
     }
 }

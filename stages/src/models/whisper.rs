@@ -21,7 +21,14 @@
 //!   English-only model has no language / task tokens), `suppress_ids` masked at every step
 //!   and `suppress_ids_begin` at the first, at most 224 new tokens, stop at `<|endoftext|>`.
 //!   A window whose no-speech probability is above 0.6 while its mean log-probability is
-//!   below -1 is dropped (faster-whisper's defaults), so silence does not hallucinate text.
+//!   below -1 is dropped (faster-whisper's defaults).
+//! * Silence and noise: that rule alone lets tiny.en's hallucinations through, since they are
+//!   confident (measured: digital silence gives "you" at no-speech 0.95 but mean log-prob
+//!   -0.38; white noise at -60 dBFS gives " ." 224 times at -0.05). So a window whose
+//!   loudest 100 ms is below -60 dBFS RMS is not decoded at all, and a decode that ends in a
+//!   loop (a unit of <= 16 tokens repeated >= 4 times over >= 32 tokens) stops there, is cut to
+//!   one copy of the unit and does not count as confident. The Listener stage also removes
+//!   non-speech with Silero VAD first when the profile has one (`crate::vad::SpeechFilter`).
 //!
 //! Cost: candle-transformers' Whisper (used here before) spent 1.7 s per 30 s window in the
 //! encoder (candle's CPU gemm) and reran the whole prefix at every decoder step; the network in
@@ -48,8 +55,12 @@ pub struct WhisperConfig {
     /// Drop a window whose `<|nocaptions|>` probability at the start of the transcript is above
     /// this ... (None: never drop).
     pub no_speech_threshold: Option<f32>,
-    /// ... unless its mean token log-probability is above this.
+    /// ... unless its mean token log-probability is above this (and the decoder did not loop).
     pub logprob_threshold: Option<f32>,
+    /// Skip, without running the model, a window whose loudest 100 ms is quieter than this
+    /// (RMS, dBFS; None: decode every window). Whisper normalises its input's level, so it
+    /// makes words up on near-digital silence ("you") at high confidence.
+    pub silence_dbfs: Option<f32>,
 }
 
 impl Default for WhisperConfig {
@@ -58,9 +69,23 @@ impl Default for WhisperConfig {
             max_new_tokens: 224,
             no_speech_threshold: Some(0.6),
             logprob_threshold: Some(-1.0),
+            silence_dbfs: Some(-60.0),
         }
     }
 }
+
+/// The loop guard: decoding stops once the last tokens repeat a unit of at most
+/// `LOOP_MAX_PERIOD` tokens at least `LOOP_MIN_REPEATS` times over at least `LOOP_MIN_TOKENS`
+/// tokens. On noise tiny.en writes " ." until the token cap (224 of them, ~4x the time of a
+/// window of speech) with a mean log-probability near 0, which passes the no-speech rule.
+/// Speech hardly repeats itself back to back over 32 tokens (a word 32 times, an 8-token
+/// phrase 4 times).
+const LOOP_MAX_PERIOD: usize = 16;
+const LOOP_MIN_REPEATS: usize = 4;
+const LOOP_MIN_TOKENS: usize = 32;
+
+/// Samples over which the silence check measures the level (100 ms).
+const LEVEL_FRAME: usize = SAMPLE_RATE / 10;
 
 pub const SAMPLE_RATE: usize = cw::SAMPLE_RATE;
 pub const N_FFT: usize = cw::N_FFT;
@@ -78,6 +103,32 @@ pub struct Transcript {
     pub mel_s: f64,
     pub encoder_s: f64,
     pub decoder_s: f64,
+    /// Every 30 s window, in order: how loud it was, what the decoder made of it.
+    pub window_stats: Vec<WindowStats>,
+}
+
+/// One 30 s window of a transcription.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WindowStats {
+    /// RMS of its loudest 100 ms, in dBFS (-inf for digital silence).
+    pub loudest_dbfs: f32,
+    /// None: skipped as near-silent ([`WhisperConfig::silence_dbfs`]), never decoded.
+    pub decode: Option<DecodeStats>,
+    /// Whether its text went into the transcript.
+    pub kept: bool,
+}
+
+/// What the no-speech rule saw in one decoded window.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeStats {
+    /// Probability of `<|nospeech|>` right after `<|startoftranscript|>`.
+    pub no_speech_prob: f32,
+    /// Mean log-probability of the generated tokens (the end token included).
+    pub avg_logprob: f64,
+    /// Tokens generated (without `<|endoftext|>`).
+    pub tokens: usize,
+    /// Whether the loop guard stopped it (the loop is cut to one copy of its unit).
+    pub looped: bool,
 }
 
 /// Token ids the decoder needs (from `vocabulary.txt`, checked against `tokenizer.json`).
@@ -227,6 +278,21 @@ impl WhisperAsr {
         let mut text = String::new();
         while seek < content {
             let n = (content - seek).min(N_FRAMES);
+            // The window's own samples (frame f is centred on sample f * hop).
+            let samples = pcm_16k
+                .get(seek * HOP_LENGTH..((seek + n) * HOP_LENGTH).min(pcm_16k.len()))
+                .unwrap_or_default();
+            let loudest_dbfs = loudest_dbfs(samples);
+            out.windows += 1;
+            if self.config.silence_dbfs.is_some_and(|th| loudest_dbfs < th) {
+                out.window_stats.push(WindowStats {
+                    loudest_dbfs,
+                    decode: None,
+                    kept: false,
+                });
+                seek += n;
+                continue;
+            }
             let t = Instant::now();
             // Always the full 30 s: tiny.en given a shorter encoder context
             // (whisper.cpp's `audio_ctx`) loops and garbles (measured: 564%
@@ -235,10 +301,16 @@ impl WhisperAsr {
             let enc = self.net.encoder.forward(&window, N_FRAMES)?;
             out.encoder_s += t.elapsed().as_secs_f64();
             let t = Instant::now();
-            let tokens = self.decode_window(&enc)?;
+            let w = self.decode_window(&enc)?;
             out.decoder_s += t.elapsed().as_secs_f64();
-            out.windows += 1;
-            if let Some(tokens) = tokens {
+            let keep = !self.no_speech(&w.stats);
+            out.window_stats.push(WindowStats {
+                loudest_dbfs,
+                decode: Some(w.stats),
+                kept: keep,
+            });
+            if keep {
+                let tokens = w.tokens;
                 // As faster-whisper: text tokens only (timestamps and specials are >= eot).
                 let ids: Vec<u32> = tokens
                     .iter()
@@ -281,8 +353,8 @@ impl WhisperAsr {
         )?)
     }
 
-    /// Greedy decoding of one window; None when the window is judged to hold no speech.
-    fn decode_window(&self, enc: &[f32]) -> Result<Option<Vec<u32>>> {
+    /// Greedy decoding of one window, with what the no-speech rule reads.
+    fn decode_window(&self, enc: &[f32]) -> Result<WindowDecode> {
         let sp = self.special;
         let prompt = [sp.sot, sp.no_timestamps];
         let mut tokens = prompt.to_vec();
@@ -295,6 +367,7 @@ impl WhisperAsr {
             .min(ctx.saturating_sub(prompt.len()));
         let mut sum_logprob = 0f64;
         let mut no_speech_prob = 0f32;
+        let mut loop_cut = None;
         let dec = &self.net.decoder;
         let d = self.cfg.d_model;
         let mut state = dec.start(enc);
@@ -323,24 +396,80 @@ impl WhisperAsr {
                 break;
             }
             tokens.push(best as u32);
+            loop_cut = repetition_cut(&tokens[prompt.len()..]);
+            if loop_cut.is_some() {
+                break;
+            }
             if step + 1 < max_new {
                 h = dec.step(&mut state, &[best as u32])?;
             }
         }
-        let generated = tokens.split_off(prompt.len());
+        let mut generated = tokens.split_off(prompt.len());
         // faster-whisper: cumulative log-prob (the end token's included) / (length + 1).
         let avg_logprob = sum_logprob / (generated.len() + 1) as f64;
-        if let Some(th) = self.config.no_speech_threshold {
-            let confident = self
+        let stats = DecodeStats {
+            no_speech_prob,
+            avg_logprob,
+            tokens: generated.len(),
+            looped: loop_cut.is_some(),
+        };
+        if let Some(keep) = loop_cut {
+            generated.truncate(keep);
+        }
+        Ok(WindowDecode {
+            tokens: generated,
+            stats,
+        })
+    }
+
+    /// faster-whisper's rule: a window is dropped when its no-speech probability is above
+    /// the threshold, unless the decoder was confident in what it wrote.
+    fn no_speech(&self, w: &DecodeStats) -> bool {
+        let Some(th) = self.config.no_speech_threshold else {
+            return false;
+        };
+        // A loop's tokens are each likely given the last: its mean says nothing of confidence.
+        let confident = !w.looped
+            && self
                 .config
                 .logprob_threshold
-                .is_some_and(|lp| avg_logprob > lp as f64);
-            if no_speech_prob > th && !confident {
-                return Ok(None);
-            }
-        }
-        Ok(Some(generated))
+                .is_some_and(|lp| w.avg_logprob > lp as f64);
+        w.no_speech_prob > th && !confident
     }
+}
+
+/// One window's greedy decode.
+struct WindowDecode {
+    /// Without `<|endoftext|>`; a loop cut to one copy of its unit.
+    tokens: Vec<u32>,
+    stats: DecodeStats,
+}
+
+/// When `tokens` ends in a loop (see [`LOOP_MAX_PERIOD`]): how many to keep, everything before
+/// the loop and one copy of its unit.
+fn repetition_cut(tokens: &[u32]) -> Option<usize> {
+    let len = tokens.len();
+    for period in 1..=LOOP_MAX_PERIOD {
+        let span = (period * LOOP_MIN_REPEATS).max(LOOP_MIN_TOKENS);
+        if len < span || !(len - span + period..len).all(|i| tokens[i] == tokens[i - period]) {
+            continue;
+        }
+        let mut start = len - span;
+        while start > 0 && tokens[start - 1] == tokens[start - 1 + period] {
+            start -= 1;
+        }
+        return Some(start + period);
+    }
+    None
+}
+
+/// RMS of the loudest 100 ms of `samples`, in dBFS (-inf when all zero or empty).
+fn loudest_dbfs(samples: &[f32]) -> f32 {
+    let loudest = samples
+        .chunks(LEVEL_FRAME)
+        .map(|f| f.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>() / f.len() as f64)
+        .fold(0f64, f64::max);
+    (10.0 * loudest.log10()) as f32
 }
 
 fn argmax(v: &[f32]) -> (usize, f32) {
@@ -1284,6 +1413,104 @@ mod tests {
         let words = normalize(&t.text).join(" ");
         assert!(words.contains("traffic light"), "{words}");
         assert!(words.contains("finish the project"), "{words}");
+    }
+
+    /// Reproducible white noise with an RMS of `dbfs` (xorshift, uniform).
+    fn white_noise(seconds: usize, dbfs: f32, mut seed: u64) -> Vec<f32> {
+        let peak = 10f32.powf(dbfs / 20.0) * 3f32.sqrt();
+        (0..seconds * SAMPLE_RATE)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                peak * ((seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn silence_and_low_noise_transcribe_to_nothing() {
+        let Some(asr) = asr() else { return };
+        // Digital silence: every window (30 + 30 + 1 s) skipped before the encoder (tiny.en
+        // says "you" in each at no-speech 0.95, mean log-prob -0.38).
+        let t = asr
+            .transcribe_detailed(&vec![0.0; 61 * SAMPLE_RATE])
+            .expect("silence");
+        eprintln!("silence: {:?}", t.window_stats);
+        assert_eq!(t.text, "");
+        assert_eq!(t.windows, 3);
+        assert!(t.window_stats.iter().all(|w| w.decode.is_none()), "{t:?}");
+        // Low white noise, at and above the silence level: decoded, and dropped as no speech;
+        // at -60 dBFS tiny.en writes " ." until stopped, here by the loop guard at 32 tokens
+        // (without it, 224 tokens of " . . ." at mean log-prob -0.05: "confident").
+        for (dbfs, seconds) in [(-60.0, 60), (-50.0, 30)] {
+            let t = asr
+                .transcribe_detailed(&white_noise(seconds, dbfs, 7))
+                .expect("noise");
+            eprintln!("{dbfs} dBFS noise: {:?}", t.window_stats);
+            assert_eq!(t.text, "", "{dbfs} dBFS: {t:?}");
+            assert_eq!(t.windows, seconds / 30);
+            for w in &t.window_stats {
+                let d = w.decode.expect("decoded: louder than the silence level");
+                assert!(!w.kept && d.tokens <= LOOP_MIN_TOKENS, "{dbfs} dBFS: {w:?}");
+            }
+            if dbfs == -60.0 {
+                assert!(t
+                    .window_stats
+                    .iter()
+                    .all(|w| w.decode.is_some_and(|d| d.looped)));
+            }
+        }
+        // Speech is heard as before; the silent window after it adds nothing.
+        let mut pcm = read_wav_16k(&testdata("s04.wav")).expect("s04");
+        let alone = asr.transcribe(&pcm).expect("s04");
+        assert_eq!(alone, "Turn left at the next traffic light.");
+        pcm.resize(pcm.len() + 40 * SAMPLE_RATE, 0.0);
+        let t = asr.transcribe_detailed(&pcm).expect("s04 + silence");
+        assert_eq!(t.text, alone, "{:?}", t.window_stats);
+        assert_eq!(t.windows, 2);
+        assert!(t.window_stats[0].kept && t.window_stats[1].decode.is_none());
+    }
+
+    #[test]
+    fn the_loop_guard_cuts_repeats_only() {
+        let words: Vec<u32> = (100..110).collect();
+        // " ." 40 times after a sentence: cut to the sentence and one " .".
+        let mut t = words.clone();
+        t.extend([764; 40]);
+        assert_eq!(repetition_cut(&t[..41]), None);
+        assert_eq!(repetition_cut(&t[..42]), Some(11));
+        // A 3-token unit, 11 copies (33 tokens): a loop.
+        let mut t = words.clone();
+        for _ in 0..11 {
+            t.extend([7, 8, 9]);
+        }
+        assert_eq!(repetition_cut(&t), Some(13));
+        // A 16-token phrase said 3 times, a word said 31 times, a sentence: no loop.
+        let phrase: Vec<u32> = (200..216).collect();
+        assert_eq!(repetition_cut(&phrase.repeat(3)), None);
+        assert_eq!(repetition_cut(&phrase.repeat(4)), Some(16));
+        assert_eq!(repetition_cut(&[5; 31]), None);
+        assert_eq!(repetition_cut(&words), None);
+        assert_eq!(repetition_cut(&[]), None);
+    }
+
+    #[test]
+    fn loudness_is_the_loudest_100_ms() {
+        assert_eq!(loudest_dbfs(&[]), f32::NEG_INFINITY);
+        assert_eq!(loudest_dbfs(&[0.0; 48_000]), f32::NEG_INFINITY);
+        // Full-scale square wave: 0 dBFS; 1e-3 for 100 ms among zeros: -60 dBFS.
+        let square: Vec<f32> = (0..3200)
+            .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
+            .collect();
+        assert!(loudest_dbfs(&square).abs() < 1e-4);
+        let mut quiet = vec![0.0; 16_000];
+        quiet[8000..9600].fill(1e-3);
+        assert!(
+            (loudest_dbfs(&quiet) + 60.0).abs() < 1e-3,
+            "{}",
+            loudest_dbfs(&quiet)
+        );
     }
 
     fn assert_send_sync<T: Send + Sync>() {}

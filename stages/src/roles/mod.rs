@@ -34,12 +34,14 @@ use crate::models::quantized_llama::QuantizedLlama;
 use crate::models::qwen3_omni::layers::KvSlots;
 use crate::models::qwen3_omni::omni::{Parts, Qwen3Omni};
 use crate::models::qwen3_omni::weights::Progress;
+use crate::models::silero_vad::SileroVad;
 use crate::models::tokenizer::ChatTokenizer;
 use crate::models::whisper::WhisperAsr;
 use crate::models::ModelError;
 use crate::profile::{
     ConnectorSpec, DeviceSpec, Dtype, ModelType, Placement, Profile, StageSpec, WeightsSource,
 };
+use crate::vad::{SpeechFilter, SpeechFilterConfig};
 
 /// Name clients use for the Piper voice.
 pub const PIPER_VOICE_NAME: &str = "joe";
@@ -322,6 +324,22 @@ pub fn build_pipeline_placed(
     Ok(pipeline)
 }
 
+/// The Listener's speech filter: the profile's VAD (there for server_vad turns) also
+/// keeps silence and noise from the recognizer, on every path that transcribes. None
+/// without `server.vad`, or with its `filter_transcriptions: false`.
+fn speech_filter(profile: &Profile, device: &Device) -> Result<Option<SpeechFilter>, ModelError> {
+    let Some(v) = profile
+        .server
+        .as_ref()
+        .and_then(|sv| sv.vad.as_ref())
+        .filter(|v| v.filter_transcriptions)
+    else {
+        return Ok(None);
+    };
+    let vad = SileroVad::load(&profile.resolve(&v.model), device)?;
+    SpeechFilter::new(Arc::new(vad), SpeechFilterConfig::default()).map(Some)
+}
+
 /// Capacity of the connector into stage `i` (the profile's, or a default).
 pub fn input_capacity(profile: &Profile, i: usize) -> usize {
     i.checked_sub(1)
@@ -369,7 +387,8 @@ pub fn build_stage(
             // The model file names its folder: config and tokenizer sit beside it.
             let dir = path.parent().unwrap_or(std::path::Path::new("."));
             let asr = WhisperAsr::load(dir, &device).map_err(model_err)?;
-            Box::new(Listener::new(Arc::new(asr)))
+            let filter = speech_filter(profile, &device).map_err(model_err)?;
+            Box::new(Listener::new(Arc::new(asr), filter))
         }
         ModelType::GgufLlama => {
             let (llm, tok) = QuantizedLlama::load(&path, &device).map_err(model_err)?;
@@ -629,5 +648,44 @@ mod cache_tests {
             cache.plan.values().copied().collect::<Vec<_>>(),
             [Parts::ALL]
         );
+    }
+}
+
+#[cfg(test)]
+mod listener_tests {
+    use super::*;
+
+    /// The default profile's VAD filters the Listener's audio unless the profile says
+    /// `filter_transcriptions: false`; without `server.vad` there is no filter.
+    #[test]
+    fn the_listener_filters_with_the_profile_vad() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/tiny-cpu.yaml");
+        let yaml = std::fs::read_to_string(&path).unwrap();
+        let on = match Profile::parse(&yaml, &path) {
+            Ok(p) => p,
+            Err(e) => {
+                // Model files absent (no `omnistream fetch-models`): nothing to load.
+                assert!(e.to_string().contains("does not exist"), "{e}");
+                eprintln!("SKIP: {e}");
+                return;
+            }
+        };
+        let f = speech_filter(&on, &Device::Cpu).unwrap().expect("a filter");
+        assert_eq!(f.config(), &SpeechFilterConfig::default());
+
+        let off = yaml.replacen(
+            "\n  vad:\n",
+            "\n  vad:\n    filter_transcriptions: false\n",
+            1,
+        );
+        assert_ne!(off, yaml);
+        let off = Profile::parse(&off, &path).unwrap();
+        assert!(speech_filter(&off, &Device::Cpu).unwrap().is_none());
+
+        let mut none = on.clone();
+        if let Some(s) = none.server.as_mut() {
+            s.vad = None;
+        }
+        assert!(speech_filter(&none, &Device::Cpu).unwrap().is_none());
     }
 }

@@ -183,6 +183,29 @@ impl Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+    /// Sends `signal` (`TERM`, `INT`, ...) to the process.
+    pub fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .args(["-s", signal, &self.child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -s {signal} failed");
+    }
+    /// Waits up to `limit` for the process to exit; its status, or `None`.
+    pub fn wait_exit(&mut self, limit: std::time::Duration) -> Option<std::process::ExitStatus> {
+        let until = std::time::Instant::now() + limit;
+        while std::time::Instant::now() < until {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        None
+    }
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
     /// The process's resident memory (VmRSS), in bytes.
     pub fn rss_bytes(&self) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
@@ -219,6 +242,43 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A profile written beside the default one (its relative paths hold),
+/// edited by `edit`; removed on drop. `path` is relative to the repository.
+pub struct TempProfile {
+    pub path: String,
+}
+
+impl TempProfile {
+    pub fn new(name: &str, edit: impl FnOnce(String) -> String) -> Self {
+        let yaml = std::fs::read_to_string(root().join("deploy/tiny-cpu.yaml"))
+            .expect("deploy/tiny-cpu.yaml");
+        let path = format!("deploy/.test-{name}-{}.yaml", std::process::id());
+        std::fs::write(root().join(&path), edit(yaml)).expect("writing a test profile");
+        Self { path }
+    }
+
+    /// The default profile with `lines` (indented by 2) added to its `server:` section.
+    pub fn with_server(name: &str, lines: &str) -> Self {
+        Self::new(name, |yaml| add_server_lines(&yaml, lines))
+    }
+}
+
+/// `yaml` with `lines` (indented by 2) added to its `server:` section.
+pub fn add_server_lines(yaml: &str, lines: &str) -> String {
+    assert!(
+        yaml.contains("\nserver:\n"),
+        "the profile has a server section"
+    );
+    let indented: String = lines.lines().map(|l| format!("  {l}\n")).collect();
+    yaml.replacen("\nserver:\n", &format!("\nserver:\n{indented}"), 1)
+}
+
+impl Drop for TempProfile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(root().join(&self.path));
     }
 }
 

@@ -320,10 +320,75 @@ pub struct ServerSpec {
     /// clients commit their turns themselves.
     #[serde(default)]
     pub vad: Option<VadSpec>,
+    /// Timeouts and caps of the connection layer (before any request is read).
+    #[serde(default)]
+    pub connections: ConnectionSpec,
+    /// After SIGTERM or SIGINT, how long answers in flight may take to finish
+    /// (seconds) before they are cancelled and the process exits.
+    #[serde(default = "default_drain_s")]
+    pub drain_s: f64,
 }
 
-/// Silero VAD for turn detection, and the knobs that suit the audio path
-/// (clients set threshold, padding and silence per session).
+fn default_drain_s() -> f64 {
+    // Under Kubernetes' default 30 s grace period, with room to close.
+    25.0
+}
+
+/// The connection layer: what a client may hold open, and for how long,
+/// before it has sent a request (checked before the key: it is not read yet).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectionSpec {
+    /// Seconds a connection may take to send a request's headers, counted from
+    /// the moment it waits for one: a new connection, or a kept-alive one
+    /// between requests (so this is the idle keep-alive timeout too).
+    #[serde(default = "default_header_timeout_s")]
+    pub header_timeout_s: f64,
+    /// Request bodies: this many seconds of grace, after which a body must
+    /// keep arriving at `min_body_rate` bytes/s on average (or is cut, 408).
+    #[serde(default = "default_body_timeout_s")]
+    pub body_timeout_s: f64,
+    #[serde(default = "default_min_body_rate")]
+    pub min_body_rate: u64,
+    /// Open HTTP connections in total; 0 = half the open-file limit, at most
+    /// 4096. WebSockets count against the session caps instead, once upgraded.
+    #[serde(default)]
+    pub max: usize,
+    /// Open HTTP connections per client address; 0 = no cap (behind a load
+    /// balancer every client has its address).
+    #[serde(default = "default_max_per_client")]
+    pub max_per_client: usize,
+}
+
+impl Default for ConnectionSpec {
+    fn default() -> Self {
+        Self {
+            header_timeout_s: default_header_timeout_s(),
+            body_timeout_s: default_body_timeout_s(),
+            min_body_rate: default_min_body_rate(),
+            max: 0,
+            max_per_client: default_max_per_client(),
+        }
+    }
+}
+
+fn default_header_timeout_s() -> f64 {
+    10.0
+}
+fn default_body_timeout_s() -> f64 {
+    10.0
+}
+fn default_min_body_rate() -> u64 {
+    // 64 kbit/s: a phone on a poor link still uploads 25 MB in under an hour.
+    8 * 1024
+}
+fn default_max_per_client() -> usize {
+    256
+}
+
+/// Silero VAD for turn detection and for the Listener's speech filter, and
+/// the knobs that suit the audio path (clients set threshold, padding and
+/// silence per session).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VadSpec {
@@ -517,6 +582,30 @@ impl Profile {
                         "expected one or more stun:, stuns:, turn: or turns: URLs",
                     ));
                 }
+            }
+        }
+        if let Some(sv) = &self.server {
+            let c = &sv.connections;
+            for (k, v, max) in [
+                ("connections.header_timeout_s", c.header_timeout_s, 3600.0),
+                ("connections.body_timeout_s", c.body_timeout_s, 3600.0),
+                ("drain_s", sv.drain_s, 3600.0),
+            ] {
+                let zero_ok = k == "drain_s";
+                let ok = v.is_finite() && v <= max && (v > 0.0 || zero_ok && v == 0.0);
+                if !ok {
+                    let low = if zero_ok { "[0" } else { "(0" };
+                    return Err(self.invalid(
+                        format!("server.{k}"),
+                        format!("expected seconds in {low}, {max}], got {v}"),
+                    ));
+                }
+            }
+            if c.min_body_rate == 0 {
+                return Err(self.invalid(
+                    "server.connections.min_body_rate",
+                    "expected bytes per second > 0",
+                ));
             }
         }
         if let Some(v) = self.server.as_ref().and_then(|s| s.vad.as_ref()) {
@@ -965,6 +1054,44 @@ connectors:
         );
         assert_eq!(p.connector(1).unwrap().initial_codec_chunk_frames, Some(1));
         assert_eq!(p.connector_kind(0), Some(ConnectorKind::Text));
+    }
+
+    #[test]
+    fn connection_limits_and_the_drain_are_checked() {
+        let (_dir, path, yaml) = fixture();
+        let p = Profile::parse(&yaml, &path).unwrap();
+        let d = p.server.clone().unwrap_or_default();
+        assert_eq!(d.connections.header_timeout_s, 10.0);
+        assert_eq!(d.connections.max_per_client, 256);
+        let with = |server: &str| format!("{yaml}\nserver:\n{server}\n");
+        let p = Profile::parse(
+            &with(
+                "  drain_s: 0\n  connections: {header_timeout_s: 2, max: 100, max_per_client: 0}",
+            ),
+            &path,
+        )
+        .unwrap();
+        let s = p.server.unwrap();
+        assert_eq!((s.drain_s, s.connections.max), (0.0, 100));
+        for (bad, key) in [
+            ("  drain_s: -1", "server.drain_s"),
+            (
+                "  connections: {header_timeout_s: 0}",
+                "server.connections.header_timeout_s",
+            ),
+            (
+                "  connections: {body_timeout_s: .nan}",
+                "server.connections.body_timeout_s",
+            ),
+            (
+                "  connections: {min_body_rate: 0}",
+                "server.connections.min_body_rate",
+            ),
+            ("  connections: {max_conns: 3}", "max_conns"),
+        ] {
+            let e = err(&with(bad), &path);
+            assert!(e.contains(key), "{bad}: {e}");
+        }
     }
 
     #[test]

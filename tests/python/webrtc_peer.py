@@ -11,7 +11,10 @@ then, over the data channel, commits one second of microphone audio, asks
 events seen, the transcript, and the received audio's frame timing (largest gap
 between frames while the answer plays, whether RTP-derived timestamps only go
 up); writes the answer's audio to DIR/answer.wav. With --hangup-after-audio-ms
-it closes the peer connection that long after the first audio of the answer.
+it closes the peer connection that long after the first audio of the answer;
+with --wait-for-hangup it waits after the answer for the server to hang up
+(`hung_up_by_server`), printing `asked` when it asks (a test shuts the server
+down then).
 With --mic-wav FILE the microphone says FILE instead of humming: the session
 turns `server_vad` on and the spoken question is found, heard (its transcript
 in `mic_transcript`) and answered without a text prompt. With several files
@@ -220,6 +223,7 @@ async def run(args, out_dir):
         asked = time.monotonic()
         dc.send(json.dumps({"type": "response.create",
                             "response": {"max_output_tokens": args.max_tokens}}))
+        print("asked", flush=True)  # a test may act on it (a shutdown mid-answer)
     transcript = ""
     started_at = None
     while True:
@@ -279,10 +283,39 @@ async def run(args, out_dir):
         w.setframerate(rate or 8000)
         w.writeframes(pcm.astype("<i2").tobytes())
     result["wav"] = wav_path
+    if args.wait_for_hangup:
+        await wait_for_hangup(pc, dc, events, result)
     await pc.close()
     for task in audio_task:
         task.cancel()
     return result
+
+
+async def wait_for_hangup(pc, dc, events, result, timeout=60):
+    """The server shuts down: records its last events until it hangs up
+    (the events channel or the connection closes)."""
+    closed = asyncio.Event()
+
+    @pc.on("connectionstatechange")
+    def on_state():
+        if pc.connectionState in ("closed", "failed", "disconnected"):
+            closed.set()
+
+    dc.on("close", closed.set)
+    if dc.readyState == "closed":
+        closed.set()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            e = await asyncio.wait_for(events.get(), 0.2)
+        except asyncio.TimeoutError:
+            if closed.is_set():
+                break
+            continue
+        result["events"].append(e["type"])
+        if e["type"] == "error":
+            result["errors"].append(e["error"])
+    result["hung_up_by_server"] = closed.is_set()
 
 
 async def barge_in(args, pc, dc, mic, next_event, frames, audio_task, result):
@@ -395,6 +428,8 @@ def main():
                    help="say these WAVs into the microphone in turn; turns by server_vad")
     p.add_argument("--barge-in-wav",
                    help="a second into the answer to --prompt, say this WAV over it (server_vad on)")
+    p.add_argument("--wait-for-hangup", action="store_true",
+                   help="after the answer, record events until the server hangs up")
     p.add_argument("--cycles", type=int, help="only connect and hang up, this many times")
     p.add_argument("--concurrent", type=int, help="this many calls at once (a load test)")
     args = p.parse_args()

@@ -445,26 +445,15 @@ fn hostile_and_careless_requests_get_the_right_errors() {
 fn the_prefix_cache_stays_within_its_byte_bound() {
     const BOUND: f64 = 32.0 * 1048576.0;
     // The default profile with a small bound, beside it (its paths are relative).
-    let root = omnistream_e2e::root();
-    let yaml = std::fs::read_to_string(root.join("deploy/tiny-cpu.yaml")).unwrap();
-    assert!(yaml.contains("prefix_cache_entries: 16"));
-    let profile = format!("deploy/.test-prefix-{}.yaml", std::process::id());
-    std::fs::write(
-        root.join(&profile),
+    let profile = omnistream_e2e::TempProfile::new("prefix", |yaml| {
+        assert!(yaml.contains("prefix_cache_entries: 16"));
         yaml.replace(
             "prefix_cache_entries: 16",
             "prefix_cache_entries: 16\n    prefix_cache_mib: 32",
-        ),
-    )
-    .unwrap();
-    struct Remove(String);
-    impl Drop for Remove {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-    let _remove = Remove(root.join(&profile).display().to_string());
-    let mut server = spawn_server(&["--profile", &profile]);
+        )
+    });
+    let profile = &profile.path;
+    let mut server = spawn_server(&["--profile", profile]);
     let chat = &format!("{}/v1/chat/completions", server.url);
     let ask = |i: usize| {
         // ~450 tokens, each prompt its own from the first word: ~21 MB of KV.

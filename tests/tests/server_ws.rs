@@ -1027,3 +1027,67 @@ async fn churn_and_a_stalled_reader_leave_the_server_healthy() {
     drop(good);
     assert_idle(&server).await;
 }
+
+/// Protocol violations close with the codes RFC 6455 gives them, after an
+/// `error` that says why: text that is not UTF-8 (1007), a reserved opcode
+/// (1002), on both WebSocket endpoints; the server stays healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn protocol_violations_close_with_their_rfc_6455_codes() {
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::{CloseCode, Data, OpCode};
+    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+    let _serial = SERIAL.lock().await;
+    let server = spawn_server(&[]);
+    let cases = [
+        (
+            OpCode::Data(Data::Text),
+            &b"{\"type\": \"\xff\xfe\"}"[..],
+            "invalid_utf8",
+            CloseCode::Invalid,
+        ),
+        (
+            OpCode::Data(Data::Reserved(3)),
+            &b"{}"[..],
+            "protocol_error",
+            CloseCode::Protocol,
+        ),
+    ];
+    for path in ["/v1/realtime", "/v1/stream"] {
+        for (opcode, payload, code, close) in &cases {
+            let mut ws = connect(&server, path).await;
+            if path == "/v1/realtime" {
+                expect(&mut ws, "session.created").await;
+            }
+            ws.send(Message::Frame(Frame::message(
+                payload.to_vec(),
+                *opcode,
+                true,
+            )))
+            .await
+            .expect("send");
+            let mut error = None;
+            let mut closed = None;
+            while let Ok(Some(m)) = tokio::time::timeout(Duration::from_secs(10), ws.next()).await {
+                match m {
+                    Ok(Message::Text(t)) => {
+                        error = Some(serde_json::from_str::<Value>(&t).unwrap())
+                    }
+                    Ok(Message::Close(f)) => {
+                        closed = f.map(|f| f.code);
+                        break;
+                    }
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+            let e = error.unwrap_or_else(|| panic!("{path} {code}: no error event"));
+            let got = if e["error"].is_object() {
+                &e["error"]["code"]
+            } else {
+                &e["code"]
+            };
+            assert_eq!(got, code, "{path}: {e}");
+            assert_eq!(closed.as_ref(), Some(close), "{path} {code}");
+        }
+    }
+    assert_idle(&server).await;
+}

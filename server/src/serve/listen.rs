@@ -201,6 +201,9 @@ fn upload_too_large() -> ApiError {
 /// A multipart error: 413 past the size limit (a body sent without its
 /// length), else 400.
 fn multipart_error(e: MultipartError, what: String) -> ApiError {
+    if let Some(m) = super::connections::too_slow(&e) {
+        return ApiError::request_timeout(m);
+    }
     if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
         return upload_too_large();
     }

@@ -39,6 +39,10 @@ pub struct Metrics {
     pub webrtc_underrun_frames: IntCounter,
     /// Connections dropped because the client stopped reading.
     pub slow_clients: IntCounter,
+    /// HTTP connections open (before any upgrade).
+    pub http_connections: IntGauge,
+    /// HTTP connections the server closed or refused, by reason.
+    pub http_connections_closed: IntCounterVec,
     stage: GaugeVec,
     replica: GaugeVec,
 }
@@ -126,6 +130,20 @@ impl Metrics {
             "Connections dropped because the client stopped reading their output",
         )?;
         registry.register(Box::new(slow_clients.clone()))?;
+        let http_connections = IntGauge::new(
+            "http_connections_open",
+            "HTTP connections open (a WebSocket leaves this count once upgraded)",
+        )?;
+        registry.register(Box::new(http_connections.clone()))?;
+        let http_connections_closed = IntCounterVec::new(
+            Opts::new(
+                "http_connections_closed_total",
+                "HTTP connections the server closed or refused: header_timeout, \
+                 body_timeout, evicted (idle, to make room at the cap), refused (at the cap)",
+            ),
+            &["reason"],
+        )?;
+        registry.register(Box::new(http_connections_closed.clone()))?;
         Ok(Self {
             registry,
             sessions_open,
@@ -140,6 +158,8 @@ impl Metrics {
             bytes_out,
             webrtc_underrun_frames,
             slow_clients,
+            http_connections,
+            http_connections_closed,
             stage,
             replica,
         })

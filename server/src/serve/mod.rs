@@ -3,11 +3,13 @@
 
 mod audio;
 mod auth;
+mod connections;
 mod listen;
 mod metrics;
 mod openai;
 mod realtime;
 mod sessions;
+mod shutdown;
 mod state;
 mod stream;
 mod turns;
@@ -109,6 +111,8 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
         limits: opts.limits,
         vad,
     };
+    let limits =
+        connections::Limits::new(&server.connections, connections::raise_open_file_limit());
     let rtc = webrtc::WebRtc::new(&server.webrtc).context("setting up WebRTC")?;
     let state = AppState::new(pipeline, config, Some(rtc))?;
     let app = router(state.clone());
@@ -125,13 +129,70 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
         opts.profile.display()
     );
     let reaper = state.sessions.spawn_reaper(Duration::from_secs(5));
-    axum::serve(listener, app)
-        .with_graceful_shutdown(crate::distributed::wait_for_signal())
-        .await
-        .context("serving")?;
+    let drain = Duration::from_secs_f64(server.drain_s);
+    connections::serve(
+        listener,
+        app,
+        limits,
+        state.metrics.clone(),
+        shut_down_on_signal(state.clone(), drain),
+        CLOSE_LINGER,
+    )
+    .await;
     reaper.abort();
     drop(mesh);
+    println!("omnistream shut down");
     Ok(())
+}
+
+/// Time the connections get to finish after the drain, and the clients to
+/// read their last events.
+const CLOSE_LINGER: Duration = Duration::from_secs(5);
+
+/// Resolves once the server may stop accepting: after SIGTERM or SIGINT, it
+/// drains (new work refused, answers in flight finish) until nothing runs or
+/// `drain` passes (or a second signal comes), then closes what still runs and
+/// waits for the sessions to say goodbye.
+async fn shut_down_on_signal(state: Arc<AppState>, drain: Duration) {
+    crate::distributed::wait_for_signal().await;
+    // Lifecycle lines go to stdout beside the listening line (the log's
+    // default level is warn).
+    println!(
+        "omnistream shutting down: draining {} sessions and {} requests for up to {:.1} s",
+        state.sessions.count(),
+        state.sessions.in_flight(),
+        drain.as_secs_f64()
+    );
+    state.shutdown.enter(shutdown::Phase::Draining);
+    tokio::select! {
+        _ = state.idle() => {}
+        _ = tokio::time::sleep(drain) => {
+            println!("omnistream drain deadline: cancelling what still runs");
+        }
+        _ = crate::distributed::wait_for_signal() => {
+            println!("omnistream second signal: cancelling what still runs");
+        }
+    }
+    state.shutdown.enter(shutdown::Phase::Closing);
+    let _ = tokio::time::timeout(CLOSE_LINGER, state.idle()).await;
+}
+
+/// While draining, new work gets 503 `server_shutting_down` (and the
+/// connection is closed); `/health` and `/metrics` still answer.
+async fn refuse_when_draining(
+    State(state): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if state.shutdown.draining() && !matches!(req.uri().path(), "/health" | "/metrics") {
+        let mut r = ApiError::shutting_down().into_response();
+        r.headers_mut().insert(
+            header::CONNECTION,
+            header::HeaderValue::from_static("close"),
+        );
+        return r;
+    }
+    next.run(req).await
 }
 
 /// All routes. Public ones: `/`, `/health`; everything under `/v1` and
@@ -153,6 +214,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .merge(web::routes())
         .merge(api)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            refuse_when_draining,
+        ))
         // Before everything else, the key check included: a page elsewhere,
         // or one that rebinds its name to this server, is refused outright.
         .layer(axum::middleware::from_fn_with_state(
@@ -165,13 +230,19 @@ pub fn router(state: Arc<AppState>) -> Router {
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     let stats = state.pipeline.stats();
     let alive = stats.stages.iter().all(|s| s.alive);
+    let draining = state.shutdown.draining();
+    let status = match (draining, alive) {
+        (true, _) => "draining",
+        (false, true) => "ok",
+        (false, false) => "degraded",
+    };
     let body = serde_json::json!({
-        "status": if alive { "ok" } else { "degraded" },
+        "status": status,
         "sessions_open": state.sessions.count(),
         "requests_in_flight": state.sessions.in_flight(),
         "stages": stats.stages.iter().map(|s| serde_json::json!({"name": s.name, "alive": s.alive})).collect::<Vec<_>>(),
     });
-    let code = if alive {
+    let code = if alive && !draining {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
@@ -198,6 +269,8 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
 pub fn failure_code(message: &str) -> &'static str {
     if message.starts_with("stage_unavailable") {
         "stage_unavailable"
+    } else if message.starts_with(shutdown::CODE) {
+        shutdown::CODE
     } else if message.contains(CONTEXT_LENGTH_EXCEEDED) {
         CONTEXT_LENGTH_EXCEEDED
     } else {
@@ -280,10 +353,30 @@ impl ApiError {
             param: None,
         }
     }
+    /// A request body that came too slowly (the connection layer's pacing).
+    pub fn request_timeout(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::REQUEST_TIMEOUT,
+            code: "request_timeout",
+            ..Self::bad_request("", message)
+        }
+    }
+    /// New work while the server drains, or an answer its shutdown cut.
+    pub fn shutting_down() -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "server_error",
+            code: shutdown::CODE,
+            message: shutdown::MESSAGE[shutdown::CODE.len() + 2..].into(),
+            retry_after: Some(1),
+            param: None,
+        }
+    }
     /// A request that failed while generating.
     pub fn failed(message: String) -> Self {
         match failure_code(&message) {
             "stage_unavailable" => Self::stage_unavailable(message),
+            shutdown::CODE => Self::shutting_down(),
             CONTEXT_LENGTH_EXCEEDED => Self {
                 param: Some("messages"),
                 ..Self::bad_request(CONTEXT_LENGTH_EXCEEDED, message)

@@ -34,6 +34,7 @@ use omnistream_stages::models::tokenizer::ChatMessage;
 use super::audio::{AudioEncoder, OutputFormat};
 use super::metrics::{Metrics, TaskGuard};
 use super::sessions::InFlightGuard;
+use super::shutdown;
 use super::state::AppState;
 use super::ApiError;
 
@@ -118,10 +119,14 @@ async fn chat(
     let max_tokens = plan.spec.sampling.max_tokens;
     let slot = state.sessions.begin_request()?;
     let handle = submit(state, plan.spec).await?;
-    let first = first_event(&handle, false).await?;
+    let mut phase = state.shutdown.watch();
+    let first = first_event(&handle, false, &mut phase).await?;
     let meta = ChunkMeta::new(&state.config.model_name, plan.include_usage);
     if !plan.stream {
-        let r = collect_chat(&handle, first, audio, t, &meta, max_tokens, store).await?;
+        let r = collect_chat(
+            &handle, &mut phase, first, audio, t, &meta, max_tokens, store,
+        )
+        .await?;
         return Ok(Reply::Whole(r));
     }
     let sink = ChatSse {
@@ -134,7 +139,7 @@ async fn chat(
     };
     let state = state.clone();
     Ok(Reply::Stream(Box::new(move |t| {
-        let run = Running::new(&state, handle, slot, t);
+        let run = Running::new(&state, handle, slot, t, phase);
         sse_response(event_body(run, first, sink))
     })))
 }
@@ -146,10 +151,11 @@ async fn speak(state: &Arc<AppState>, req: Request) -> Result<Reply, ApiError> {
     let slot = state.sessions.begin_request()?;
     let handle = submit(state, plan.spec).await?;
     // The first audio (or a failure) before the status line is sent.
-    let first = first_event(&handle, true).await?;
+    let mut phase = state.shutdown.watch();
+    let first = first_event(&handle, true, &mut phase).await?;
     let state = state.clone();
     Ok(Reply::Stream(Box::new(move |t| {
-        let run = Running::new(&state, handle, slot, t);
+        let run = Running::new(&state, handle, slot, t, phase);
         if plan.sse {
             return sse_response(event_body(run, first, SpeechSse { enc }));
         }
@@ -166,8 +172,10 @@ async fn speak(state: &Arc<AppState>, req: Request) -> Result<Reply, ApiError> {
 }
 
 /// Non-streaming chat: the whole answer in one `chat.completion`.
+#[allow(clippy::too_many_arguments)]
 async fn collect_chat(
     handle: &RequestHandle,
+    phase: &mut shutdown::Watch,
     first: Event,
     audio: Option<(OutputFormat, u32)>,
     t: &mut Tracker,
@@ -181,7 +189,7 @@ async fn collect_chat(
     let usage = loop {
         let ev = match next.take() {
             Some(ev) => ev,
-            None => handle.next_event_async().await.unwrap_or_else(ended_early),
+            None => phase.next_event(handle).await.unwrap_or_else(ended_early),
         };
         match ev {
             Event::TextDelta(s) => text.push_str(&s),
@@ -694,7 +702,9 @@ async fn read_json<T: DeserializeOwned>(req: Request) -> Result<T, ApiError> {
         }
     }
     let bytes = Bytes::from_request(req, &()).await.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        if let Some(m) = super::connections::too_slow(&e) {
+            ApiError::request_timeout(m)
+        } else if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
             too_large()
         } else {
             ApiError::bad_request("invalid_body", e.body_text())
@@ -748,9 +758,13 @@ async fn submit(state: &Arc<AppState>, spec: RequestSpec) -> Result<RequestHandl
 
 /// The request's first event (for speech: the first past its own text); a
 /// failure here is still an HTTP error.
-async fn first_event(handle: &RequestHandle, skip_text: bool) -> Result<Event, ApiError> {
+async fn first_event(
+    handle: &RequestHandle,
+    skip_text: bool,
+    phase: &mut shutdown::Watch,
+) -> Result<Event, ApiError> {
     loop {
-        match handle.next_event_async().await.unwrap_or_else(ended_early) {
+        match phase.next_event(handle).await.unwrap_or_else(ended_early) {
             Event::TextDelta(_) if skip_text => continue,
             Event::Error(e) => return Err(ApiError::failed(e)),
             ev => return Ok(ev),
@@ -878,15 +892,24 @@ impl Drop for Tracker {
 struct Running {
     handle: RequestHandle,
     tracker: Tracker,
+    /// At the server's close the request is cut with a shutdown error.
+    phase: shutdown::Watch,
     _slot: InFlightGuard,
     _task: TaskGuard,
 }
 
 impl Running {
-    fn new(state: &AppState, handle: RequestHandle, slot: InFlightGuard, tracker: Tracker) -> Self {
+    fn new(
+        state: &AppState,
+        handle: RequestHandle,
+        slot: InFlightGuard,
+        tracker: Tracker,
+        phase: shutdown::Watch,
+    ) -> Self {
         Self {
             handle,
             tracker,
+            phase,
             _slot: slot,
             _task: TaskGuard::new(&state.metrics),
         }
@@ -930,12 +953,13 @@ fn event_body<S: Sink>(run: Running, first: Event, sink: S) -> Body {
         while !st.ended {
             let ev = match st.first.take() {
                 Some(ev) => ev,
-                None => st
-                    .run
-                    .handle
-                    .next_event_async()
-                    .await
-                    .unwrap_or_else(ended_early),
+                None => {
+                    let run = &mut st.run;
+                    run.phase
+                        .next_event(&run.handle)
+                        .await
+                        .unwrap_or_else(ended_early)
+                }
             };
             let step = match ev {
                 Event::Error(m) => {
@@ -981,8 +1005,12 @@ fn sse(v: &Value) -> Vec<u8> {
     format!("data: {v}\n\n").into_bytes()
 }
 
+/// A failure after the response started: the error, by its code (as before
+/// the status line), and `[DONE]`, so that a client's stream ends as usual.
 fn sse_error(message: &str) -> Vec<u8> {
-    sse(&ApiError::internal(message).body())
+    let mut out = sse(&ApiError::failed(message.to_string()).body());
+    out.extend_from_slice(b"data: [DONE]\n\n");
+    out
 }
 
 fn b64(bytes: &[u8]) -> String {

@@ -33,7 +33,7 @@ use super::sessions::{Session, SessionGuard};
 use super::state::AppState;
 use super::turns::{Playback, Turn, TurnDetector, TurnSettings};
 use super::webrtc::media::AudioOut;
-use conn::{Active, ClientError, End, Generation, Outbox, Step};
+use conn::{Active, ClientError, Drain, End, Generation, Outbox, Step};
 
 /// The only output (and input) audio format: pcm16, mono, 24 kHz.
 const RATE: u32 = 24_000;
@@ -146,10 +146,25 @@ pub async fn run_session<St>(
     rt.send_session("session.created").await;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut drain = Drain::new(&rt.state);
     loop {
         tokio::select! {
             biased;
             _ = out.closed() => break,
+            _ = drain.next() => {
+                // WebRTC: the answer is done when the track has played it.
+                let playing = rt.speaker.as_ref().is_some_and(|s| s.queued_samples() > 0);
+                let closing = drain.closing();
+                if drain.due(rt.active.as_ref()) && (!playing || closing) {
+                    if rt.speaker.is_some() && !closing {
+                        // `output_audio_buffer.stopped` is one frame behind.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    let bye = error_event(&ClientError::shutting_down(), None);
+                    out.finish(bye, close_code::AWAY, conn::GOODBYE).await;
+                    break;
+                }
+            }
             _ = tick.tick() => {
                 let busy = rt.active.as_ref().is_some_and(Active::running);
                 if !conn::keep_alive(&rt.state, &rt.session.id, busy) {
@@ -163,8 +178,8 @@ pub async fn run_session<St>(
             msg = stream.next() => match msg {
                 None | Some(Ok(Message::Close(_))) => break,
                 Some(Err(e)) => {
-                    if let Some(err) = conn::read_error(&e) {
-                        out.close(Some(error_event(&err, None)), close_code::SIZE);
+                    if let Some((err, code)) = conn::read_error(&e) {
+                        out.close(Some(error_event(&err, None)), code);
                     }
                     break;
                 }
@@ -1370,6 +1385,7 @@ pub(super) mod conn {
     use super::super::metrics::{Metrics, TaskGuard};
     use super::super::sessions::SessionGuard;
     use super::super::sessions::{InFlightGuard, Session};
+    use super::super::shutdown::{self, Phase};
     use super::super::state::AppState;
     use super::super::ApiError;
     use axum::http::HeaderMap;
@@ -1388,6 +1404,8 @@ pub(super) mod conn {
     const PING_EVERY_BYTES: u64 = 64 * 1024;
     /// How long the final error frame and the close may take to go out.
     const FINAL_WRITE: Duration = Duration::from_secs(5);
+    /// ...to a client dropped for not reading.
+    const SLOW_GOODBYE: Duration = Duration::from_secs(30);
     /// Time left to a client to read a server-initiated close before the socket goes.
     const LINGER: Duration = Duration::from_millis(500);
     /// Conversation history sent to the Thinker, newest first, in characters.
@@ -1453,6 +1471,9 @@ pub(super) mod conn {
                 "the client did not read its output in time; the connection is dropped",
             )
         }
+        pub fn shutting_down() -> Self {
+            ApiError::shutting_down().into()
+        }
         pub fn expired() -> Self {
             Self::invalid(
                 "session_expired",
@@ -1512,19 +1533,31 @@ pub(super) mod conn {
             .on_upgrade(move |socket| serve(state, socket, session))
     }
 
-    /// A read error worth telling the client about (an oversized frame), or
-    /// `None` when the connection is simply gone.
-    pub fn read_error(e: &axum::Error) -> Option<ClientError> {
+    /// A read error worth telling the client about, with the close code
+    /// RFC 6455 gives it (1009 too big, 1007 not UTF-8, 1002 a protocol
+    /// violation), or `None` when the connection is simply gone.
+    pub fn read_error(e: &axum::Error) -> Option<(ClientError, u16)> {
+        use axum::extract::ws::close_code;
         let s = e.to_string();
-        s.contains("Space limit exceeded").then(|| {
-            ClientError::invalid(
-                "message_too_large",
-                format!(
-                    "frames and messages are limited to {} bytes; closing",
-                    MAX_MESSAGE_BYTES
-                ),
-            )
-        })
+        if s.contains("Space limit exceeded") {
+            let m =
+                format!("frames and messages are limited to {MAX_MESSAGE_BYTES} bytes; closing");
+            Some((
+                ClientError::invalid("message_too_large", m),
+                close_code::SIZE,
+            ))
+        } else if s.contains("UTF-8 encoding error") {
+            let m = "a text frame is not valid UTF-8; closing";
+            Some((ClientError::invalid("invalid_utf8", m), close_code::INVALID))
+        } else if s.contains("WebSocket protocol error") {
+            let m = format!("{s}; closing");
+            Some((
+                ClientError::invalid("protocol_error", m),
+                close_code::PROTOCOL,
+            ))
+        } else {
+            None
+        }
     }
 
     /// Base64 pcm16 (little-endian) -> bytes, checked.
@@ -1598,6 +1631,46 @@ pub(super) mod conn {
             self.0.dec();
         }
     }
+
+    /// A session's view of the server's shutdown: wakes it when the server
+    /// starts draining, then every 50 ms to see whether it may end.
+    pub struct Drain {
+        phase: shutdown::Watch,
+        draining: bool,
+        tick: tokio::time::Interval,
+    }
+
+    impl Drain {
+        pub fn new(state: &AppState) -> Self {
+            Self {
+                phase: state.shutdown.watch(),
+                draining: false,
+                tick: tokio::time::interval(Duration::from_millis(50)),
+            }
+        }
+
+        pub async fn next(&mut self) {
+            if self.draining {
+                self.tick.tick().await;
+            } else {
+                self.phase.reached(Phase::Draining).await;
+                self.draining = true;
+            }
+        }
+
+        pub fn closing(&self) -> bool {
+            self.phase.now() >= Phase::Closing
+        }
+
+        /// Whether the session ends now: no answer is running (a running one
+        /// is cut by the server's close on its own, and then ends).
+        pub fn due(&self, active: Option<&Active>) -> bool {
+            !active.is_some_and(Active::running)
+        }
+    }
+
+    /// How long a session's last events may take to reach its client.
+    pub const GOODBYE: Duration = Duration::from_secs(2);
 
     /// The connection is closing (or closed).
     #[derive(Debug)]
@@ -1694,6 +1767,19 @@ pub(super) mod conn {
                 true
             });
             self.0.budget.close();
+        }
+
+        /// Ends the connection after everything queued, `last` included, is
+        /// written (or `within` passes): the graceful [`Self::close`].
+        pub async fn finish(&self, last: Message, code: u16, within: Duration) {
+            let _ = tokio::time::timeout(within, async {
+                if self.send(last).await.is_ok() {
+                    // Every permit back: the writer has written it all.
+                    let _ = self.0.budget.acquire_many(QUEUE_KIB).await;
+                }
+            })
+            .await;
+            self.close(None, code);
         }
 
         /// Whether the connection was dropped because the client did not read.
@@ -1871,6 +1957,13 @@ pub(super) mod conn {
             Stop::Closing => closing.borrow().clone(),
             Stop::Broken => None,
         };
+        // A slow client has a full socket before its `slow_client` error: it
+        // gets longer to come back and read it (this task is all it holds).
+        let within = if shared.slow.load(Ordering::Acquire) {
+            SLOW_GOODBYE
+        } else {
+            FINAL_WRITE
+        };
         // Whatever ended the writer ends the connection for everyone else too.
         let outbox = Outbox(shared);
         outbox.close(None, axum::extract::ws::close_code::NORMAL);
@@ -1879,7 +1972,7 @@ pub(super) mod conn {
             return;
         };
         let told = last.is_some();
-        let _ = tokio::time::timeout(FINAL_WRITE, async {
+        let _ = tokio::time::timeout(within, async {
             if let Some(m) = last {
                 sink.send(m).await?;
             }
@@ -1943,6 +2036,7 @@ pub(super) mod conn {
         out_bytes: u64,
         text: String,
         finished: bool,
+        phase: shutdown::Watch,
     }
 
     impl Generation {
@@ -1955,6 +2049,9 @@ pub(super) mod conn {
             format: Option<OutputFormat>,
             cancel: watch::Receiver<bool>,
         ) -> Result<Self, ClientError> {
+            if state.shutdown.draining() {
+                return Err(ClientError::shutting_down());
+            }
             let in_flight = state.sessions.begin_request().map_err(ClientError::from)?;
             let handle = state.pipeline.submit(spec).map_err(|e| match e {
                 omnistream_stages::engine::EngineError::BadRequest(m) => {
@@ -1970,6 +2067,7 @@ pub(super) mod conn {
                 _in_flight: in_flight,
                 out: out.clone(),
                 cancel,
+                phase: state.shutdown.watch(),
                 metrics: state.metrics.clone(),
                 endpoint,
                 format,
@@ -2120,7 +2218,8 @@ pub(super) mod conn {
                 let event = tokio::select! {
                     biased;
                     _ = self.cancel.wait_for(|c| *c) => None,
-                    e = handle.next_event_async() => Some(e),
+                    // At the server's close: cancelled, and a shutdown failure.
+                    e = self.phase.next_event(handle) => Some(e),
                 };
                 let Some(event) = event else {
                     self.cancel();

@@ -53,6 +53,8 @@ pub struct AppState {
     pub webrtc: Option<super::webrtc::WebRtc>,
     /// The voice's speaking rate, for cutting interrupted answers.
     pub speech_rate: super::turns::SpeechRate,
+    /// Serving, draining or closing (SIGTERM/SIGINT).
+    pub shutdown: super::shutdown::Shutdown,
 }
 
 impl AppState {
@@ -69,6 +71,13 @@ impl AppState {
                     voices.join(", ")
                 )
             })
+    }
+
+    /// Resolves once no session is open and no request is in flight.
+    pub async fn idle(&self) {
+        while self.sessions.count() > 0 || self.sessions.in_flight() > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
     }
 
     /// The voice used when a request names none.
@@ -92,6 +101,7 @@ impl AppState {
                 .map_or(0, |d| d.as_secs()),
             webrtc,
             speech_rate: Default::default(),
+            shutdown: Default::default(),
         }))
     }
 }

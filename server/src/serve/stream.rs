@@ -154,10 +154,18 @@ async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
     };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut drain = conn::Drain::new(&s.state);
     loop {
         tokio::select! {
             biased;
             _ = out.closed() => break,
+            _ = drain.next() => {
+                if drain.due(s.active.as_ref()) {
+                    let bye = error_msg(&ClientError::shutting_down());
+                    out.finish(bye, close_code::AWAY, conn::GOODBYE).await;
+                    break;
+                }
+            }
             _ = tick.tick() => {
                 let busy = s.active.as_ref().is_some_and(Active::running);
                 if !conn::keep_alive(&s.state, &s.session.id, busy) {
@@ -168,8 +176,8 @@ async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
             m = stream.next() => match m {
                 None | Some(Ok(Message::Close(_))) => break,
                 Some(Err(e)) => {
-                    if let Some(err) = conn::read_error(&e) {
-                        out.close(Some(error_msg(&err)), close_code::SIZE);
+                    if let Some((err, code)) = conn::read_error(&e) {
+                        out.close(Some(error_msg(&err)), code);
                     }
                     break;
                 }

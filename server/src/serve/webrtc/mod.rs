@@ -431,7 +431,7 @@ async fn run_peer(
         });
     }
     // The events channel: when it opens, messages flow both ways.
-    tokio::spawn(events_bridge(
+    let bridge = tokio::spawn(events_bridge(
         state.clone(),
         tracks.channel,
         in_tx.clone(),
@@ -476,8 +476,15 @@ async fn run_peer(
         }),
     )
     .await;
-    let _ = hangup_tx.send(true);
     out.close(None, axum::extract::ws::close_code::NORMAL);
+    // The session's last events (a shutdown's `error`) cross the channel
+    // before the hang-up: the bridge ends at the writer's close.
+    let _ = tokio::time::timeout(Duration::from_secs(1), bridge).await;
+    if state.shutdown.draining() {
+        // ...and SCTP gets a moment to deliver it before the peer closes.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = hangup_tx.send(true);
     if let Some(rtc) = state.webrtc.as_ref() {
         rtc.peers.remove(&id);
     }

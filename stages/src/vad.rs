@@ -502,6 +502,21 @@ impl SpeechFilter {
     }
 }
 
+/// `n` samples of reproducible white noise with an RMS of `dbfs` (xorshift,
+/// uniform): the silence-and-noise tests of the VAD, Whisper and the Listener.
+#[cfg(test)]
+pub(crate) fn white_noise(n: usize, dbfs: f32, mut seed: u64) -> Vec<f32> {
+    let peak = 10f32.powf(dbfs / 20.0) * 3f32.sqrt();
+    (0..n)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            peak * ((seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Instant;
@@ -803,17 +818,9 @@ mod tests {
         assert_eq!(seg.pending.len(), 100);
     }
 
-    /// Reproducible white noise with an RMS of `dbfs` (xorshift, uniform).
-    fn white_noise(ms: usize, dbfs: f32, mut seed: u64) -> Vec<f32> {
-        let peak = 10f32.powf(dbfs / 20.0) * 3f32.sqrt();
-        (0..ms * 16)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                peak * ((seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
-            })
-            .collect()
+    /// `ms` of reproducible white noise at `dbfs` RMS, 16 kHz.
+    fn white_noise(ms: usize, dbfs: f32, seed: u64) -> Vec<f32> {
+        super::white_noise(ms * 16, dbfs, seed)
     }
 
     fn filter(file: &str) -> Option<SpeechFilter> {

@@ -160,17 +160,9 @@ mod tests {
         ))
     }
 
-    /// Reproducible white noise with an RMS of `dbfs` (xorshift, uniform).
-    fn white_noise(seconds: usize, dbfs: f32, mut seed: u64) -> Vec<f32> {
-        let peak = 10f32.powf(dbfs / 20.0) * 3f32.sqrt();
-        (0..seconds * SAMPLE_RATE)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                peak * ((seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
-            })
-            .collect()
+    /// `seconds` of reproducible white noise at `dbfs` RMS, 16 kHz.
+    fn white_noise(seconds: usize, dbfs: f32, seed: u64) -> Vec<f32> {
+        crate::vad::white_noise(seconds * SAMPLE_RATE, dbfs, seed)
     }
 
     /// Lower-case words, punctuation dropped.

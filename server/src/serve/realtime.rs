@@ -1642,10 +1642,13 @@ pub(super) mod conn {
 
     impl Drain {
         pub fn new(state: &AppState) -> Self {
+            let mut tick = tokio::time::interval(Duration::from_millis(50));
+            // Not polled until the drain: no burst of missed ticks then.
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             Self {
                 phase: state.shutdown.watch(),
                 draining: false,
-                tick: tokio::time::interval(Duration::from_millis(50)),
+                tick,
             }
         }
 

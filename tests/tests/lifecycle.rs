@@ -332,34 +332,31 @@ fn sse_data(body: &str) -> Vec<&str> {
         .collect()
 }
 
-fn codes(events: &[Value]) -> Vec<String> {
-    events
-        .iter()
-        .filter(|e| e["type"] == "error")
-        .map(|e| {
-            let c = if e["error"].is_object() {
-                &e["error"]["code"]
-            } else {
-                &e["code"]
-            };
-            c.as_str().unwrap_or("").to_string()
-        })
-        .collect()
-}
-
-fn status_of(events: &[Value], kind: &str) -> Vec<String> {
+/// `field` of each event of type `kind`, read in `nested` (Realtime wraps
+/// its `error` and `response`) or at the top level (`/v1/stream`).
+fn field_of(events: &[Value], kind: &str, nested: &str, field: &str) -> Vec<String> {
     events
         .iter()
         .filter(|e| e["type"] == kind)
         .map(|e| {
-            let s = if e["response"].is_object() {
-                &e["response"]["status"]
+            let v = if e[nested].is_object() {
+                &e[nested][field]
             } else {
-                &e["status"]
+                &e[field]
             };
-            s.as_str().unwrap_or("").to_string()
+            v.as_str().unwrap_or("").to_string()
         })
         .collect()
+}
+
+/// The codes of the `error` events.
+fn codes(events: &[Value]) -> Vec<String> {
+    field_of(events, "error", "error", "code")
+}
+
+/// The status of each `kind` event (`response.done`, `done`).
+fn status_of(events: &[Value], kind: &str) -> Vec<String> {
+    field_of(events, kind, "response", "status")
 }
 
 /// SIGTERM with an answer under way on every transport: `/health` says

@@ -163,10 +163,7 @@ async fn serve_connection(
     let conn_state = slot.state.clone();
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         let busy = Busy::new(conn_state.clone());
-        let mut req =
-            req.map(|b| Body::new(Paced::new(b, limits.body_grace, limits.min_body_rate)));
-        req.extensions_mut()
-            .insert(axum::extract::ConnectInfo(peer));
+        let req = req.map(|b| Body::new(Paced::new(b, limits.body_grace, limits.min_body_rate)));
         let app = app.clone();
         async move {
             let resp = app.oneshot(req).await.unwrap_or_else(|e| match e {});

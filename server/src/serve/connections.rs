@@ -142,6 +142,25 @@ pub async fn serve(
     }
 }
 
+/// Pending connections the kernel queues before `accept` (clamped by
+/// `net.core.somaxconn`). Tokio's default, 128 here, overflows when a few
+/// hundred clients connect at once: their handshakes are dropped and retried a
+/// second later, a second of latency for nothing.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// A listening socket on `addr` with a backlog for bursts of clients.
+pub fn listen(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As `TcpListener::bind` does: a restarted server rebinds at once.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 fn is_connection_error(e: &std::io::Error) -> bool {
     use std::io::ErrorKind::*;
     matches!(

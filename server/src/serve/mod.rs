@@ -119,9 +119,7 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
     let addr: SocketAddr = format!("{}:{}", opts.host, opts.port)
         .parse()
         .with_context(|| format!("bad address {}:{}", opts.host, opts.port))?;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding {addr}"))?;
+    let listener = connections::listen(addr).with_context(|| format!("binding {addr}"))?;
     let local = listener.local_addr()?;
     // Tests and scripts wait for this line.
     println!(

@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use omnistream_codecs::wav::write_wav;
+use omnistream_stages::engine::{ChatMessage, Role};
 use omnistream_stages::engine::{
     Event, Modalities, Pipeline, RequestInput, RequestSpec, SamplingOverrides,
 };
 use omnistream_stages::models::qwen3_omni::weights::Progress;
-use omnistream_stages::models::tokenizer::ChatMessage;
 use omnistream_stages::profile::Profile;
 use omnistream_stages::roles::build_pipeline_placed;
 
@@ -153,7 +153,7 @@ pub fn chat_spec(prompt: &str, modalities: Modalities, sampling: SamplingOverrid
     RequestSpec {
         input: RequestInput::Chat {
             messages: vec![ChatMessage {
-                role: "user".into(),
+                role: Role::User,
                 content: prompt.to_string(),
             }],
         },

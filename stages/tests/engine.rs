@@ -11,7 +11,7 @@ use omnistream_stages::engine::{
     RequestInput, RequestSpec, SamplingOverrides, StageDef, StageModel, StagePlacement, StageRole,
     StepOutput, TextChunk,
 };
-use omnistream_stages::models::tokenizer::ChatMessage;
+use omnistream_stages::engine::{ChatMessage, Role};
 use omnistream_stages::models::{ModelError, Result};
 
 /// Thinker: answers with the words of the last message, one per step.
@@ -209,7 +209,7 @@ fn chat(text: &str, modalities: Modalities) -> RequestSpec {
     RequestSpec {
         input: RequestInput::Chat {
             messages: vec![ChatMessage {
-                role: "user".into(),
+                role: Role::User,
                 content: text.into(),
             }],
         },

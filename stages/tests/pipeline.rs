@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
+use omnistream_stages::engine::{ChatMessage, Role};
 use omnistream_stages::engine::{
     Event, Modalities, Pipeline, RequestHandle, RequestInput, RequestSpec, SamplingOverrides,
     StageDef, StageRole,
 };
 use omnistream_stages::models::piper::PiperVoice;
-use omnistream_stages::models::tokenizer::ChatMessage;
 use omnistream_stages::profile::Profile;
 use omnistream_stages::roles::{
     build_pipeline, ChunkPolicy, PiperCode2Wav, PiperTalker, SpanPolicy,
@@ -85,7 +85,7 @@ fn chat(prompt: &str, max_tokens: usize) -> RequestSpec {
     RequestSpec {
         input: RequestInput::Chat {
             messages: vec![ChatMessage {
-                role: "user".into(),
+                role: Role::User,
                 content: prompt.into(),
             }],
         },

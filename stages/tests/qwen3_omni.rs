@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use omnistream_stages::engine::ChatMessage;
 use omnistream_stages::engine::{
     Event, Modalities, Pipeline, RequestHandle, RequestInput, RequestSpec, SamplingOverrides,
 };
-use omnistream_stages::models::tokenizer::ChatMessage;
 use omnistream_stages::profile::Profile;
 use omnistream_stages::roles::build_pipeline;
 

@@ -10,10 +10,11 @@ use std::time::Instant;
 
 use anyhow::{anyhow, ensure, Context, Result};
 use candle_core::{Device, Tensor};
+use omnistream_stages::engine::{ChatMessage, Role};
 use omnistream_stages::models::quantized_llama::{
     KvCache, QuantizedLlama, SeqStep, WeightPrecision,
 };
-use omnistream_stages::models::tokenizer::{ChatMessage, ChatTokenizer, IncrementalDecoder};
+use omnistream_stages::models::tokenizer::{ChatTokenizer, IncrementalDecoder};
 use serde_json::Value;
 
 fn root() -> PathBuf {
@@ -77,7 +78,7 @@ fn ids_of(v: &Value) -> Result<Vec<u32>> {
 
 fn user(q: &str) -> Vec<ChatMessage> {
     vec![ChatMessage {
-        role: "user".into(),
+        role: Role::User,
         content: q.into(),
     }]
 }

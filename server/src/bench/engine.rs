@@ -18,9 +18,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use omnistream_stages::engine::ChatMessage;
 use omnistream_stages::engine::{Modalities, Pipeline, SamplingOverrides};
 use omnistream_stages::models::qwen3_omni::omni::Qwen3OmniConfig;
-use omnistream_stages::models::tokenizer::{ChatMessage, ChatTokenizer};
+use omnistream_stages::models::tokenizer::ChatTokenizer;
 use omnistream_stages::profile::{ModelType, Profile, StageKind};
 use serde::{Deserialize, Serialize};
 
@@ -384,7 +385,7 @@ fn prompt_of_length(tok: &ChatTokenizer, n: usize, seed: u64) -> Result<String> 
         .collect();
     let text = |count: usize| words[..count.min(words.len())].join(" ");
     let len = |count: usize| -> Result<usize> {
-        let t = tok.apply_chat_template(&[ChatMessage::new("user", text(count))], true)?;
+        let t = tok.apply_chat_template(&[ChatMessage::user(text(count))], true)?;
         Ok(tok.encode(&t)?.len())
     };
     let (mut lo, mut hi) = (0usize, n.max(1));

@@ -4,7 +4,10 @@
 // Some callers land after this file; the API is complete either way.
 #![allow(dead_code)]
 
-use omnistream_codecs::pcm::f32_to_pcm16_le;
+use omnistream_codecs::pcm::{f32_to_pcm16_le, pcm16_le_to_f32};
+use omnistream_stages::engine::TRANSCRIBE_RATE;
+
+use super::error::ClientError;
 use omnistream_codecs::wav::{streaming_header, wav_bytes};
 use omnistream_codecs::{CodecError, OggOpusEncoder, StreamResampler};
 
@@ -148,6 +151,27 @@ fn with_header(header: &mut Option<[u8; 44]>, body: Vec<u8>) -> Vec<u8> {
         }
         None => body,
     }
+}
+
+/// PCM16 LE mono at `rate` -> f32 at the Listener's rate.
+pub fn to_listener_rate(pcm16: &[u8], rate: u32) -> Result<Vec<f32>, ClientError> {
+    let samples =
+        pcm16_le_to_f32(pcm16).map_err(|e| ClientError::invalid("invalid_audio", e.to_string()))?;
+    resample(&samples, rate)
+}
+
+/// Mono f32 at `rate` -> the Listener's rate.
+pub fn resample(samples: &[f32], rate: u32) -> Result<Vec<f32>, ClientError> {
+    if rate == TRANSCRIBE_RATE {
+        return Ok(samples.to_vec());
+    }
+    let bad = |e: omnistream_codecs::CodecError| {
+        ClientError::invalid("unsupported_sample_rate", e.to_string())
+    };
+    let mut r = StreamResampler::new(rate, TRANSCRIBE_RATE).map_err(bad)?;
+    let mut out = r.process(samples).map_err(bad)?;
+    out.extend(r.flush().map_err(bad)?);
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@ use axum::http::{header, HeaderMap};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
+use super::error::ApiError;
 use super::state::AppState;
-use super::ApiError;
 
 /// The subprotocol prefix that carries an API key from a browser WebSocket.
 pub const KEY_SUBPROTOCOL_PREFIX: &str = "openai-insecure-api-key.";

@@ -234,7 +234,7 @@ fn refuse(mut stream: TcpStream, refusing: &Arc<AtomicUsize>) {
     }
     let refusing = refusing.clone();
     tokio::spawn(async move {
-        let body = super::ApiError::overloaded(
+        let body = super::error::ApiError::overloaded(
             "too many connections (server.connections.max / max_per_client); retry",
         )
         .body()
@@ -562,6 +562,15 @@ impl HttpBody for Paced {
     fn size_hint(&self) -> http_body::SizeHint {
         self.inner.size_hint()
     }
+}
+
+/// The body length a request declares (`Content-Length`), to refuse an
+/// oversized body before reading any of it.
+pub fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
+    headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
 }
 
 #[cfg(test)]

@@ -11,27 +11,20 @@ use axum::routing::post;
 use axum::{Json, Router};
 use serde_json::json;
 
-use omnistream_codecs::pcm::pcm16_le_to_f32;
+use omnistream_codecs::decode_ogg_opus;
 use omnistream_codecs::wav::parse_wav;
-use omnistream_codecs::{decode_ogg_opus, StreamResampler};
 use omnistream_stages::engine::{
-    Event, Modalities, RequestInput, RequestSpec, SamplingOverrides, StageRole, TRANSCRIBE_RATE,
+    Event, Modalities, RequestInput, RequestSpec, SamplingOverrides, StageRole,
 };
 
-use super::realtime::conn::ClientError;
+use super::audio::resample;
+use super::error::ApiError;
+use super::error::ClientError;
 use super::state::AppState;
-use super::ApiError;
 
 /// Whether the pipeline can transcribe speech.
 pub fn can_hear(state: &AppState) -> bool {
     state.pipeline.has_role(StageRole::Listener)
-}
-
-/// PCM16 LE mono at `rate` -> f32 at the Listener's rate.
-pub fn to_listener_rate(pcm16: &[u8], rate: u32) -> Result<Vec<f32>, ClientError> {
-    let samples =
-        pcm16_le_to_f32(pcm16).map_err(|e| ClientError::invalid("invalid_audio", e.to_string()))?;
-    resample(&samples, rate)
 }
 
 /// The words in `audio` (f32 at 16 kHz), trimmed; empty when none were
@@ -80,50 +73,12 @@ pub async fn transcribe(
         }
     };
     let m = &state.metrics;
-    let label = if outcome.is_ok() {
-        "completed"
-    } else {
-        "failed"
-    };
+    let label = if outcome.is_ok() { "ok" } else { "error" };
     m.requests.with_label_values(&[endpoint, label]).inc();
     m.transcribe_seconds
         .with_label_values(&[endpoint])
         .observe(started.elapsed().as_secs_f64());
     outcome.map(|()| text.trim().to_string())
-}
-
-/// A transcription running in its own task: started when the user paused,
-/// so the words are ready (or nearly) when the turn is confirmed over.
-/// Dropping it cancels it.
-pub struct Hearing {
-    len: usize,
-    task: tokio::task::JoinHandle<Result<String, ClientError>>,
-}
-
-impl Hearing {
-    pub fn start(state: Arc<AppState>, endpoint: &'static str, audio: Vec<f32>) -> Self {
-        let len = audio.len();
-        let task = tokio::spawn(async move { transcribe(&state, endpoint, audio).await });
-        Self { len, task }
-    }
-
-    /// Whether it hears exactly `audio` (the turn ended where it paused).
-    pub fn covers(&self, audio: &[f32]) -> bool {
-        self.len == audio.len()
-    }
-
-    pub async fn result(mut self) -> Result<String, ClientError> {
-        match (&mut self.task).await {
-            Ok(r) => r,
-            Err(e) => Err(ClientError::server("transcription_failed", e.to_string())),
-        }
-    }
-}
-
-impl Drop for Hearing {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
 }
 
 // ------------------------------------------------ POST /v1/audio/transcriptions
@@ -140,29 +95,15 @@ pub fn routes() -> Router<Arc<AppState>> {
         .layer(DefaultBodyLimit::max(MAX_UPLOAD_BYTES))
 }
 
-fn api_error(e: ClientError) -> ApiError {
-    let status = match (e.kind, e.code) {
-        (_, "overloaded") => StatusCode::SERVICE_UNAVAILABLE,
-        ("server_error", _) => StatusCode::INTERNAL_SERVER_ERROR,
-        _ => StatusCode::BAD_REQUEST,
-    };
-    ApiError {
-        status,
-        kind: e.kind,
-        code: e.code,
-        message: e.message,
-        retry_after: (status == StatusCode::SERVICE_UNAVAILABLE).then_some(1),
-        param: None,
-    }
-}
-
 /// The OpenAI transcription API: multipart `file` (WAV or Ogg Opus, any
 /// rate), `model`, optional `response_format` (`json` or `text`) and
 /// `language` (`en`: the recognizer is English-only).
 async fn transcriptions(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let reply = async {
         // Refused from the header, before a byte of the body is read.
-        if super::declared_length(req.headers()).is_some_and(|n| n > MAX_UPLOAD_BYTES as u64) {
+        if super::connections::declared_length(req.headers())
+            .is_some_and(|n| n > MAX_UPLOAD_BYTES as u64)
+        {
             return Err(upload_too_large());
         }
         let mut form = Multipart::from_request(req, &state)
@@ -268,10 +209,10 @@ async fn transcription(state: &AppState, form: &mut Multipart) -> Result<Respons
             format!("the audio is {seconds:.0} s; the limit is {MAX_UPLOAD_SECONDS:.0} s"),
         ));
     }
-    let audio = resample(&samples, rate).map_err(api_error)?;
+    let audio = resample(&samples, rate).map_err(|e| e.to_api())?;
     let text = transcribe(state, EP_TRANSCRIBE, audio)
         .await
-        .map_err(api_error)?;
+        .map_err(|e| e.to_api())?;
     Ok(if format == "text" {
         ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response()
     } else {
@@ -295,18 +236,4 @@ pub(crate) fn decode_upload(bytes: &[u8]) -> Result<(Vec<f32>, u32), ApiError> {
             "the file is neither WAV nor Ogg Opus (the formats this server reads)",
         )),
     }
-}
-
-/// Mono f32 at `rate` -> the Listener's rate.
-pub(crate) fn resample(samples: &[f32], rate: u32) -> Result<Vec<f32>, ClientError> {
-    if rate == TRANSCRIBE_RATE {
-        return Ok(samples.to_vec());
-    }
-    let bad = |e: omnistream_codecs::CodecError| {
-        ClientError::invalid("unsupported_sample_rate", e.to_string())
-    };
-    let mut r = StreamResampler::new(rate, TRANSCRIBE_RATE).map_err(bad)?;
-    let mut out = r.process(samples).map_err(bad)?;
-    out.extend(r.flush().map_err(bad)?);
-    Ok(out)
 }

@@ -2,17 +2,10 @@
 //! TTFT/TTFP/RTF histograms, bytes out, and the pipeline's per-stage counters
 //! read at scrape time.
 
-use std::sync::Arc;
-
-use axum::extract::State;
-use axum::http::header;
-use axum::response::{IntoResponse, Response};
 use prometheus::{
     Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
-
-use super::state::AppState;
 
 /// Latency buckets (seconds), fine where first-audio latency lives.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -166,8 +159,13 @@ impl Metrics {
     }
 
     /// Prometheus text exposition, with the pipeline's counters refreshed.
-    pub fn render(&self, state: &AppState) -> String {
-        let stats = state.pipeline.stats();
+    /// The text exposition: these metrics, the pipeline's `stats`, and the
+    /// WebRTC peers (`None` where WebRTC is off).
+    pub fn render(
+        &self,
+        stats: &omnistream_stages::engine::PipelineStats,
+        webrtc_peers: Option<usize>,
+    ) -> String {
         // Replicas come and go (remote ones): only the live ones are shown.
         self.replica.reset();
         let all = stats
@@ -244,12 +242,11 @@ impl Metrics {
                 ));
             }
         }
-        if let Some(rtc) = state.webrtc.as_ref() {
+        if let Some(peers) = webrtc_peers {
             text.push_str(&format!(
                 "# HELP omnistream_webrtc_peers Live WebRTC peer connections\n\
                  # TYPE omnistream_webrtc_peers gauge\n\
-                 omnistream_webrtc_peers {}\n",
-                rtc.peers()
+                 omnistream_webrtc_peers {peers}\n"
             ));
         }
         // Memory as the kernel counts it (Linux), so a bench can report it.
@@ -302,12 +299,4 @@ impl Drop for TaskGuard {
     fn drop(&mut self) {
         self.0.dec();
     }
-}
-
-pub async fn handler(State(state): State<Arc<AppState>>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(&state),
-    )
-        .into_response()
 }

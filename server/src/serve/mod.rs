@@ -1,20 +1,22 @@
 //! `omnistream serve`: one port, axum on tokio. OpenAI-compatible HTTP, the
 //! Realtime WebSocket, a plain PCM WebSocket, the demo page, metrics.
 
+mod answer;
 mod audio;
 mod auth;
+mod conn;
 mod connections;
+mod conversation;
+mod driver;
+mod error;
 mod listen;
 mod metrics;
 mod openai;
-mod realtime;
 mod sessions;
 mod shutdown;
 mod state;
-mod stream;
-mod turns;
+mod transport;
 mod web;
-mod webrtc;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -28,6 +30,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 
+pub use error::ApiError;
 pub use sessions::SessionLimits;
 pub use state::{AppState, ServerConfig};
 
@@ -113,9 +116,9 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
     };
     let limits =
         connections::Limits::new(&server.connections, connections::raise_open_file_limit());
-    let rtc = webrtc::WebRtc::new(&server.webrtc).context("setting up WebRTC")?;
-    let state = AppState::new(pipeline, config, Some(rtc))?;
-    let app = router(state.clone());
+    let rtc = transport::webrtc::WebRtc::new(&server.webrtc).context("setting up WebRTC")?;
+    let state = AppState::new(pipeline, config)?;
+    let app = router(state.clone(), Some(Arc::new(rtc)));
     let addr: SocketAddr = format!("{}:{}", opts.host, opts.port)
         .parse()
         .with_context(|| format!("bad address {}:{}", opts.host, opts.port))?;
@@ -195,15 +198,25 @@ async fn refuse_when_draining(
 
 /// All routes. Public ones: `/`, `/health`; everything under `/v1` and
 /// `/metrics` goes through the API-key check.
-pub fn router(state: Arc<AppState>) -> Router {
+pub fn router(state: Arc<AppState>, rtc: Option<Arc<transport::webrtc::WebRtc>>) -> Router {
+    let peers = rtc.clone();
     let api = Router::new()
         .route("/v1/models", get(models))
-        .route("/metrics", get(metrics::handler))
+        .route(
+            "/metrics",
+            get(move |State(state): State<Arc<AppState>>| async move {
+                let peers = peers.as_ref().map(|r| r.peers());
+                (
+                    [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                    state.metrics.render(&state.pipeline.stats(), peers),
+                )
+            }),
+        )
         .merge(openai::routes())
         .merge(listen::routes())
-        .merge(realtime::routes())
-        .merge(stream::routes())
-        .merge(webrtc::routes())
+        .merge(transport::realtime::routes())
+        .merge(transport::stream::routes())
+        .merge(transport::webrtc::routes(rtc))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_key,
@@ -260,171 +273,4 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
         }],
     }))
     .into_response()
-}
-
-/// The error code a failed request's message maps to: `stage_unavailable`
-/// when a stage replica was lost (the engine's messages say so first).
-pub fn failure_code(message: &str) -> &'static str {
-    if message.starts_with("stage_unavailable") {
-        "stage_unavailable"
-    } else if message.starts_with(shutdown::CODE) {
-        shutdown::CODE
-    } else if message.contains(CONTEXT_LENGTH_EXCEEDED) {
-        CONTEXT_LENGTH_EXCEEDED
-    } else {
-        "generation_failed"
-    }
-}
-
-/// The body length a request declares (`Content-Length`), to refuse an
-/// oversized body before reading any of it.
-pub fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
-    headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-}
-
-/// The error `type` of a failure code: the client's fault, or the server's.
-pub fn failure_kind(code: &str) -> &'static str {
-    match code {
-        CONTEXT_LENGTH_EXCEEDED => "invalid_request_error",
-        _ => "server_error",
-    }
-}
-
-/// A prompt over the Thinker's context: the client's fault (400), as OpenAI.
-const CONTEXT_LENGTH_EXCEEDED: &str = omnistream_stages::models::CONTEXT_LENGTH_EXCEEDED;
-
-/// An error in the OpenAI shape: `{"error": {"message", "type", "code"}}`.
-#[derive(Debug)]
-pub struct ApiError {
-    pub status: StatusCode,
-    pub kind: &'static str,
-    pub code: &'static str,
-    pub message: String,
-    /// Seconds for `Retry-After` (503 when over capacity).
-    pub retry_after: Option<u64>,
-    /// The request field at fault (OpenAI's `param`).
-    pub param: Option<&'static str>,
-}
-
-impl ApiError {
-    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::BAD_REQUEST,
-            kind: "invalid_request_error",
-            code,
-            message: message.into(),
-            retry_after: None,
-            param: None,
-        }
-    }
-    pub fn unauthorized() -> Self {
-        Self {
-            status: StatusCode::UNAUTHORIZED,
-            kind: "invalid_request_error",
-            code: "invalid_api_key",
-            message: "missing or invalid API key".into(),
-            retry_after: None,
-            param: None,
-        }
-    }
-    pub fn overloaded(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            kind: "server_error",
-            code: "overloaded",
-            message: message.into(),
-            retry_after: Some(1),
-            param: None,
-        }
-    }
-    /// A stage has no live replica, or lost the one serving this request.
-    pub fn stage_unavailable(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            kind: "server_error",
-            code: "stage_unavailable",
-            message: message.into(),
-            retry_after: Some(1),
-            param: None,
-        }
-    }
-    /// A request body that came too slowly (the connection layer's pacing).
-    pub fn request_timeout(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::REQUEST_TIMEOUT,
-            code: "request_timeout",
-            ..Self::bad_request("", message)
-        }
-    }
-    /// New work while the server drains, or an answer its shutdown cut.
-    pub fn shutting_down() -> Self {
-        Self {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            kind: "server_error",
-            code: shutdown::CODE,
-            message: shutdown::MESSAGE[shutdown::CODE.len() + 2..].into(),
-            retry_after: Some(1),
-            param: None,
-        }
-    }
-    /// A request that failed while generating.
-    pub fn failed(message: String) -> Self {
-        match failure_code(&message) {
-            "stage_unavailable" => Self::stage_unavailable(message),
-            shutdown::CODE => Self::shutting_down(),
-            CONTEXT_LENGTH_EXCEEDED => Self {
-                param: Some("messages"),
-                ..Self::bad_request(CONTEXT_LENGTH_EXCEEDED, message)
-            },
-            _ => Self::internal(message),
-        }
-    }
-    pub fn forbidden(code: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::FORBIDDEN,
-            kind: "invalid_request_error",
-            code,
-            message: message.into(),
-            retry_after: None,
-            param: None,
-        }
-    }
-    pub fn not_found(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::NOT_FOUND,
-            kind: "invalid_request_error",
-            code: "not_found",
-            message: message.into(),
-            retry_after: None,
-            param: None,
-        }
-    }
-    pub fn internal(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            kind: "server_error",
-            code: "internal_error",
-            message: message.into(),
-            retry_after: None,
-            param: None,
-        }
-    }
-    pub fn body(&self) -> serde_json::Value {
-        serde_json::json!({"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param}})
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut r = (self.status, Json(self.body())).into_response();
-        if let Some(s) = self.retry_after {
-            if let Ok(v) = header::HeaderValue::from_str(&s.to_string()) {
-                r.headers_mut().insert(header::RETRY_AFTER, v);
-            }
-        }
-        r
-    }
 }

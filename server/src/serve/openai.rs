@@ -29,14 +29,14 @@ use omnistream_stages::engine::{
     CancelReason, EngineError, Event, Modalities, RequestHandle, RequestInput, RequestSpec,
     SamplingOverrides, MAX_SPEECH_CHARS,
 };
-use omnistream_stages::models::tokenizer::ChatMessage;
+use omnistream_stages::engine::{ChatMessage, Role};
 
 use super::audio::{AudioEncoder, OutputFormat};
+use super::error::ApiError;
 use super::metrics::{Metrics, TaskGuard};
 use super::sessions::InFlightGuard;
 use super::shutdown;
 use super::state::AppState;
-use super::ApiError;
 
 /// Largest request body; more is a 413.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
@@ -457,9 +457,9 @@ fn chat_sampling(r: &ChatRequest) -> Result<SamplingOverrides, ApiError> {
 
 fn to_chat_message(i: usize, m: &InMessage, store: &AudioStore) -> Result<ChatMessage, ApiError> {
     let role = match m.role.as_str() {
-        "system" | "developer" => "system",
-        "user" => "user",
-        "assistant" => "assistant",
+        "system" | "developer" => Role::System,
+        "user" => Role::User,
+        "assistant" => Role::Assistant,
         "tool" | "function" => {
             return Err(invalid(format!(
                 "messages[{i}]: role {:?} is not supported (no tools)",
@@ -474,7 +474,7 @@ fn to_chat_message(i: usize, m: &InMessage, store: &AudioStore) -> Result<ChatMe
     };
     let content = match (&m.content, &m.audio) {
         (Some(c), _) if !c.is_null() => content_text(i, c)?,
-        (_, Some(a)) if role == "assistant" => store.get(&a.id).ok_or_else(|| {
+        (_, Some(a)) if role == Role::Assistant => store.get(&a.id).ok_or_else(|| {
             invalid(format!(
                 "messages[{i}]: audio {:?} is unknown or expired",
                 a.id
@@ -539,7 +539,7 @@ fn take_input_audio(i: usize, m: &mut InMessage, last: bool) -> Result<Option<Ve
             "messages[{i}].content[{j}]: the audio is empty"
         )));
     }
-    let audio = super::listen::resample(&samples, rate)
+    let audio = super::audio::resample(&samples, rate)
         .map_err(|e| ApiError::bad_request(e.code, e.message))?;
     if parts.is_empty() {
         m.content = None;
@@ -680,7 +680,8 @@ fn output_format(name: &str, allowed: &[&str], field: &str) -> Result<OutputForm
 async fn read_json<T: DeserializeOwned>(req: Request) -> Result<T, ApiError> {
     // Refused before any of it is read (a client waiting on `Expect:
     // 100-continue` never sends it).
-    if super::declared_length(req.headers()).is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+    if super::connections::declared_length(req.headers()).is_some_and(|n| n > MAX_BODY_BYTES as u64)
+    {
         return Err(too_large());
     }
     // JSON or nothing said: a text/plain or form body is what a page elsewhere

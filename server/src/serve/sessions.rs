@@ -1,4 +1,5 @@
-//! The session manager: per-conversation state in a concurrent map, caps on
+//! The session store: a handle per open conversation (its id, kind and last
+//! activity; the conversation itself lives with its driver), caps on
 //! sessions and in-flight requests, and an idle timeout.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -6,11 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
-use omnistream_stages::engine::SamplingOverrides;
-use omnistream_stages::models::tokenizer::ChatMessage;
 
+use super::error::ApiError;
 use super::metrics::Metrics;
-use super::ApiError;
 
 #[derive(Debug, Clone)]
 pub struct SessionLimits {
@@ -32,25 +31,13 @@ impl Default for SessionLimits {
     }
 }
 
-/// One conversation.
+/// One open conversation, as the store sees it.
 #[derive(Debug, Clone)]
 pub struct Session {
-    pub id: String,
     /// What kind of client holds it (`realtime`, `stream`, `webrtc`).
     pub kind: &'static str,
-    pub history: Vec<ChatMessage>,
-    pub instructions: Option<String>,
-    pub voice: Option<String>,
-    pub input_format: String,
-    pub output_format: String,
-    pub sampling: SamplingOverrides,
     pub created: Instant,
     pub last_active: Instant,
-    /// The response being generated, if any (cancelled by `cancel_in_flight`).
-    pub in_flight: Option<String>,
-    /// The user's last spoken turn (16 kHz), not answered yet, for a Thinker
-    /// that hears speech itself (there is no transcript to keep instead).
-    pub spoken: Option<std::sync::Arc<[f32]>>,
 }
 
 struct Inner {
@@ -109,18 +96,9 @@ impl SessionManager {
         self.0.sessions.insert(
             id.clone(),
             Session {
-                id: id.clone(),
                 kind,
-                history: Vec::new(),
-                instructions: None,
-                voice: None,
-                input_format: "pcm16".into(),
-                output_format: "pcm16".into(),
-                sampling: SamplingOverrides::default(),
                 created: now,
                 last_active: now,
-                in_flight: None,
-                spoken: None,
             },
         );
         self.0
@@ -143,12 +121,15 @@ impl SessionManager {
             .set(self.0.sessions.len() as i64);
     }
 
-    /// Runs `f` on the session (and marks it active); `None` if it is gone
-    /// (closed or expired).
-    pub fn with<R>(&self, id: &str, f: impl FnOnce(&mut Session) -> R) -> Option<R> {
-        let mut s = self.0.sessions.get_mut(id)?;
-        s.last_active = Instant::now();
-        Some(f(&mut s))
+    /// Marks the session active; `false` if it is gone (closed or expired).
+    pub fn touch(&self, id: &str) -> bool {
+        match self.0.sessions.get_mut(id) {
+            Some(mut s) => {
+                s.last_active = Instant::now();
+                true
+            }
+            None => false,
+        }
     }
 
     pub fn exists(&self, id: &str) -> bool {
@@ -245,14 +226,12 @@ mod tests {
     }
 
     #[test]
-    fn idle_sessions_expire_and_state_is_per_session() {
+    fn idle_sessions_expire() {
         let m = manager(8, 8, Duration::from_millis(20));
         let a = m.open("realtime").unwrap();
         let b = m.open("realtime").unwrap();
-        m.with(&a.id, |s| s.voice = Some("joe".into())).unwrap();
-        assert_eq!(m.with(&b.id, |s| s.voice.clone()).unwrap(), None);
         std::thread::sleep(Duration::from_millis(30));
-        m.with(&b.id, |_| ()).unwrap(); // b is active again
+        assert!(m.touch(&b.id)); // b is active again
         assert_eq!(m.expire_idle(), 1);
         assert!(!m.exists(&a.id));
         assert!(m.exists(&b.id));

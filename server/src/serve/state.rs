@@ -49,10 +49,8 @@ pub struct AppState {
     pub metrics: Metrics,
     pub config: ServerConfig,
     pub started_unix: u64,
-    /// WebRTC peers (`POST /v1/webrtc`); `None` where it could not be set up.
-    pub webrtc: Option<super::webrtc::WebRtc>,
     /// The voice's speaking rate, for cutting interrupted answers.
-    pub speech_rate: super::turns::SpeechRate,
+    pub speech_rate: super::conversation::playback::SpeechRate,
     /// Serving, draining or closing (SIGTERM/SIGINT).
     pub shutdown: super::shutdown::Shutdown,
 }
@@ -85,11 +83,7 @@ impl AppState {
         self.pipeline.voices().first().map_or("", String::as_str)
     }
 
-    pub fn new(
-        pipeline: Pipeline,
-        config: ServerConfig,
-        webrtc: Option<super::webrtc::WebRtc>,
-    ) -> Result<Arc<Self>> {
+    pub fn new(pipeline: Pipeline, config: ServerConfig) -> Result<Arc<Self>> {
         let metrics = Metrics::new()?;
         Ok(Arc::new(Self {
             sessions: SessionManager::new(config.limits.clone(), metrics.clone()),
@@ -99,7 +93,6 @@ impl AppState {
             started_unix: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
-            webrtc,
             speech_rate: Default::default(),
             shutdown: Default::default(),
         }))

@@ -22,8 +22,8 @@ pub use pipeline::{
 };
 pub use replica::{ReplicaId, StageInput};
 pub use request::{
-    CancelReason, Event, Modalities, RemoteOutlet, RequestCtx, RequestHandle, RequestId,
-    RequestInput, RequestSpec, SamplingOverrides, Usage, TRANSCRIBE_RATE,
+    CancelReason, ChatMessage, Event, Modalities, RemoteOutlet, RequestCtx, RequestHandle,
+    RequestId, RequestInput, RequestSpec, Role, SamplingOverrides, Usage, TRANSCRIBE_RATE,
 };
 pub use stage::{StageModel, StepOutput};
 

@@ -11,7 +11,6 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file;
-use serde::{Deserialize, Serialize};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -23,21 +22,7 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
 use super::{ModelError, Result};
 
-/// One chat turn, as chat templates expect it (`message['role']`, `message['content']`).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-}
-
-impl ChatMessage {
-    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self {
-            role: role.into(),
-            content: content.into(),
-        }
-    }
-}
+use crate::engine::ChatMessage;
 
 /// GGUF token types (llama.cpp `llama_token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;

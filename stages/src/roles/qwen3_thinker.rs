@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use candle_core::{IndexOp, Tensor};
 
+use crate::engine::ChatMessage;
 use crate::engine::{
     Event, Payload, PromptStates, RequestCtx, RequestId, RequestInput, StageModel, StepOutput,
     TextChunk, ThinkerStates,
@@ -23,7 +24,7 @@ use crate::models::qwen3_omni::layers::KvSlots;
 use crate::models::qwen3_omni::omni::Qwen3Omni;
 use crate::models::qwen3_omni::sampling::{self, Sampler, SamplingConfig};
 use crate::models::qwen3_omni::thinker::{AudioEmbeds, ThinkerGraphs};
-use crate::models::tokenizer::{ChatMessage, ChatTokenizer, IncrementalDecoder};
+use crate::models::tokenizer::{ChatTokenizer, IncrementalDecoder};
 use crate::models::{ModelError, Result};
 use crate::profile::SamplingParams;
 
@@ -155,7 +156,7 @@ impl Qwen3OmniThinker {
             return self.tokenizer.encode(&text);
         };
         let mut all = messages.to_vec();
-        all.push(ChatMessage::new("user", AUDIO_PLACEHOLDER));
+        all.push(ChatMessage::user(AUDIO_PLACEHOLDER));
         let text = self.tokenizer.apply_chat_template(&all, true)?;
         let pad = self.model.config().thinker.audio_token_id;
         let n = self.model.audio_tokens(pcm.len());

@@ -15,10 +15,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::payload::{FrameChunk, Payload, PromptStates, TextChunk, ThinkerStates};
 use crate::engine::pipeline::StageStats;
+use crate::engine::request::{ChatMessage, Role};
 use crate::engine::request::{
     Event, Modalities, RequestCtx, RequestId, RequestInput, RequestSpec, SamplingOverrides, Usage,
 };
-use crate::models::tokenizer::ChatMessage;
 
 /// Bumped on every change of a message's layout: peers of another version are
 /// refused, never misread.
@@ -232,12 +232,18 @@ pub enum StageMsg {
 
 fn messages_to_wire(m: &[ChatMessage]) -> Vec<(String, String)> {
     m.iter()
-        .map(|m| (m.role.clone(), m.content.clone()))
+        .map(|m| (m.role.as_str().to_string(), m.content.clone()))
         .collect()
 }
 
-fn messages_from_wire(m: Vec<(String, String)>) -> Vec<ChatMessage> {
-    m.into_iter().map(|(r, c)| ChatMessage::new(r, c)).collect()
+fn messages_from_wire(m: Vec<(String, String)>) -> Result<Vec<ChatMessage>, WireError> {
+    m.into_iter()
+        .map(|(r, c)| {
+            let role = Role::parse(&r)
+                .ok_or_else(|| WireError::Decode(format!("unknown chat role {r:?}")))?;
+            Ok(ChatMessage::new(role, c))
+        })
+        .collect()
 }
 
 impl WireStart {
@@ -271,11 +277,11 @@ impl WireStart {
     pub fn spec(&self) -> Result<RequestSpec, WireError> {
         let input = match self.input.clone() {
             WireInput::Chat { messages } => RequestInput::Chat {
-                messages: messages_from_wire(messages),
+                messages: messages_from_wire(messages)?,
             },
             WireInput::Speech { text } => RequestInput::Speech { text },
             WireInput::Heard { messages, audio } => RequestInput::Heard {
-                messages: messages_from_wire(messages),
+                messages: messages_from_wire(messages)?,
                 audio: f32_from(&audio)?.into(),
             },
             WireInput::Transcribe { audio } => RequestInput::Transcribe {

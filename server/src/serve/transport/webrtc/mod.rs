@@ -24,7 +24,7 @@ use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use futures_util::StreamExt;
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
@@ -52,11 +52,12 @@ use webrtc::track::track_remote::TrackRemote;
 
 use omnistream_stages::profile::WebRtcSpec;
 
-use super::metrics::TaskGuard;
-use super::realtime::conn::{ConnGauge, Outbox};
-use super::realtime::{run_session, slow_client_event, MediaPath};
-use super::state::AppState;
-use super::ApiError;
+use super::realtime::{slow_client_event, Realtime, RATE};
+use crate::serve::conn::{AudioSink, ConnGauge, Outbox, Overflow};
+use crate::serve::driver::{self, Inbound};
+use crate::serve::error::ApiError;
+use crate::serve::metrics::TaskGuard;
+use crate::serve::state::AppState;
 use media::{AudioOut, Codec, Mic, Slot, Speaker, FRAME};
 
 /// Largest SDP offer accepted.
@@ -146,10 +147,12 @@ impl WebRtc {
     }
 }
 
-pub fn routes() -> Router<Arc<AppState>> {
+/// `None`: WebRTC could not be set up (offers get a 500 saying so).
+pub fn routes(rtc: Option<Arc<WebRtc>>) -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/webrtc", post(offer))
         .route("/v1/webrtc/{session}", delete(hang_up))
+        .layer(Extension(rtc))
 }
 
 fn bad_offer(msg: impl Into<String>) -> ApiError {
@@ -195,8 +198,13 @@ fn read_offer(headers: &HeaderMap, body: &[u8]) -> Result<(String, Shape), ApiEr
     Ok((sdp.to_string(), Shape::Sdp))
 }
 
-async fn offer(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    match answer(state, &headers, &body).await {
+async fn offer(
+    State(state): State<Arc<AppState>>,
+    Extension(rtc): Extension<Option<Arc<WebRtc>>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    match answer(state, rtc, &headers, &body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -204,12 +212,13 @@ async fn offer(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Byt
 
 async fn answer(
     state: Arc<AppState>,
+    rtc: Option<Arc<WebRtc>>,
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Response, ApiError> {
     let (offer_sdp, shape) = read_offer(headers, body)?;
     let codec = sdp::audio_codec(&offer_sdp).map_err(bad_offer)?;
-    let Some(rtc) = state.webrtc.as_ref() else {
+    let Some(rtc) = rtc else {
         return Err(ApiError::internal("WebRTC is not available on this server"));
     };
     // The session first: at the cap, refuse before any network work.
@@ -227,7 +236,14 @@ async fn answer(
         Ok(local) => {
             let id = session.id.clone();
             rtc.peers.insert(id.clone(), pc.clone());
-            tokio::spawn(run_peer(state.clone(), pc, codec, session, local.tracks));
+            tokio::spawn(run_peer(
+                state.clone(),
+                rtc.clone(),
+                pc,
+                codec,
+                session,
+                local.tracks,
+            ));
             let location = format!("/v1/webrtc/{id}");
             Ok(match shape {
                 Shape::Sdp => (
@@ -259,19 +275,35 @@ struct Tracks {
     speaker: Arc<TrackLocalStaticSample>,
     remote: mpsc::Receiver<Arc<TrackRemote>>,
     /// The events channel, with its messages since it was announced.
-    channel: mpsc::Receiver<(Arc<RTCDataChannel>, mpsc::Receiver<Message>)>,
+    channel: mpsc::Receiver<(Arc<RTCDataChannel>, mpsc::Receiver<Inbound>)>,
     state: watch::Receiver<RTCPeerConnectionState>,
 }
 
 /// A data channel message as the session reads it.
-fn to_message(msg: DataChannelMessage) -> Message {
+fn to_inbound(msg: DataChannelMessage) -> Inbound {
     if msg.is_string {
         match String::from_utf8(msg.data.to_vec()) {
-            Ok(t) => Message::Text(t.into()),
-            Err(_) => Message::Binary(msg.data),
+            Ok(t) => Inbound::Text(t),
+            Err(_) => Inbound::Binary(msg.data.to_vec()),
         }
     } else {
-        Message::Binary(msg.data)
+        Inbound::Binary(msg.data.to_vec())
+    }
+}
+
+/// The paced speaker track, as the conversation's transport plays to it.
+impl AudioSink for AudioOut {
+    fn push(&self, response: &str, pcm16: &[u8]) -> Result<(), Overflow> {
+        AudioOut::push(self, response, pcm16).map_err(|_| Overflow)
+    }
+    fn end(&self, response: &str) {
+        AudioOut::end(self, response)
+    }
+    fn clear(&self) {
+        AudioOut::clear(self)
+    }
+    fn queued_seconds(&self) -> f64 {
+        self.queued_samples() as f64 / f64::from(RATE)
     }
 }
 
@@ -332,11 +364,11 @@ async fn connect(
                 // the channel: it drops what arrives with no handler set, and
                 // a page sends its first events the moment the channel opens.
                 // A full queue holds the channel's reader back (backpressure).
-                let (msg_tx, msgs) = mpsc::channel::<Message>(64);
+                let (msg_tx, msgs) = mpsc::channel::<Inbound>(64);
                 dc.on_message(Box::new(move |msg: DataChannelMessage| {
                     let msg_tx = msg_tx.clone();
                     Box::pin(async move {
-                        let _ = msg_tx.send(to_message(msg)).await;
+                        let _ = msg_tx.send(to_inbound(msg)).await;
                     })
                 }));
                 let _ = tx.send((dc, msgs)).await;
@@ -383,9 +415,10 @@ async fn connect(
 /// speaker, the microphone; all end together.
 async fn run_peer(
     state: Arc<AppState>,
+    rtc: Arc<WebRtc>,
     pc: Arc<RTCPeerConnection>,
     codec: Codec,
-    session: super::sessions::SessionGuard,
+    session: crate::serve::sessions::SessionGuard,
     tracks: Tracks,
 ) {
     let _task = TaskGuard::new(&state.metrics);
@@ -394,7 +427,7 @@ async fn run_peer(
     let (hangup_tx, hangup) = watch::channel(false);
 
     // Events: data channel messages in, Outbox messages out through a bridge.
-    let (in_tx, in_rx) = mpsc::channel::<Result<Message, axum::Error>>(64);
+    let (in_tx, in_rx) = mpsc::channel::<Inbound>(64);
     // A bounded channel whose sending half is the Outbox writer's sink.
     let (out_tx, out_rx) = futures_channel::mpsc::channel::<Message>(64);
     let out = Outbox::start_on(out_tx, &state.metrics, slow_client_event(), false);
@@ -440,6 +473,7 @@ async fn run_peer(
     ));
     tokio::spawn(pace(
         state.clone(),
+        rtc.playout_lead,
         tracks.speaker.clone(),
         codec,
         cues,
@@ -461,19 +495,18 @@ async fn run_peer(
         tokio::spawn(async move {
             let _task = task;
             let _ = hangup.wait_for(|h| *h).await;
-            let _ = in_tx.send(Ok(Message::Close(None))).await;
+            let _ = in_tx.send(Inbound::Closed).await;
         });
     }
     let stream = tokio_stream::wrappers::ReceiverStream::new(in_rx);
-    run_session(
+    let codec = Realtime::new(state.clone(), id.clone(), Some(Box::new(speaker_out)));
+    driver::run(
         state.clone(),
+        codec,
         out.clone(),
         stream,
         session,
-        Some(MediaPath {
-            speaker: speaker_out,
-            mic: mic_rx,
-        }),
+        Some(mic_rx),
     )
     .await;
     out.close(None, axum::extract::ws::close_code::NORMAL);
@@ -485,9 +518,7 @@ async fn run_peer(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let _ = hangup_tx.send(true);
-    if let Some(rtc) = state.webrtc.as_ref() {
-        rtc.peers.remove(&id);
-    }
+    rtc.peers.remove(&id);
     let _ = pc.close().await;
 }
 
@@ -495,8 +526,8 @@ async fn run_peer(
 /// the session's input, the Outbox's output is sent on it. Its closing hangs up.
 async fn events_bridge(
     state: Arc<AppState>,
-    mut channel: mpsc::Receiver<(Arc<RTCDataChannel>, mpsc::Receiver<Message>)>,
-    input: mpsc::Sender<Result<Message, axum::Error>>,
+    mut channel: mpsc::Receiver<(Arc<RTCDataChannel>, mpsc::Receiver<Inbound>)>,
+    input: mpsc::Sender<Inbound>,
     mut output: futures_channel::mpsc::Receiver<Message>,
     hangup: watch::Sender<bool>,
 ) {
@@ -536,7 +567,7 @@ async fn events_bridge(
             _ = gone.wait_for(|h| *h) => (None, None),
         };
         if let Some(m) = incoming {
-            if input.send(Ok(m)).await.is_err() {
+            if input.send(m).await.is_err() {
                 break;
             }
             continue;
@@ -557,8 +588,10 @@ async fn events_bridge(
 
 /// The speaker: one 20 ms frame per tick, answers' audio or silence, with
 /// `output_audio_buffer.started/stopped` events as answers start and end.
+#[allow(clippy::too_many_arguments)]
 async fn pace(
     state: Arc<AppState>,
+    lead: Duration,
     track: Arc<TrackLocalStaticSample>,
     codec: Codec,
     mut cues: mpsc::UnboundedReceiver<media::Cue>,
@@ -567,10 +600,6 @@ async fn pace(
     mut hangup: watch::Receiver<bool>,
 ) {
     let _task = TaskGuard::new(&state.metrics);
-    let lead = state
-        .webrtc
-        .as_ref()
-        .map_or(Duration::ZERO, |r| r.playout_lead);
     let mut speaker = match Speaker::new(codec, queued, lead) {
         Ok(s) => s,
         Err(e) => {
@@ -694,9 +723,11 @@ async fn listen(
 }
 
 /// `DELETE /v1/webrtc/{session}`: hang up (WHIP's way to end a session).
-async fn hang_up(State(state): State<Arc<AppState>>, Path(session): Path<String>) -> Response {
-    let pc = state
-        .webrtc
+async fn hang_up(
+    Extension(rtc): Extension<Option<Arc<WebRtc>>>,
+    Path(session): Path<String>,
+) -> Response {
+    let pc = rtc
         .as_ref()
         .and_then(|r| r.peers.get(&session).map(|p| p.clone()));
     match pc {

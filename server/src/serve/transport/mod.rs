@@ -1,0 +1,7 @@
+//! The wire protocols: each a thin codec between its connection's messages
+//! and the conversation core (`serve::conversation`), driven by
+//! `serve::driver`. The connection plumbing they share is `serve::conn`.
+
+pub mod realtime;
+pub mod stream;
+pub mod webrtc;

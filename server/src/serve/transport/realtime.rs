@@ -1,0 +1,995 @@
+//! `GET /v1/realtime`: the OpenAI Realtime protocol (GA event names) over a
+//! WebSocket, text in, text and/or 24 kHz pcm16 audio out; and the same
+//! events over a WebRTC data channel, with the audio on media tracks.
+//!
+//! This file is a codec: client events become the conversation's inputs
+//! (validated here, against the protocol), its outputs become server events.
+//! What happens in the conversation is decided in `serve::conversation`.
+
+use std::sync::Arc;
+
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::Response;
+use axum::routing::get;
+use axum::Router;
+use base64::Engine as _;
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use omnistream_stages::engine::{Modalities, Role};
+
+use crate::serve::audio::OutputFormat;
+use crate::serve::conn::{self, AudioSink, Outbox, Overflow};
+use crate::serve::conversation::{
+    new_id, AnswerInfo, Conversation, End, Input, Output, Respond, Settings, TurnSettings,
+};
+use crate::serve::driver::{self, Action, Incoming, Transport};
+use crate::serve::error::ClientError;
+use crate::serve::sessions::SessionGuard;
+use crate::serve::state::AppState;
+
+/// The only output (and input) audio format: pcm16, mono, 24 kHz.
+pub const RATE: u32 = 24_000;
+const MAX_OUTPUT_TOKENS: u64 = 4096;
+
+pub fn routes() -> Router<Arc<AppState>> {
+    Router::new().route("/v1/realtime", get(upgrade))
+}
+
+async fn upgrade(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    ws: WebSocketUpgrade,
+) -> Response {
+    conn::accept(state, &headers, ws, "realtime", &["realtime"], serve)
+}
+
+/// A server event: `type` and a fresh `event_id` added to `body`.
+pub fn event(kind: &str, mut body: Value) -> Message {
+    if let Value::Object(m) = &mut body {
+        m.insert("type".into(), kind.into());
+        m.insert("event_id".into(), new_id("event").into());
+    }
+    Message::Text(body.to_string().into())
+}
+
+fn error_event(e: &ClientError, client_event_id: Option<&str>) -> Message {
+    event(
+        "error",
+        json!({"error": {
+            "type": e.kind, "code": e.code, "message": e.message,
+            "param": e.param, "event_id": client_event_id,
+        }}),
+    )
+}
+
+/// Error event for a client too slow to read (the last thing it is sent).
+pub fn slow_client_event() -> Message {
+    error_event(&ClientError::slow_client(), None)
+}
+
+async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
+    let _conn = conn::ConnGauge::new(&state.metrics, "realtime");
+    let (sink, stream) = socket.split();
+    let out = Outbox::start(sink, &state.metrics, slow_client_event());
+    let rt = Realtime::new(state.clone(), session.id.clone(), None);
+    driver::run(
+        state,
+        rt,
+        out,
+        driver::websocket_inbound(stream),
+        session,
+        None,
+    )
+    .await;
+}
+
+/// The Realtime protocol's codec; `speaker`: where answers' audio plays
+/// instead of `response.output_audio.delta` events (a WebRTC track).
+pub struct Realtime {
+    state: Arc<AppState>,
+    session_id: String,
+    speaker: Option<Box<dyn AudioSink>>,
+}
+
+impl Realtime {
+    pub fn new(
+        state: Arc<AppState>,
+        session_id: String,
+        speaker: Option<Box<dyn AudioSink>>,
+    ) -> Self {
+        Self {
+            state,
+            session_id,
+            speaker,
+        }
+    }
+}
+
+/// `"inf"` or a positive integer.
+fn parse_max_tokens(v: &Value, param: &'static str) -> Result<Option<usize>, ClientError> {
+    match v {
+        Value::String(s) if s == "inf" => Ok(None),
+        Value::Number(n) => match n.as_u64() {
+            Some(k) if (1..=MAX_OUTPUT_TOKENS).contains(&k) => Ok(Some(k as usize)),
+            _ => Err(ClientError::param(
+                param,
+                format!("{param} must be an integer from 1 to {MAX_OUTPUT_TOKENS}, or \"inf\""),
+            )),
+        },
+        _ => Err(ClientError::param(
+            param,
+            format!("{param} must be an integer or \"inf\""),
+        )),
+    }
+}
+
+fn check_temperature(t: f64) -> Result<f64, ClientError> {
+    if (0.0..=2.0).contains(&t) {
+        Ok(t)
+    } else {
+        Err(ClientError::param(
+            "temperature",
+            "temperature must be between 0 and 2",
+        ))
+    }
+}
+
+fn check_voice(state: &AppState, v: &str) -> Result<String, ClientError> {
+    state.voice(v).map_err(|m| ClientError::param("voice", m))
+}
+
+/// Accepts pcm16 at 24 kHz, in the GA (`{"type":"audio/pcm","rate":24000}`)
+/// or beta (`"pcm16"`) shape; anything else is `unsupported_audio_format`.
+fn check_format(v: &Value, param: &'static str) -> Result<(), ClientError> {
+    let unsupported = |what: String| {
+        Err(ClientError {
+            param: Some(param),
+            ..ClientError::invalid(
+                "unsupported_audio_format",
+                format!(
+                    "audio format {what} is not supported: use {{\"type\":\"audio/pcm\",\"rate\":24000}} (pcm16)"
+                ),
+            )
+        })
+    };
+    match v {
+        Value::String(s) if s == "pcm16" || s == "audio/pcm" => Ok(()),
+        Value::Object(m) => {
+            let kind = m.get("type").and_then(Value::as_str).unwrap_or("");
+            if kind != "audio/pcm" {
+                return unsupported(format!("{kind:?}"));
+            }
+            match m.get("rate") {
+                None | Some(Value::Null) => Ok(()),
+                Some(r) if r.as_u64() == Some(u64::from(RATE)) => Ok(()),
+                Some(r) => unsupported(format!("audio/pcm at {r} Hz")),
+            }
+        }
+        other => unsupported(other.to_string()),
+    }
+}
+
+fn modalities(names: &[String], param: &'static str) -> Result<bool, ClientError> {
+    let m = Modalities::from_names(names).map_err(|e| ClientError::param(param, e))?;
+    Ok(m.audio)
+}
+
+/// Deserializes a present field as `Some(value)` (so `null` is `Some(Null)`,
+/// and an absent one stays `None`).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(d).map(Some)
+}
+
+#[derive(Deserialize, Default)]
+struct AudioInPatch {
+    format: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    turn_detection: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    transcription: Option<Value>,
+}
+
+#[derive(Deserialize, Default)]
+struct AudioOutPatch {
+    format: Option<Value>,
+    voice: Option<String>,
+    speed: Option<f32>,
+}
+
+#[derive(Deserialize, Default)]
+struct AudioPatch {
+    input: Option<AudioInPatch>,
+    output: Option<AudioOutPatch>,
+}
+
+/// `session.update`'s `session` (GA shape, with the beta names accepted too).
+#[derive(Deserialize, Default)]
+struct SessionPatch {
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    instructions: Option<String>,
+    voice: Option<String>,
+    output_modalities: Option<Vec<String>>,
+    modalities: Option<Vec<String>>,
+    audio: Option<AudioPatch>,
+    output_audio_format: Option<Value>,
+    input_audio_format: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    turn_detection: Option<Value>,
+    max_output_tokens: Option<Value>,
+    max_response_output_tokens: Option<Value>,
+    temperature: Option<f64>,
+    tools: Option<Vec<Value>>,
+}
+
+#[derive(Deserialize)]
+struct SessionUpdate {
+    session: SessionPatch,
+}
+
+#[derive(Deserialize)]
+struct ContentIn {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+    transcript: Option<String>,
+    audio: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ItemIn {
+    id: Option<String>,
+    #[serde(rename = "type")]
+    kind: String,
+    role: Option<String>,
+    #[serde(default)]
+    content: Vec<ContentIn>,
+}
+
+#[derive(Deserialize)]
+struct ItemCreate {
+    item: ItemIn,
+}
+
+#[derive(Deserialize, Default)]
+struct ResponseParams {
+    output_modalities: Option<Vec<String>>,
+    modalities: Option<Vec<String>>,
+    instructions: Option<String>,
+    voice: Option<String>,
+    audio: Option<AudioPatch>,
+    output_audio_format: Option<Value>,
+    max_output_tokens: Option<Value>,
+    max_response_output_tokens: Option<Value>,
+    temperature: Option<f64>,
+    conversation: Option<String>,
+    input: Option<Vec<Value>>,
+}
+
+#[derive(Deserialize, Default)]
+struct ResponseCreate {
+    #[serde(default)]
+    response: Option<ResponseParams>,
+}
+
+#[derive(Deserialize, Default)]
+struct ResponseCancel {
+    response_id: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct AudioAppend {
+    audio: String,
+}
+
+/// What a validated `session.update` changes.
+struct SessionChange {
+    /// Checked in `session_update`, which knows whether the server has VAD.
+    turn_detection: Option<Value>,
+    instructions: Option<String>,
+    voice: Option<String>,
+    audio_out: Option<bool>,
+    max_tokens: Option<Option<usize>>,
+    temperature: Option<f64>,
+    speed: Option<f32>,
+}
+
+impl SessionPatch {
+    /// Validates everything before anything is applied.
+    fn validate(self) -> Result<SessionChange, ClientError> {
+        if let Some(k) = self.kind.as_deref() {
+            if k != "realtime" {
+                return Err(ClientError::param(
+                    "session.type",
+                    format!("session type {k:?} is not supported: use \"realtime\""),
+                ));
+            }
+        }
+        let audio = self.audio.unwrap_or_default();
+        let input = audio.input.unwrap_or_default();
+        let output = audio.output.unwrap_or_default();
+        let turn_detection = input.turn_detection.or(self.turn_detection);
+        // Committed speech is always transcribed where the pipeline hears (the
+        // Thinker reads words); a transcription config may only ask for that.
+        if let Some(Value::Object(t)) = &input.transcription {
+            let lang = t.get("language").and_then(Value::as_str);
+            if lang.is_some_and(|l| l != "en") {
+                return Err(ClientError::param(
+                    "session.audio.input.transcription.language",
+                    "the recognizer (Whisper tiny.en) hears English only: use \"en\"",
+                ));
+            }
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(ClientError::param(
+                "session.tools",
+                "tools are not supported",
+            ));
+        }
+        for (f, p) in [
+            (&output.format, "session.audio.output.format"),
+            (&self.output_audio_format, "session.output_audio_format"),
+            (&input.format, "session.audio.input.format"),
+            (&self.input_audio_format, "session.input_audio_format"),
+        ] {
+            if let Some(f) = f {
+                check_format(f, p)?;
+            }
+        }
+        // Checked against the pipeline's voices where the session applies it.
+        let voice = output.voice.or(self.voice);
+        let audio_out = match self.output_modalities.or(self.modalities) {
+            Some(names) => Some(modalities(&names, "session.output_modalities")?),
+            None => None,
+        };
+        let max_tokens = match self.max_output_tokens.or(self.max_response_output_tokens) {
+            Some(v) => Some(parse_max_tokens(&v, "max_output_tokens")?),
+            None => None,
+        };
+        let temperature = self.temperature.map(check_temperature).transpose()?;
+        let speed = match output.speed {
+            Some(s) if (0.25..=1.5).contains(&s) => Some(s),
+            Some(_) => {
+                return Err(ClientError::param(
+                    "session.audio.output.speed",
+                    "speed must be between 0.25 and 1.5",
+                ))
+            }
+            None => None,
+        };
+        Ok(SessionChange {
+            turn_detection,
+            instructions: self.instructions,
+            voice,
+            audio_out,
+            max_tokens,
+            temperature,
+            speed,
+        })
+    }
+}
+
+/// What a validated `response.create` asks for.
+struct ResponseOptions {
+    audio_out: bool,
+    /// Whether the answer joins the conversation (`conversation: "auto"`).
+    record: bool,
+    instructions: Option<String>,
+    voice: Option<String>,
+    max_tokens: Option<Option<usize>>,
+    temperature: Option<f64>,
+}
+
+impl ResponseParams {
+    fn validate(self, session_audio: bool) -> Result<ResponseOptions, ClientError> {
+        if self.input.as_ref().is_some_and(|i| !i.is_empty()) {
+            return Err(ClientError::param(
+                "response.input",
+                "custom response input is not supported: add conversation items instead",
+            ));
+        }
+        let record = match self.conversation.as_deref() {
+            None | Some("auto") => true,
+            Some("none") => false,
+            Some(o) => {
+                return Err(ClientError::param(
+                    "response.conversation",
+                    format!("conversation {o:?}: use \"auto\" or \"none\""),
+                ))
+            }
+        };
+        let audio_out = match self.output_modalities.or(self.modalities) {
+            Some(names) => modalities(&names, "response.output_modalities")?,
+            None => session_audio,
+        };
+        let out_audio = self.audio.and_then(|a| a.output).unwrap_or_default();
+        if let Some(f) = out_audio
+            .format
+            .as_ref()
+            .or(self.output_audio_format.as_ref())
+        {
+            check_format(f, "response.audio.output.format")?;
+        }
+        Ok(ResponseOptions {
+            audio_out,
+            record,
+            instructions: self.instructions,
+            voice: out_audio.voice.or(self.voice),
+            max_tokens: self
+                .max_output_tokens
+                .or(self.max_response_output_tokens)
+                .map(|v| parse_max_tokens(&v, "max_output_tokens"))
+                .transpose()?,
+            temperature: self.temperature.map(check_temperature).transpose()?,
+        })
+    }
+}
+
+/// Parses a client event's fields into `T`; a type mismatch is a clear error.
+fn fields<T: serde::de::DeserializeOwned>(v: Value, kind: &str) -> Result<T, ClientError> {
+    serde_json::from_value(v)
+        .map_err(|e| ClientError::invalid("invalid_event", format!("{kind}: {e}")))
+}
+
+/// Another answer asked for while one runs.
+fn busy(id: &str) -> ClientError {
+    ClientError::invalid(
+        "conversation_already_has_active_response",
+        format!("response {id} is still in progress: wait for response.done or cancel it"),
+    )
+}
+
+fn input(event_id: Option<String>, input: Input) -> Vec<Action> {
+    vec![Action::Input { event_id, input }]
+}
+
+impl Realtime {
+    fn session_json(&self, s: &Settings, conv: &Conversation) -> Value {
+        json!({
+            "type": "realtime",
+            "object": "realtime.session",
+            "id": self.session_id,
+            "model": self.state.config.model_name,
+            "output_modalities": if s.audio_out { ["audio"] } else { ["text"] },
+            "instructions": s.instructions.clone().unwrap_or_default(),
+            "audio": {
+                "input": {
+                    "format": {"type": "audio/pcm", "rate": RATE},
+                    "transcription": if conv.caps().listener {
+                        json!({"model": "whisper-tiny.en", "language": "en", "prompt": ""})
+                    } else {
+                        Value::Null
+                    },
+                    "noise_reduction": null,
+                    "turn_detection": s.turns.as_ref().map_or(Value::Null, TurnSettings::to_json),
+                },
+                "output": {
+                    "format": {"type": "audio/pcm", "rate": RATE},
+                    "voice": s.voice.clone().unwrap_or_else(|| self.state.default_voice().to_string()),
+                    "speed": s.sampling.speed.unwrap_or(1.0),
+                },
+            },
+            "max_output_tokens": s.sampling.max_tokens.map_or_else(|| json!("inf"), |n| json!(n)),
+            "temperature": s.sampling.temperature,
+            "tools": [],
+            "tool_choice": "auto",
+            "tracing": null,
+        })
+    }
+
+    fn on_event(&mut self, v: Value, conv: &Conversation) -> Result<Vec<Action>, ClientError> {
+        let event_id = v.get("event_id").and_then(Value::as_str).map(str::to_owned);
+        let Some(kind) = v.get("type").and_then(Value::as_str).map(str::to_owned) else {
+            return Err(ClientError::invalid(
+                "missing_type",
+                "the event has no string \"type\"",
+            ));
+        };
+        Ok(match kind.as_str() {
+            "session.update" => {
+                let settings = self.session_update(v, conv)?;
+                let session = self.session_json(&settings, conv);
+                vec![
+                    Action::Input {
+                        event_id,
+                        input: Input::Configure(settings),
+                    },
+                    Action::Send(event("session.updated", json!({ "session": session }))),
+                ]
+            }
+            "conversation.item.create" => input(event_id, item_create(v)?),
+            "response.create" => {
+                let o = fields::<ResponseCreate>(v, "response.create")?
+                    .response
+                    .unwrap_or_default()
+                    .validate(conv.settings().audio_out)?;
+                let voice = o.voice.map(|v| check_voice(&self.state, &v)).transpose()?;
+                let respond = Respond {
+                    audio_out: Some(o.audio_out),
+                    instructions: o.instructions,
+                    voice,
+                    max_tokens: o.max_tokens,
+                    temperature: o.temperature,
+                    record: o.record,
+                    user_text: None,
+                    busy,
+                };
+                input(event_id, Input::Respond(respond))
+            }
+            "response.cancel" => {
+                let ResponseCancel { response_id } = fields(v, "response.cancel")?;
+                input(event_id, Input::Cancel { response_id })
+            }
+            "input_audio_buffer.append" => {
+                let AudioAppend { audio } = fields(v, "input_audio_buffer.append")?;
+                let pcm = conn::decode_pcm16_base64(&audio)?;
+                input(event_id, Input::Audio(pcm))
+            }
+            "input_audio_buffer.commit" => input(event_id, Input::Commit { respond: false }),
+            "input_audio_buffer.clear" => input(event_id, Input::Clear),
+            "output_audio_buffer.clear" if self.speaker.is_some() => {
+                self.clear_player();
+                vec![Action::Send(event(
+                    "output_audio_buffer.cleared",
+                    json!({}),
+                ))]
+            }
+            "conversation.item.delete"
+            | "conversation.item.truncate"
+            | "conversation.item.retrieve"
+            | "output_audio_buffer.clear"
+            | "transcription_session.update" => {
+                return Err(ClientError::invalid(
+                    "unsupported_event",
+                    format!("{kind} is not supported by this server"),
+                ))
+            }
+            other => {
+                return Err(ClientError::invalid(
+                    "unknown_event_type",
+                    format!("unknown event type {other:?}"),
+                ))
+            }
+        })
+    }
+
+    /// The session's settings after a `session.update`, all of it validated
+    /// before any of it applies.
+    fn session_update(&self, v: Value, conv: &Conversation) -> Result<Settings, ClientError> {
+        let change = fields::<SessionUpdate>(v, "session.update")?
+            .session
+            .validate()?;
+        let voice = change
+            .voice
+            .map(|v| check_voice(&self.state, &v))
+            .transpose()?;
+        let mut s = conv.settings().clone();
+        if let Some(td) = &change.turn_detection {
+            let hub = self.state.config.vad.as_ref().map(|h| h.min_speech_ms);
+            s.turns = TurnSettings::parse(td, hub, "session.audio.input.turn_detection")?;
+        }
+        if let Some(a) = change.audio_out {
+            s.audio_out = a;
+        }
+        if let Some(i) = change.instructions {
+            s.instructions = Some(i).filter(|i| !i.is_empty());
+        }
+        if let Some(v) = voice {
+            s.voice = Some(v);
+        }
+        if let Some(m) = change.max_tokens {
+            s.sampling.max_tokens = m;
+        }
+        if let Some(t) = change.temperature {
+            s.sampling.temperature = Some(t);
+        }
+        if let Some(sp) = change.speed {
+            s.sampling.speed = Some(sp);
+        }
+        Ok(s)
+    }
+
+    /// Announces a new conversation item (beta `created`, GA `added` + `done`).
+    fn announce_item(item: &Value, previous: &Option<String>, frames: &mut Vec<Message>) {
+        for kind in [
+            "conversation.item.created",
+            "conversation.item.added",
+            "conversation.item.done",
+        ] {
+            frames.push(event(
+                kind,
+                json!({"previous_item_id": previous, "item": item}),
+            ));
+        }
+    }
+
+    fn answer_opening(&self, a: &AnswerInfo) -> Vec<Message> {
+        let created = event(
+            "response.created",
+            json!({"response": self.response(a, "in_progress", Value::Null, json!([]), Value::Null)}),
+        );
+        let item = answer_item(a, "in_progress", json!([]));
+        vec![
+            created,
+            event(
+                "response.output_item.added",
+                json!({"response_id": a.response_id, "output_index": 0, "item": item}),
+            ),
+            event(
+                "conversation.item.added",
+                json!({"previous_item_id": a.previous, "item": item}),
+            ),
+            event(
+                "response.content_part.added",
+                json!({
+                    "response_id": a.response_id, "item_id": a.item_id,
+                    "output_index": 0, "content_index": 0, "part": part(a, ""),
+                }),
+            ),
+        ]
+    }
+
+    fn response(
+        &self,
+        a: &AnswerInfo,
+        status: &str,
+        details: Value,
+        output: Value,
+        usage: Value,
+    ) -> Value {
+        json!({
+            "id": a.response_id,
+            "object": "realtime.response",
+            "status": status,
+            "status_details": details,
+            "output": output,
+            "conversation_id": self.session_id,
+            "output_modalities": if a.audio { ["audio"] } else { ["text"] },
+            "max_output_tokens": a.max_out.map_or_else(|| json!("inf"), |n| json!(n)),
+            "usage": usage,
+        })
+    }
+
+    fn answer_closing(&self, a: &AnswerInfo, end: &End, text: &str) -> Vec<Message> {
+        let (status, details, usage) = match end {
+            End::Completed(u) => {
+                let incomplete = a.max_out.is_some_and(|m| u.completion_tokens >= m);
+                let details = if incomplete {
+                    json!({"type": "incomplete", "reason": "max_output_tokens"})
+                } else {
+                    Value::Null
+                };
+                let status = if incomplete {
+                    "incomplete"
+                } else {
+                    "completed"
+                };
+                let usage = json!({
+                    "total_tokens": u.prompt_tokens + u.completion_tokens,
+                    "input_tokens": u.prompt_tokens,
+                    "output_tokens": u.completion_tokens,
+                    "input_token_details": {"cached_tokens": u.cached_tokens, "text_tokens": u.prompt_tokens, "audio_tokens": 0},
+                    "output_token_details": {"text_tokens": u.completion_tokens, "audio_tokens": 0},
+                });
+                (status, details, usage)
+            }
+            End::Cancelled | End::SlowClient => (
+                "cancelled",
+                json!({"type": "cancelled", "reason": "client_cancelled"}),
+                Value::Null,
+            ),
+            End::Failed(e) => {
+                let e = ClientError::failed(e.clone());
+                (
+                    "failed",
+                    json!({"type": "failed", "error": {"type": e.kind, "code": e.code, "message": e.message}}),
+                    Value::Null,
+                )
+            }
+        };
+        let item_status = if status == "completed" {
+            "completed"
+        } else {
+            "incomplete"
+        };
+        let part = part(a, text);
+        let item = answer_item(a, item_status, json!([part]));
+        let mut closing = Vec::new();
+        if a.audio {
+            closing.push(delta(a, "response.output_audio.done", json!({})));
+            closing.push(delta(
+                a,
+                "response.output_audio_transcript.done",
+                json!({ "transcript": text }),
+            ));
+        } else {
+            closing.push(delta(
+                a,
+                "response.output_text.done",
+                json!({ "text": text }),
+            ));
+        }
+        closing.push(delta(
+            a,
+            "response.content_part.done",
+            json!({ "part": part }),
+        ));
+        closing.push(event(
+            "response.output_item.done",
+            json!({"response_id": a.response_id, "output_index": 0, "item": item}),
+        ));
+        closing.push(event(
+            "conversation.item.done",
+            json!({"previous_item_id": a.previous, "item": item}),
+        ));
+        closing.push(event(
+            "response.done",
+            json!({"response": self.response(a, status, details, json!([item]), usage)}),
+        ));
+        closing
+    }
+}
+
+fn answer_item(a: &AnswerInfo, status: &str, content: Value) -> Value {
+    json!({
+        "id": a.item_id, "object": "realtime.item", "type": "message",
+        "status": status, "role": "assistant", "content": content,
+    })
+}
+
+fn part(a: &AnswerInfo, text: &str) -> Value {
+    if a.audio {
+        json!({"type": "output_audio", "transcript": text})
+    } else {
+        json!({"type": "output_text", "text": text})
+    }
+}
+
+/// `response_id`, `item_id`, `output_index`, `content_index` plus `extra`.
+fn delta(a: &AnswerInfo, kind: &str, extra: Value) -> Message {
+    let mut body = json!({
+        "response_id": a.response_id, "item_id": a.item_id,
+        "output_index": 0, "content_index": 0,
+    });
+    if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
+        b.extend(e);
+    }
+    event(kind, body)
+}
+
+/// `conversation.item.create`, validated: a message with text.
+fn item_create(v: Value) -> Result<Input, ClientError> {
+    let ItemCreate { item } = fields(v, "conversation.item.create")?;
+    if item.kind != "message" {
+        return Err(ClientError::param(
+            "item.type",
+            format!(
+                "item type {:?} is not supported: only \"message\" items",
+                item.kind
+            ),
+        ));
+    }
+    let name = item.role.unwrap_or_default();
+    let Some(role) = Role::parse(&name) else {
+        return Err(ClientError::param(
+            "item.role",
+            format!("role {name:?}: use \"user\", \"system\" or \"assistant\""),
+        ));
+    };
+    let mut text = String::new();
+    let mut content = Vec::new();
+    for c in &item.content {
+        match c.kind.as_str() {
+            "input_text" | "text" | "output_text" => {
+                let t = c.text.as_deref().ok_or_else(|| {
+                    ClientError::param("item.content.text", "text content needs \"text\"")
+                })?;
+                text.push_str(t);
+                content.push(json!({"type": c.kind, "text": t}));
+            }
+            "input_audio" | "output_audio" | "audio" => {
+                if let Some(a) = &c.audio {
+                    conn::decode_pcm16_base64(a)?;
+                }
+                // Audio is not understood yet: only a given transcript reaches the model.
+                if let Some(t) = &c.transcript {
+                    text.push_str(t);
+                }
+                content.push(json!({"type": c.kind, "transcript": c.transcript}));
+            }
+            other => {
+                return Err(ClientError::param(
+                    "item.content.type",
+                    format!("content type {other:?} is not supported"),
+                ))
+            }
+        }
+    }
+    if text.trim().is_empty() {
+        return Err(ClientError::param(
+            "item.content",
+            "the item has no text (audio without a transcript is not understood yet)",
+        ));
+    }
+    Ok(Input::AddMessage {
+        item_id: item.id.filter(|i| !i.is_empty() && i.len() <= 64),
+        role,
+        text,
+        content: Value::Array(content),
+    })
+}
+
+impl Transport for Realtime {
+    fn endpoint(&self) -> &'static str {
+        "realtime"
+    }
+
+    fn settings(&self) -> Settings {
+        let mut s = Settings::new(RATE, OutputFormat::Pcm16 { rate: RATE });
+        // A live microphone never stops: its buffer keeps the newest audio.
+        s.mic = self.speaker.is_some();
+        s
+    }
+
+    fn opening(&mut self, conv: &Conversation) -> Vec<Message> {
+        let session = self.session_json(conv.settings(), conv);
+        vec![event("session.created", json!({ "session": session }))]
+    }
+
+    fn message(&mut self, m: Incoming<'_>, conv: &Conversation) -> Vec<Action> {
+        let text = match m {
+            Incoming::Text(t) => t,
+            Incoming::Binary(_) => {
+                let e = ClientError::invalid(
+                    "invalid_frame",
+                    "binary frames are not part of the Realtime protocol: send JSON text events",
+                );
+                return vec![Action::Send(error_event(&e, None))];
+            }
+        };
+        let v: Value = match serde_json::from_str(text) {
+            Ok(v) => v,
+            Err(e) => {
+                let e = ClientError::invalid(
+                    "invalid_json",
+                    format!("the event is not valid JSON: {e}"),
+                );
+                return vec![Action::Send(error_event(&e, None))];
+            }
+        };
+        let event_id = v.get("event_id").and_then(Value::as_str).map(str::to_owned);
+        match self.on_event(v, conv) {
+            Ok(actions) => actions,
+            Err(e) => vec![Action::Send(error_event(&e, event_id.as_deref()))],
+        }
+    }
+
+    fn output(&mut self, o: Output, _conv: &Conversation) -> Result<Vec<Message>, Overflow> {
+        let mut frames = Vec::new();
+        match o {
+            Output::Error { error, event_id } => {
+                frames.push(error_event(&error, event_id.as_deref()));
+            }
+            Output::SpeechStarted {
+                item_id,
+                audio_start_ms,
+            } => frames.push(event(
+                "input_audio_buffer.speech_started",
+                json!({"audio_start_ms": audio_start_ms, "item_id": item_id}),
+            )),
+            Output::SpeechStopped {
+                item_id,
+                audio_end_ms,
+                ..
+            } => frames.push(event(
+                "input_audio_buffer.speech_stopped",
+                json!({"audio_end_ms": audio_end_ms, "item_id": item_id}),
+            )),
+            Output::AudioReceived { .. } => {}
+            Output::InputCleared => frames.push(event("input_audio_buffer.cleared", json!({}))),
+            Output::Committed {
+                item_id,
+                previous,
+                seconds,
+            } => {
+                frames.push(event(
+                    "input_audio_buffer.committed",
+                    json!({"previous_item_id": previous, "item_id": item_id}),
+                ));
+                // As in OpenAI's API the item comes first, its transcript after.
+                let item = json!({
+                    "id": item_id, "object": "realtime.item", "type": "message",
+                    "status": "completed", "role": "user",
+                    "content": [{"type": "input_audio", "transcript": null}],
+                    "audio_seconds": seconds,
+                });
+                Self::announce_item(&item, &previous, &mut frames);
+            }
+            Output::ItemAdded {
+                item_id,
+                previous,
+                role,
+                content,
+            } => {
+                let item = json!({
+                    "id": item_id, "object": "realtime.item", "type": "message",
+                    "status": "completed", "role": role, "content": content,
+                });
+                Self::announce_item(&item, &previous, &mut frames);
+            }
+            Output::Transcribed { item_id, result } => frames.push(match result {
+                Ok(transcript) => event(
+                    "conversation.item.input_audio_transcription.completed",
+                    json!({"item_id": item_id, "content_index": 0, "transcript": transcript}),
+                ),
+                Err(e) => event(
+                    "conversation.item.input_audio_transcription.failed",
+                    json!({
+                        "item_id": item_id, "content_index": 0,
+                        "error": {"type": e.kind, "code": e.code, "message": e.message},
+                    }),
+                ),
+            }),
+            Output::AnswerStarted(a) => frames.extend(self.answer_opening(&a)),
+            Output::AnswerText { answer, delta: d } => {
+                let kind = if answer.audio {
+                    "response.output_audio_transcript.delta"
+                } else {
+                    "response.output_text.delta"
+                };
+                frames.push(delta(&answer, kind, json!({ "delta": d })));
+            }
+            Output::AnswerAudio { answer, bytes } => match &self.speaker {
+                Some(sp) => sp.push(&answer.response_id, &bytes)?,
+                None => frames.push(delta(
+                    &answer,
+                    "response.output_audio.delta",
+                    json!({ "delta": base64::engine::general_purpose::STANDARD.encode(&bytes) }),
+                )),
+            },
+            Output::AnswerDone {
+                answer, end, text, ..
+            } => {
+                if let Some(sp) = &self.speaker {
+                    sp.end(&answer.response_id);
+                }
+                frames.extend(self.answer_closing(&answer, &end, &text));
+            }
+            Output::Truncated {
+                item_id,
+                audio_end_ms,
+                ..
+            } => frames.push(event(
+                "conversation.item.truncated",
+                json!({"item_id": item_id, "content_index": 0, "audio_end_ms": audio_end_ms}),
+            )),
+            Output::PlaybackCleared { response_id } => frames.push(event(
+                "output_audio_buffer.cleared",
+                json!({"response_id": response_id}),
+            )),
+        }
+        Ok(frames)
+    }
+
+    fn error(&self, e: &ClientError) -> Message {
+        error_event(e, None)
+    }
+
+    fn queued_seconds(&self) -> f64 {
+        self.speaker.as_ref().map_or(0.0, |s| s.queued_seconds())
+    }
+
+    fn clear_player(&mut self) {
+        if let Some(s) = &self.speaker {
+            s.clear();
+        }
+    }
+
+    fn has_player(&self) -> bool {
+        self.speaker.is_some()
+    }
+}

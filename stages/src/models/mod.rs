@@ -1,6 +1,5 @@
 //! The models stages run. One file (or folder) per model, config struct first.
 
-pub mod ct2;
 pub mod linear;
 pub mod phonemize;
 pub mod piper;
@@ -9,7 +8,6 @@ pub mod qwen3_omni;
 pub mod silero_vad;
 pub mod tokenizer;
 pub mod whisper;
-pub mod whisper_model;
 
 use std::path::PathBuf;
 

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
-use super::{ModelError, Result};
+use crate::models::{ModelError, Result};
 
 /// The newest binary version this reader understands (CTranslate2's `CURRENT_BINARY_VERSION`).
 pub const MAX_BINARY_VERSION: u32 = 6;

@@ -1,7 +1,7 @@
 //! Whisper's network (encoder and decoder), on this crate's f32 kernels.
 //!
 //! Modules and weight names mirror Hugging Face's `WhisperForConditionalGeneration`
-//! (`model.encoder.layers.N.self_attn.q_proj`, ...), which is what [`super::whisper`] maps the
+//! (`model.encoder.layers.N.self_attn.q_proj`, ...), which is what [`super`] maps the
 //! CTranslate2 variables to. candle's own Whisper does the same arithmetic through candle's CPU
 //! matmul, which reaches ~10 GFLOP/s on the encoder's products on 2 cores, and its decoder keeps
 //! no self-attention cache (every step reruns the whole prefix). Here every product goes through
@@ -14,8 +14,8 @@
 
 use rayon::prelude::*;
 
-use super::linear::matmul_nt;
-use super::{ModelError, Result};
+use crate::models::linear::matmul_nt;
+use crate::models::{ModelError, Result};
 
 /// The hyper-parameters the network needs.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,7 +33,7 @@ pub struct WhisperNetConfig {
     pub vocab: usize,
 }
 
-/// Named f32 weights (HF names), as [`super::whisper`] builds them.
+/// Named f32 weights (HF names), as [`super`] builds them.
 pub trait WeightSource {
     /// The weight `name`, row-major, and its shape.
     fn get(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)>;

@@ -1,6 +1,6 @@
 //! Speech recognition with an English-only Whisper (tiny.en) read from a CTranslate2 folder
 //! (`model.bin`, `config.json`, `vocabulary.txt`, `tokenizer.json`, as faster-whisper uses it)
-//! and run on the CPU by [`super::whisper_model`] (this crate's kernels, HF module names).
+//! and run on the CPU by [`model`] (this crate's kernels, HF module names).
 //!
 //! * Weights: CTranslate2's variables are renamed to candle's (HF) names, fp16 -> f32, the
 //!   fused self-attention QKV and cross-attention KV projections split. The key projection
@@ -32,7 +32,7 @@
 //!
 //! Cost: candle-transformers' Whisper (used here before) spent 1.7 s per 30 s window in the
 //! encoder (candle's CPU gemm) and reran the whole prefix at every decoder step; the network in
-//! [`super::whisper_model`] runs every product on [`super::linear::matmul_nt`] and keeps a KV
+//! [`model`] runs every product on [`crate::models::linear::matmul_nt`] and keeps a KV
 //! cache (`docs/bench/voice.md` has the figures).
 
 use std::path::{Path, PathBuf};
@@ -43,9 +43,12 @@ use candle_transformers::models::whisper as cw;
 use rayon::prelude::*;
 use tokenizers::Tokenizer;
 
-use super::ct2::Ct2Model;
-use super::whisper_model::{WeightSource, WhisperNet, WhisperNetConfig};
-use super::{ModelError, Result};
+use ct2::Ct2Model;
+use model::{WeightSource, WhisperNet, WhisperNetConfig};
+pub mod ct2;
+pub mod model;
+
+use crate::models::{ModelError, Result};
 
 /// Decoding settings (faster-whisper's defaults for greedy decoding).
 #[derive(Debug, Clone, PartialEq)]
@@ -141,7 +144,7 @@ struct Special {
 }
 
 /// Whisper recognizer. `transcribe` takes `&self`: each call decodes with its own
-/// [`super::whisper_model::DecoderState`]; the weights are shared.
+/// [`model::DecoderState`]; the weights are shared.
 pub struct WhisperAsr {
     net: WhisperNet,
     cfg: cw::Config,
@@ -499,7 +502,7 @@ fn softmax_at(v: &[f32], i: usize) -> f32 {
 }
 
 /// candle's `Config` from the stored shapes and attributes; also checks the architecture
-/// flags the network in `whisper_model` hard-codes.
+/// flags the network in `model` hard-codes.
 fn model_config(ct2: &Ct2Model) -> Result<cw::Config> {
     let shape = |name: &str| -> Result<Vec<usize>> { Ok(ct2.require(name)?.shape.clone()) };
     let conv1 = shape("encoder/conv1/weight")?;

@@ -652,3 +652,208 @@ async fn silence_and_noise_transcribe_to_nothing() {
         assert!(health.contains("\"status\":\"ok\""), "{health}");
     }
 }
+
+/// A long spoken turn (about 8 s, no pause of half a second in it).
+const LONG_TURN: &str = "The weather is lovely today, and my brother plays the guitar every \
+    evening, while the children are playing in the garden and the coffee in this shop is very good.";
+
+/// The client is heard while a turn is being transcribed: an answer it asks
+/// for starts before that turn's words are in, and speech over that answer
+/// interrupts it; the turns' transcripts arrive in the order they were
+/// spoken (`/v1/realtime`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn realtime_barge_in_while_the_previous_turn_is_transcribed() {
+    let _alone = SERIAL.lock().await;
+    let server = spawn_server(&[]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (x, rate) = espeak(LONG_TURN, &dir.path().join("long.wav"));
+    let long = resample(&x, rate, 24_000);
+    let (x, rate) = espeak("Stop, please stop talking.", &dir.path().join("stop.wav"));
+    let stop = resample(&x, rate, 24_000);
+
+    let mut ws = connect(&server, "/v1/realtime").await;
+    server_vad(&mut ws, false).await;
+    let mut turn = silence(0.3, 24_000);
+    turn.extend(&long);
+    turn.extend(silence(0.8, 24_000));
+    append(&mut ws, &turn).await;
+    let committed = expect(&mut ws, "input_audio_buffer.committed").await;
+    let first_item = committed["item_id"].clone();
+    // Its transcription runs; the client asks for an answer meanwhile.
+    send(
+        &mut ws,
+        json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "Tell me a long story about the sea and the ships on it."}]}}),
+    )
+    .await;
+    send(
+        &mut ws,
+        json!({"type": "response.create", "response": {"max_output_tokens": 300}}),
+    )
+    .await;
+    let mut order = Vec::new();
+    let mut audio_bytes = 0usize;
+    let rid = loop {
+        let v = next_event(&mut ws).await;
+        assert_ne!(v["type"], "error", "{v}");
+        let kind = v["type"].as_str().unwrap_or_default().to_string();
+        if kind == "conversation.item.input_audio_transcription.completed" {
+            assert_eq!(v["item_id"], first_item, "{v}");
+        }
+        if kind == "response.output_audio.delta" {
+            audio_bytes += v["delta"].as_str().unwrap_or_default().len() * 3 / 4;
+            if audio_bytes > 24_000 * 2 {
+                break v["response_id"].clone(); // a second of the answer
+            }
+        }
+        order.push(kind);
+    };
+    let pos = |k: &str| order.iter().position(|e| e == k);
+    assert!(
+        pos("response.created") < pos("conversation.item.input_audio_transcription.completed")
+            || pos("conversation.item.input_audio_transcription.completed").is_none(),
+        "the answer waited for the transcription: {order:?}"
+    );
+    // The user talks over the answer.
+    let mut spoken = silence(0.2, 24_000);
+    spoken.extend(&stop);
+    spoken.extend(silence(1.0, 24_000));
+    let mut transcripts = Vec::new();
+    if pos("conversation.item.input_audio_transcription.completed").is_some() {
+        transcripts.push(first_item.clone());
+    }
+    let mut chunks = spoken.chunks(2400);
+    let mut cleared = false;
+    let done = loop {
+        if let Some(c) = chunks.next() {
+            append(&mut ws, c).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let v = match tokio::time::timeout(Duration::from_millis(5), next_event(&mut ws)).await {
+            Ok(v) => v,
+            Err(_) => continue,
+        };
+        match v["type"].as_str() {
+            Some("output_audio_buffer.cleared") => cleared = true,
+            Some("conversation.item.input_audio_transcription.completed") => {
+                transcripts.push(v["item_id"].clone());
+            }
+            Some("response.done") if v["response"]["id"] == rid => break v,
+            Some("error") => panic!("{v}"),
+            _ => {}
+        }
+    };
+    assert_eq!(done["response"]["status"], "cancelled", "{done}");
+    assert!(cleared, "no output_audio_buffer.cleared");
+    // The rest of the speech and its silence: the turn ends.
+    for c in chunks {
+        append(&mut ws, c).await;
+    }
+    while transcripts.len() < 2 {
+        let t = expect(
+            &mut ws,
+            "conversation.item.input_audio_transcription.completed",
+        )
+        .await;
+        transcripts.push(t["item_id"].clone());
+    }
+    assert_eq!(transcripts[0], first_item, "turns heard out of order");
+    assert_ne!(transcripts[1], first_item);
+}
+
+/// The same over `/v1/stream`: a typed turn is answered while a spoken one
+/// is being transcribed, and speech over that answer interrupts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stream_barge_in_while_the_previous_turn_is_transcribed() {
+    let _alone = SERIAL.lock().await;
+    let server = spawn_server(&[]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rate = 16_000;
+    let (x, r) = espeak(LONG_TURN, &dir.path().join("long.wav"));
+    let long = resample(&x, r, rate);
+    let (x, r) = espeak("Stop, please stop talking.", &dir.path().join("stop.wav"));
+    let stop = resample(&x, r, rate);
+
+    let mut ws = connect(&server, "/v1/stream").await;
+    send(
+        &mut ws,
+        json!({"type": "start", "sample_rate": rate, "turn_detection": {
+            "type": "server_vad", "silence_duration_ms": 500, "create_response": false}}),
+    )
+    .await;
+    expect(&mut ws, "started").await;
+    let mut turn = silence(0.3, rate);
+    turn.extend(&long);
+    turn.extend(silence(0.8, rate));
+    ws.send(Message::binary(f32_to_pcm16_le(&turn)))
+        .await
+        .expect("send");
+    expect(&mut ws, "speech_stopped").await;
+    send(
+        &mut ws,
+        json!({"type": "text", "text": "Tell me a long story about the sea and the ships on it."}),
+    )
+    .await;
+    let mut order = Vec::new();
+    let mut audio_bytes = 0usize;
+    let mut rid = Value::Null;
+    while audio_bytes < rate as usize * 2 {
+        match next_msg(&mut ws).await {
+            Message::Binary(b) => audio_bytes += b.len(),
+            Message::Text(t) => {
+                let v: Value = serde_json::from_str(&t).expect("JSON");
+                assert_ne!(v["type"], "error", "{v}");
+                if v["type"] == "audio_start" {
+                    rid = v["response_id"].clone();
+                }
+                order.push(v["type"].as_str().unwrap_or_default().to_string());
+            }
+            _ => {}
+        }
+    }
+    let pos = |k: &str| order.iter().position(|e| e == k);
+    assert!(
+        pos("audio_start") < pos("input_transcript") || pos("input_transcript").is_none(),
+        "the answer waited for the transcription: {order:?}"
+    );
+    let mut heard = usize::from(pos("input_transcript").is_some());
+    let mut spoken = silence(0.2, rate);
+    spoken.extend(&stop);
+    spoken.extend(silence(1.0, rate));
+    let mut chunks = spoken.chunks(rate as usize / 10);
+    let mut cleared = false;
+    let done = loop {
+        if let Some(c) = chunks.next() {
+            ws.send(Message::binary(f32_to_pcm16_le(c)))
+                .await
+                .expect("send");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let m = match tokio::time::timeout(Duration::from_millis(5), next_msg(&mut ws)).await {
+            Ok(m) => m,
+            Err(_) => continue,
+        };
+        let Message::Text(t) = m else { continue };
+        let v: Value = serde_json::from_str(&t).expect("JSON");
+        match v["type"].as_str() {
+            Some("output_cleared") => cleared = true,
+            Some("input_transcript") => heard += 1,
+            Some("done") if v["response_id"] == rid => break v,
+            Some("error") => panic!("{v}"),
+            _ => {}
+        }
+    };
+    assert_eq!(done["status"], "cancelled", "{done}");
+    assert!(cleared, "no output_cleared");
+    // The rest of the speech and its silence: the turn ends.
+    for c in chunks {
+        ws.send(Message::binary(f32_to_pcm16_le(c)))
+            .await
+            .expect("send");
+    }
+    while heard < 2 {
+        let t = expect(&mut ws, "input_transcript").await;
+        assert!(t["text"].as_str().is_some_and(|s| !s.is_empty()), "{t}");
+        heard += 1;
+    }
+}

@@ -486,14 +486,16 @@ async fn pump(
             return;
         }
         let ev = match answer.next().await {
-            Step::Text(t) => AnswerEvent::Text(t),
+            Step::Text(t) => {
+                answer.sent_text();
+                AnswerEvent::Text(t)
+            }
             Step::Audio(bytes) => {
-                let ev = AnswerEvent::Audio {
+                answer.sent_audio(bytes.len());
+                AnswerEvent::Audio {
                     bytes,
                     until_s: answer.audio_seconds(),
-                };
-                answer.sent_audio();
-                ev
+                }
             }
             Step::End(end) => {
                 // A cut-short Ogg Opus answer still ends its stream: a valid file.
@@ -524,3 +526,6 @@ async fn pump(
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

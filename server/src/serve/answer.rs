@@ -24,30 +24,121 @@ pub enum Step {
     End(End),
 }
 
+/// One request's metrics, the one definition every endpoint uses (the
+/// connections' answers and the HTTP endpoints): TTFT (arrival to the first
+/// text sent), TTFP (arrival to the first audio bytes sent), RTF (time of
+/// the last audio made / the audio's length, completed requests only), the
+/// audio bytes sent, and the outcome, counted once when the request ends (a
+/// request dropped without one was abandoned by its client: `cancelled`).
+pub struct Meter {
+    metrics: Metrics,
+    endpoint: &'static str,
+    start: Instant,
+    /// TTFT and TTFP are observed only where bytes leave as they are made.
+    pub streaming: bool,
+    text_seen: bool,
+    audio_seen: bool,
+    audio_seconds: f64,
+    last_audio: Option<Instant>,
+    outcome: Option<&'static str>,
+}
+
+impl Meter {
+    pub fn new(metrics: &Metrics, endpoint: &'static str) -> Self {
+        Self {
+            metrics: metrics.clone(),
+            endpoint,
+            start: Instant::now(),
+            streaming: true,
+            text_seen: false,
+            audio_seen: false,
+            audio_seconds: 0.0,
+            last_audio: None,
+            outcome: None,
+        }
+    }
+
+    /// Text went out to the client.
+    pub fn text_out(&mut self) {
+        if self.streaming && !self.text_seen {
+            self.text_seen = true;
+            self.metrics
+                .ttft
+                .with_label_values(&[self.endpoint])
+                .observe(self.start.elapsed().as_secs_f64());
+        }
+    }
+
+    /// The pipeline made `seconds` more of audio (the RTF's clock).
+    pub fn audio_made(&mut self, seconds: f64) {
+        self.audio_seconds += seconds;
+        self.last_audio = Some(Instant::now());
+    }
+
+    /// `bytes` of audio went out to the client.
+    pub fn audio_out(&mut self, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        if self.streaming && !self.audio_seen {
+            self.audio_seen = true;
+            self.metrics
+                .ttfp
+                .with_label_values(&[self.endpoint])
+                .observe(self.start.elapsed().as_secs_f64());
+        }
+        self.metrics
+            .bytes_out
+            .with_label_values(&[self.endpoint])
+            .inc_by(bytes as u64);
+    }
+
+    /// The request's outcome (replacing any set before).
+    pub fn finish(&mut self, outcome: &'static str) {
+        self.outcome = Some(outcome);
+    }
+
+    /// The request's outcome, unless it has one.
+    pub fn finish_if_open(&mut self, outcome: &'static str) {
+        self.outcome.get_or_insert(outcome);
+    }
+}
+
+impl Drop for Meter {
+    fn drop(&mut self) {
+        let outcome = self.outcome.unwrap_or("cancelled");
+        self.metrics
+            .requests
+            .with_label_values(&[self.endpoint, outcome])
+            .inc();
+        if let Some(last) = self.last_audio.filter(|_| outcome == "ok") {
+            if self.audio_seconds > 0.0 {
+                self.metrics
+                    .rtf
+                    .with_label_values(&[self.endpoint])
+                    .observe((last - self.start).as_secs_f64() / self.audio_seconds);
+            }
+        }
+    }
+}
+
 /// One request through the pipeline as a client sees it: text deltas,
-/// audio converted to the client's format, the end; and the one definition
-/// of its metrics: TTFT (first text), TTFP (first audio handed to the
-/// client), RTF (time of the last audio / its length) and its outcome.
+/// audio converted to the client's format, the end; measured by its
+/// [`Meter`].
 pub struct Answer {
     handle: Option<RequestHandle>,
     _in_flight: InFlightGuard,
     /// Set when the connection it answers dropped its client as too slow.
     slow: Arc<AtomicBool>,
     cancel: watch::Receiver<bool>,
-    metrics: Metrics,
-    endpoint: &'static str,
+    meter: Meter,
     /// The client's audio format, when it wants audio.
     format: Option<OutputFormat>,
     encoder: Option<AudioEncoder>,
     /// Pipeline audio taken in, in seconds (what an Ogg Opus answer lasts).
     pipeline_seconds: f64,
     pending: Option<End>,
-    started: Instant,
-    first_text: bool,
-    first_audio: bool,
-    last_audio: Option<Instant>,
     out_bytes: u64,
-    finished: bool,
     phase: shutdown::Watch,
 }
 
@@ -80,18 +171,12 @@ impl Answer {
             slow,
             cancel,
             phase: state.shutdown.watch(),
-            metrics: state.metrics.clone(),
-            endpoint,
+            meter: Meter::new(&state.metrics, endpoint),
             format,
             encoder: None,
             pipeline_seconds: 0.0,
             pending: None,
-            started: Instant::now(),
-            first_text: true,
-            first_audio: true,
-            last_audio: None,
             out_bytes: 0,
-            finished: false,
         })
     }
 
@@ -118,7 +203,7 @@ impl Answer {
     }
 
     /// Stops the request in every stage.
-    pub fn cancel(&mut self) {
+    fn cancel(&mut self) {
         self.handle = None;
         self.record("cancelled");
     }
@@ -129,15 +214,14 @@ impl Answer {
         self.record("cancelled");
     }
 
-    /// Call after an audio step was queued for the client (TTFP).
-    pub fn sent_audio(&mut self) {
-        if self.first_audio && self.out_bytes > 0 {
-            self.first_audio = false;
-            self.metrics
-                .ttfp
-                .with_label_values(&[self.endpoint])
-                .observe(self.started.elapsed().as_secs_f64());
-        }
+    /// Call after an audio step of `bytes` was queued for the client.
+    pub fn sent_audio(&mut self, bytes: usize) {
+        self.meter.audio_out(bytes);
+    }
+
+    /// Call after a text step was queued for the client.
+    pub fn sent_text(&mut self) {
+        self.meter.text_out();
     }
 
     fn encode(&mut self, samples: &[f32], input_rate: u32) -> Result<Vec<u8>, String> {
@@ -148,7 +232,9 @@ impl Answer {
             self.encoder = Some(AudioEncoder::new(format, input_rate).map_err(|e| e.to_string())?);
         }
         if input_rate > 0 {
-            self.pipeline_seconds += samples.len() as f64 / f64::from(input_rate);
+            let seconds = samples.len() as f64 / f64::from(input_rate);
+            self.pipeline_seconds += seconds;
+            self.meter.audio_made(seconds);
         }
         match self.encoder.as_mut() {
             Some(e) => e.push(samples).map_err(|e| e.to_string()),
@@ -165,26 +251,11 @@ impl Answer {
 
     fn audio(&mut self, pcm: Vec<u8>) -> Step {
         self.out_bytes += pcm.len() as u64;
-        self.last_audio = Some(Instant::now());
-        self.metrics
-            .bytes_out
-            .with_label_values(&[self.endpoint])
-            .inc_by(pcm.len() as u64);
         Step::Audio(pcm)
     }
 
     fn end(&mut self, end: End) -> Step {
-        let outcome = end.outcome();
-        if matches!(end, End::Completed(_)) {
-            let secs = self.audio_seconds();
-            if let Some(last) = self.last_audio.filter(|_| secs > 0.0) {
-                self.metrics
-                    .rtf
-                    .with_label_values(&[self.endpoint])
-                    .observe((last - self.started).as_secs_f64() / secs);
-            }
-        }
-        self.record(outcome);
+        self.record(end.outcome());
         // Dropping the handle releases the request in every stage.
         self.handle = None;
         Step::End(end)
@@ -192,19 +263,13 @@ impl Answer {
 
     /// Counts the request once; a cancellation caused by dropping a slow
     /// client counts as `slow_client`.
-    fn record(&mut self, outcome: &str) {
+    fn record(&mut self, outcome: &'static str) {
         let outcome = if outcome == "cancelled" && self.slow.load(Ordering::Acquire) {
             "slow_client"
         } else {
             outcome
         };
-        if !self.finished {
-            self.finished = true;
-            self.metrics
-                .requests
-                .with_label_values(&[self.endpoint, outcome])
-                .inc();
-        }
+        self.meter.finish_if_open(outcome);
     }
 
     pub async fn next(&mut self) -> Step {
@@ -229,13 +294,6 @@ impl Answer {
                 Some(Event::TextDelta(t)) => {
                     if t.is_empty() {
                         continue;
-                    }
-                    if self.first_text {
-                        self.first_text = false;
-                        self.metrics
-                            .ttft
-                            .with_label_values(&[self.endpoint])
-                            .observe(self.started.elapsed().as_secs_f64());
                     }
                     return Step::Text(t);
                 }

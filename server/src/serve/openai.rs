@@ -12,7 +12,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
@@ -31,6 +31,7 @@ use omnistream_stages::engine::{
 };
 use omnistream_stages::engine::{ChatMessage, Role};
 
+use super::answer::Meter;
 use super::audio::{AudioEncoder, OutputFormat};
 use super::error::ApiError;
 use super::metrics::{Metrics, TaskGuard};
@@ -66,13 +67,13 @@ async fn chat_completions(
     Extension(store): Extension<Arc<AudioStore>>,
     req: Request,
 ) -> Response {
-    let mut t = Tracker::new(&state.metrics, EP_CHAT);
+    let mut t = tracker(&state.metrics, EP_CHAT);
     let reply = chat(&state, &store, req, &mut t).await;
     respond(reply, t)
 }
 
 async fn speech(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    let t = Tracker::new(&state.metrics, EP_SPEECH);
+    let t = tracker(&state.metrics, EP_SPEECH);
     let reply = speak(&state, req).await;
     respond(reply, t)
 }
@@ -198,7 +199,7 @@ async fn collect_chat(
                 sample_rate,
                 ..
             } => {
-                t.audio_in(chunk.len(), sample_rate);
+                made(t, chunk.len(), sample_rate);
                 samples.extend(chunk);
             }
             Event::Done {
@@ -222,7 +223,7 @@ async fn collect_chat(
             .await
             .map_err(internal)?
             .map_err(internal)?;
-            t.bytes_out(data.len());
+            t.audio_out(data.len());
             let id = audio_id();
             let expires_at = unix_now() + AUDIO_TTL.as_secs();
             store.put(&id, &text, expires_at);
@@ -793,96 +794,20 @@ fn finish_reason(completion_tokens: usize, max_tokens: Option<usize>) -> &'stati
 
 // ---------------------------------------------------------------- metrics
 
-/// One request's metrics: its outcome (recorded once, on drop: a request that
-/// never got one was abandoned by its client, `cancelled`), latencies, bytes.
-struct Tracker {
-    metrics: Metrics,
-    endpoint: &'static str,
-    start: Instant,
-    /// TTFT/TTFP are observed only where bytes leave as they are made.
-    streaming: bool,
-    first_text: bool,
-    first_audio: bool,
-    audio_samples: usize,
-    sample_rate: u32,
-    last_audio: Option<Duration>,
-    outcome: Option<&'static str>,
+/// An HTTP request's metrics: the same [`Meter`] as every answer's; TTFT
+/// and TTFP only once a response streams.
+type Tracker = Meter;
+
+fn tracker(metrics: &Metrics, endpoint: &'static str) -> Tracker {
+    let mut t = Meter::new(metrics, endpoint);
+    t.streaming = false;
+    t
 }
 
-impl Tracker {
-    fn new(metrics: &Metrics, endpoint: &'static str) -> Self {
-        Self {
-            metrics: metrics.clone(),
-            endpoint,
-            start: Instant::now(),
-            streaming: false,
-            first_text: false,
-            first_audio: false,
-            audio_samples: 0,
-            sample_rate: 0,
-            last_audio: None,
-            outcome: None,
-        }
-    }
-
-    fn text_out(&mut self) {
-        if self.streaming && !self.first_text {
-            self.first_text = true;
-            self.metrics
-                .ttft
-                .with_label_values(&[self.endpoint])
-                .observe(self.start.elapsed().as_secs_f64());
-        }
-    }
-
-    fn audio_in(&mut self, samples: usize, sample_rate: u32) {
-        self.audio_samples += samples;
-        self.sample_rate = sample_rate;
-        self.last_audio = Some(self.start.elapsed());
-    }
-
-    fn bytes_out(&mut self, n: usize) {
-        if n == 0 {
-            return;
-        }
-        if self.streaming && !self.first_audio {
-            self.first_audio = true;
-            self.metrics
-                .ttfp
-                .with_label_values(&[self.endpoint])
-                .observe(self.start.elapsed().as_secs_f64());
-        }
-        self.metrics
-            .bytes_out
-            .with_label_values(&[self.endpoint])
-            .inc_by(n as u64);
-    }
-
-    fn finish(&mut self, outcome: &'static str) {
-        self.outcome = Some(outcome);
-    }
-
-    fn finish_if_open(&mut self, outcome: &'static str) {
-        self.outcome.get_or_insert(outcome);
-    }
-}
-
-impl Drop for Tracker {
-    fn drop(&mut self) {
-        let outcome = self.outcome.unwrap_or("cancelled");
-        self.metrics
-            .requests
-            .with_label_values(&[self.endpoint, outcome])
-            .inc();
-        if outcome == "ok" && self.audio_samples > 0 && self.sample_rate > 0 {
-            if let Some(last) = self.last_audio {
-                let secs = self.audio_samples as f64 / self.sample_rate as f64;
-                self.metrics
-                    .rtf
-                    .with_label_values(&[self.endpoint])
-                    .observe(last.as_secs_f64() / secs);
-            }
-        }
+/// `samples` at `rate` made by the pipeline.
+fn made(t: &mut Tracker, samples: usize, rate: u32) {
+    if rate > 0 {
+        t.audio_made(samples as f64 / f64::from(rate));
     }
 }
 
@@ -1144,7 +1069,7 @@ impl ChatSse {
         if bytes.is_empty() {
             return bytes;
         }
-        t.bytes_out(bytes.len());
+        t.audio_out(bytes.len());
         self.meta
             .delta(self.audio_delta(json!({"data": b64(&bytes)})), None)
     }
@@ -1205,7 +1130,7 @@ impl Sink for ChatSse {
                 sample_rate,
                 ..
             } => {
-                t.audio_in(samples.len(), sample_rate);
+                made(t, samples.len(), sample_rate);
                 let pushed = match self.audio.as_mut() {
                     Some(a) => a.enc.push(&samples),
                     None => Ok(Vec::new()),
@@ -1255,7 +1180,7 @@ impl Sink for SpeechRaw {
                 sample_rate,
                 ..
             } => {
-                t.audio_in(samples.len(), sample_rate);
+                made(t, samples.len(), sample_rate);
                 self.enc.push(&samples).map(Step::More)
             }
             Event::Done { .. } => self.enc.finish().map(|b| {
@@ -1268,7 +1193,7 @@ impl Sink for SpeechRaw {
         match r {
             Ok(step) => {
                 if let Step::More(b) | Step::Last(b) = &step {
-                    t.bytes_out(b.len());
+                    t.audio_out(b.len());
                 }
                 step
             }
@@ -1295,7 +1220,7 @@ impl SpeechSse {
         if bytes.is_empty() {
             return Vec::new();
         }
-        t.bytes_out(bytes.len());
+        t.audio_out(bytes.len());
         sse(&json!({"type": "speech.audio.delta", "audio": b64(bytes)}))
     }
 }
@@ -1308,7 +1233,7 @@ impl Sink for SpeechSse {
                 sample_rate,
                 ..
             } => {
-                t.audio_in(samples.len(), sample_rate);
+                made(t, samples.len(), sample_rate);
                 match self.enc.push(&samples) {
                     Ok(b) => Step::More(Self::delta(&b, t)),
                     Err(e) => {

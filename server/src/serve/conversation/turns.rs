@@ -25,7 +25,7 @@ pub struct ServerVad {
 }
 
 /// Validated `server_vad` settings of a session.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TurnSettings {
     pub vad: VadConfig,
     pub create_response: bool,

@@ -224,6 +224,10 @@ pub async fn run<T, St>(
     for (_, c) in d.cancels.drain() {
         let _ = c.send(true);
     }
+    // Transcriptions nobody will read: stopped, their requests released.
+    for (_, t) in d.transcribing.drain() {
+        t.abort();
+    }
     out.close(None, close_code::NORMAL);
 }
 
@@ -300,10 +304,12 @@ impl<T: Transport> Driver<T> {
             Input::Audio(pcm) if self.detector.is_some() => Some(pcm.clone()),
             _ => None,
         };
-        // New settings: a fresh detector for them (or none).
-        let configure = matches!(input, Input::Configure(_));
+        // Turn detection changed: a fresh detector for it (or none). An
+        // update that leaves it as it was keeps the utterance under way.
+        let changed =
+            matches!(&input, Input::Configure(s) if s.turns != self.conv.settings().turns);
         self.conv.handle_from(event_id, input, Instant::now());
-        if configure {
+        if changed {
             self.restart_detector();
         }
         if let (Some(pcm), Some(d)) = (audio, &self.detector) {

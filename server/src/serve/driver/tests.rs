@@ -391,3 +391,35 @@ async fn a_client_that_stops_reading_is_dropped_and_its_answer_cancelled() {
     assert_eq!(state.sessions.in_flight(), 0, "the answer was not released");
     assert_eq!(state.metrics.slow_clients.get(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_transcription_releases_it_at_once() {
+    let state = state();
+    let mut c = Client::start(&state);
+    let mut seen = Vec::new();
+    c.until("session.created", &mut seen).await;
+    c.send(json!({"type": "input_audio_buffer.append", "audio": pcm_b64(1.0)}))
+        .await;
+    c.send(json!({"type": "input_audio_buffer.commit"})).await;
+    c.until("input_audio_buffer.committed", &mut seen).await;
+    assert_eq!(state.sessions.in_flight(), 1, "the transcription runs");
+    let t0 = Instant::now();
+    drop(c.tx);
+    tokio::time::timeout(Duration::from_secs(5), c.task)
+        .await
+        .expect("the driver ends")
+        .expect("no panic");
+    while state.sessions.in_flight() > 0 && t0.elapsed() < HEARING {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        state.sessions.in_flight(),
+        0,
+        "the transcription outlived its client"
+    );
+    assert!(
+        t0.elapsed() < HEARING / 2,
+        "released after {:?}",
+        t0.elapsed()
+    );
+}

@@ -202,13 +202,8 @@ impl Answer {
         self.flush().unwrap_or_default()
     }
 
-    /// Stops the request in every stage.
-    fn cancel(&mut self) {
-        self.handle = None;
-        self.record("cancelled");
-    }
-
-    /// The connection went away mid-answer: stops the request.
+    /// Stops the request in every stage (cancelled, or the connection went
+    /// away mid-answer).
     pub fn abandon(&mut self) {
         self.handle = None;
         self.record("cancelled");
@@ -287,7 +282,7 @@ impl Answer {
                 e = self.phase.next_event(handle) => Some(e),
             };
             let Some(event) = event else {
-                self.cancel();
+                self.abandon();
                 return Step::End(End::Cancelled);
             };
             match event {

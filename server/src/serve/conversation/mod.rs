@@ -105,7 +105,8 @@ impl Settings {
         }
     }
 
-    fn input_cap(&self) -> usize {
+    /// Most input audio the buffer holds, in bytes.
+    pub fn input_cap(&self) -> usize {
         self.input_rate as usize * 2 * MAX_INPUT_AUDIO_SECONDS
     }
 }
@@ -1102,7 +1103,7 @@ impl Conversation {
 }
 
 /// A pipeline with no way to hear speech.
-fn deaf() -> ClientError {
+pub fn deaf() -> ClientError {
     ClientError::invalid(
         "transcription_unavailable",
         "this server's pipeline has no speech recognition stage: the utterance was dropped",

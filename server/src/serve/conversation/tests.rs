@@ -54,6 +54,22 @@ fn text_turn(t: &str) -> Input {
     Input::Respond(r)
 }
 
+/// The words of transcription `work`.
+fn heard(work: u64, text: &str) -> Input {
+    Input::Transcribed {
+        work,
+        result: Ok(text.into()),
+    }
+}
+
+/// The turn detector's end of an utterance.
+fn stopped(audio_end_ms: u64, audio: Vec<f32>) -> Input {
+    speech(Speech::Stopped {
+        audio_end_ms,
+        audio,
+    })
+}
+
 fn speech(s: Speech) -> Input {
     Input::Speech {
         speech: s,
@@ -203,13 +219,7 @@ fn spoken_turn_with_server_vad_is_transcribed_then_answered() {
         }),
         t0,
     );
-    c.handle(
-        speech(Speech::Stopped {
-            audio_end_ms: 1600,
-            audio: vec![0.1; 16_000],
-        }),
-        t0,
-    );
+    c.handle(stopped(1600, vec![0.1; 16_000]), t0);
     let o = outputs(&mut c);
     let started_item = match &o[0] {
         Output::SpeechStarted {
@@ -226,13 +236,7 @@ fn spoken_turn_with_server_vad_is_transcribed_then_answered() {
     let ids = transcribe_ids(&w);
     assert_eq!(ids.len(), 1);
     assert_eq!(c.answering(), None, "no answer before the words");
-    c.handle(
-        Input::Transcribed {
-            work: ids[0],
-            result: Ok("What is a bee?".into()),
-        },
-        t0,
-    );
+    c.handle(heard(ids[0], "What is a bee?"), t0);
     let o = outputs(&mut c);
     assert!(
         matches!(&o[..], [Output::Transcribed { item_id, result: Ok(t) }] if *item_id == started_item && t == "What is a bee?")
@@ -246,21 +250,9 @@ fn a_blank_transcript_adds_no_turn_and_no_answer() {
     let t0 = Instant::now();
     let mut c = spoken();
     c.handle(speech(Speech::Started { audio_start_ms: 0 }), t0);
-    c.handle(
-        speech(Speech::Stopped {
-            audio_end_ms: 900,
-            audio: vec![0.0; 8000],
-        }),
-        t0,
-    );
+    c.handle(stopped(900, vec![0.0; 8000]), t0);
     let ids = transcribe_ids(&work(&mut c));
-    c.handle(
-        Input::Transcribed {
-            work: ids[0],
-            result: Ok(String::new()),
-        },
-        t0,
-    );
+    c.handle(heard(ids[0], ""), t0);
     assert!(work(&mut c).is_empty());
     assert!(c.history().is_empty());
 }
@@ -323,21 +315,9 @@ fn barge_in_on_a_whole_answer_still_playing_cuts_the_history() {
     assert!(matches!(&work(&mut c)[..], [Work::ClearPlayer]));
     assert_eq!(c.history().last().unwrap().content, "Bees make");
     // Once it has played out, speech interrupts nothing.
-    c.handle(
-        speech(Speech::Stopped {
-            audio_end_ms: 1,
-            audio: vec![],
-        }),
-        t1,
-    );
+    c.handle(stopped(1, vec![]), t1);
     let ids = transcribe_ids(&work(&mut c));
-    c.handle(
-        Input::Transcribed {
-            work: ids[0],
-            result: Ok(String::new()),
-        },
-        t1,
-    );
+    c.handle(heard(ids[0], ""), t1);
     outputs(&mut c);
     c.handle(
         speech(Speech::Started { audio_start_ms: 0 }),
@@ -396,13 +376,7 @@ fn the_echo_guard_drops_speech_that_starts_as_the_answer_does() {
         }),
         t1,
     );
-    c.handle(
-        speech(Speech::Stopped {
-            audio_end_ms: 500,
-            audio: vec![0.0; 100],
-        }),
-        t1,
-    );
+    c.handle(stopped(500, vec![0.0; 100]), t1);
     assert!(outputs(&mut c).is_empty(), "the answer's own echo");
     assert!(work(&mut c).is_empty(), "not interrupted, not transcribed");
     assert_eq!(c.answering(), Some(id.as_str()));
@@ -427,13 +401,7 @@ fn early_transcription_starts_at_a_pause_and_is_abandoned_when_speech_resumes() 
     c.handle(speech(Speech::Resumed), t0);
     assert!(matches!(&work(&mut c)[..], [Work::Abandon { id }] if *id == first[0]));
     // A late result of the abandoned one is ignored.
-    c.handle(
-        Input::Transcribed {
-            work: first[0],
-            result: Ok("half".into()),
-        },
-        t0,
-    );
+    c.handle(heard(first[0], "half"), t0);
     assert!(outputs(&mut c)
         .iter()
         .all(|o| !matches!(o, Output::Transcribed { .. })));
@@ -445,20 +413,8 @@ fn early_transcription_starts_at_a_pause_and_is_abandoned_when_speech_resumes() 
         t0,
     );
     let second = transcribe_ids(&work(&mut c));
-    c.handle(
-        Input::Transcribed {
-            work: second[0],
-            result: Ok("the whole question".into()),
-        },
-        t0,
-    );
-    c.handle(
-        speech(Speech::Stopped {
-            audio_end_ms: 1000,
-            audio: vec![0.1; 12_000],
-        }),
-        t0,
-    );
+    c.handle(heard(second[0], "the whole question"), t0);
+    c.handle(stopped(1000, vec![0.1; 12_000]), t0);
     let w = work(&mut c);
     assert!(
         transcribe_ids(&w).is_empty(),
@@ -476,13 +432,7 @@ fn early_transcription_starts_at_a_pause_and_is_abandoned_when_speech_resumes() 
         t0,
     );
     let early = transcribe_ids(&work(&mut c));
-    c.handle(
-        speech(Speech::Stopped {
-            audio_end_ms: 1000,
-            audio: vec![0.1; 9000],
-        }),
-        t0,
-    );
+    c.handle(stopped(1000, vec![0.1; 9000]), t0);
     let w = work(&mut c);
     assert!(matches!(&w[0], Work::Abandon { id } if *id == early[0]));
     assert_eq!(transcribe_ids(&w).len(), 1);
@@ -494,24 +444,12 @@ fn turns_are_answered_in_order_and_only_the_last() {
     let mut c = spoken();
     for n in [8000, 9000] {
         c.handle(speech(Speech::Started { audio_start_ms: 0 }), t0);
-        c.handle(
-            speech(Speech::Stopped {
-                audio_end_ms: 1,
-                audio: vec![0.1; n],
-            }),
-            t0,
-        );
+        c.handle(stopped(1, vec![0.1; n]), t0);
     }
     // The second turn waits for the first one's words.
     let first = transcribe_ids(&work(&mut c));
     assert_eq!(first.len(), 1);
-    c.handle(
-        Input::Transcribed {
-            work: first[0],
-            result: Ok("first".into()),
-        },
-        t0,
-    );
+    c.handle(heard(first[0], "first"), t0);
     let w = work(&mut c);
     assert!(
         w.iter().all(|w| !matches!(w, Work::Submit { .. })),
@@ -519,13 +457,7 @@ fn turns_are_answered_in_order_and_only_the_last() {
     );
     let second = transcribe_ids(&w);
     assert_eq!(second.len(), 1);
-    c.handle(
-        Input::Transcribed {
-            work: second[0],
-            result: Ok("second".into()),
-        },
-        t0,
-    );
+    c.handle(heard(second[0], "second"), t0);
     let words: Vec<_> = outputs(&mut c)
         .into_iter()
         .filter_map(|o| match o {
@@ -546,13 +478,7 @@ fn a_thinker_that_hears_gets_the_audio_not_words() {
     s.turns = Some(vad());
     let mut c = Conversation::new(caps(false, true), s);
     c.handle(speech(Speech::Started { audio_start_ms: 0 }), t0);
-    c.handle(
-        speech(Speech::Stopped {
-            audio_end_ms: 500,
-            audio: vec![0.2; 8000],
-        }),
-        t0,
-    );
+    c.handle(stopped(500, vec![0.2; 8000]), t0);
     let w = work(&mut c);
     let audio = w.iter().find_map(|w| match w {
         Work::Submit { spec, .. } => match &spec.input {
@@ -665,13 +591,7 @@ fn end_of_audio_answers_the_buffer_once_idle_and_refuses_while_busy() {
     c.handle(Input::Audio(vec![0; 32_000]), t0);
     c.handle(Input::EndOfAudio { ended: None }, t0);
     let ids = transcribe_ids(&work(&mut c));
-    c.handle(
-        Input::Transcribed {
-            work: ids[0],
-            result: Ok("and now?".into()),
-        },
-        t0,
-    );
+    c.handle(heard(ids[0], "and now?"), t0);
     submitted(&work(&mut c));
     // A pipeline that cannot hear says so.
     let mut c = Conversation::new(
@@ -712,13 +632,7 @@ fn speech_during_a_transcription_barges_in_at_once_and_reports_in_turn_order() {
     let t0 = Instant::now();
     let mut c = spoken();
     c.handle(speech(Speech::Started { audio_start_ms: 0 }), t0);
-    c.handle(
-        speech(Speech::Stopped {
-            audio_end_ms: 700,
-            audio: vec![0.1; 8000],
-        }),
-        t0,
-    );
+    c.handle(stopped(700, vec![0.1; 8000]), t0);
     let ids = transcribe_ids(&work(&mut c));
     outputs(&mut c);
     // While turn 1 is transcribed, the client asks for an answer...
@@ -755,22 +669,10 @@ fn speech_during_a_transcription_barges_in_at_once_and_reports_in_turn_order() {
     );
     end(&mut c, &id, End::Cancelled, t1);
     outputs(&mut c);
-    c.handle(
-        speech(Speech::Stopped {
-            audio_end_ms: 2500,
-            audio: vec![0.1; 9000],
-        }),
-        t1,
-    );
+    c.handle(stopped(2500, vec![0.1; 9000]), t1);
     assert!(outputs(&mut c).is_empty());
     // Turn 1's words come: then turn 2's events, in order.
-    c.handle(
-        Input::Transcribed {
-            work: ids[0],
-            result: Ok("first".into()),
-        },
-        t1,
-    );
+    c.handle(heard(ids[0], "first"), t1);
     let o = outputs(&mut c);
     assert!(
         matches!(&o[0], Output::Transcribed { result: Ok(t), .. } if t == "first"),

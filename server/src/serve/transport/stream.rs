@@ -32,7 +32,8 @@ use omnistream_codecs::{CodecError, OggOpusDecoder};
 use crate::serve::audio::OutputFormat;
 use crate::serve::conn::{self, Outbox, Overflow};
 use crate::serve::conversation::{
-    Conversation, End, Input, Output, Respond, Settings, TurnSettings, MAX_INPUT_AUDIO_SECONDS,
+    deaf, Conversation, End, Input, Output, Respond, Settings, TurnSettings,
+    MAX_INPUT_AUDIO_SECONDS,
 };
 use crate::serve::driver::{self, Action, Incoming, Transport};
 use crate::serve::error::ClientError;
@@ -320,7 +321,7 @@ impl PcmStream {
     }
 
     fn on_audio(&mut self, bytes: &[u8], conv: &Conversation) -> Result<Vec<Action>, ClientError> {
-        let rate = self.rate.ok_or_else(Self::not_started)?;
+        self.rate.ok_or_else(Self::not_started)?;
         let vad = conv.settings().turns.is_some();
         match self.format {
             Format::Pcm16 => {
@@ -330,7 +331,7 @@ impl PcmStream {
                         "binary frames are PCM16 LE: an even number of bytes",
                     ));
                 }
-                if vad && bytes.len() > input_cap(rate) {
+                if vad && bytes.len() > conv.settings().input_cap() {
                     return Err(message_too_long());
                 }
                 if !vad && bytes.len() > conv.input_room() {
@@ -338,7 +339,7 @@ impl PcmStream {
                 }
                 Ok(vec![audio(bytes.to_vec())])
             }
-            Format::Opus => self.on_opus(bytes, rate, vad, conv),
+            Format::Opus => self.on_opus(bytes, vad, conv),
         }
     }
 
@@ -349,11 +350,10 @@ impl PcmStream {
     fn on_opus(
         &mut self,
         bytes: &[u8],
-        rate: u32,
         vad: bool,
         conv: &Conversation,
     ) -> Result<Vec<Action>, ClientError> {
-        let cap = input_cap(rate);
+        let cap = conv.settings().input_cap();
         let mut room = conv.input_room();
         let mut decoded = 0;
         let mut actions = Vec::new();
@@ -406,22 +406,11 @@ impl PcmStream {
     }
 }
 
-fn deaf() -> ClientError {
-    ClientError::invalid(
-        "transcription_unavailable",
-        "this server's pipeline has no speech recognition stage: the utterance was dropped",
-    )
-}
-
 fn message_too_long() -> ClientError {
     ClientError::invalid(
         "input_audio_buffer_full",
         format!("a message carries at most {MAX_INPUT_AUDIO_SECONDS} s of audio; the rest of it was dropped"),
     )
-}
-
-fn input_cap(rate: u32) -> usize {
-    rate as usize * 2 * MAX_INPUT_AUDIO_SECONDS
 }
 
 fn buffer_full(what: &str) -> ClientError {

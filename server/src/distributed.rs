@@ -86,7 +86,7 @@ fn stage_index(profile: &Profile, name: &str) -> Result<usize> {
 /// Runs one replica of each of `opts.stages` (each its own worker, joined to
 /// NATS on its own connection) until SIGINT or SIGTERM.
 pub async fn run_stage(opts: StageOptions) -> Result<()> {
-    let profile = Profile::load(&opts.profile)?;
+    let (profile, _) = crate::profile::load(&opts.profile)?;
     let mut indices = Vec::new();
     for name in &opts.stages {
         let index = stage_index(&profile, name)?;

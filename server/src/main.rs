@@ -3,6 +3,7 @@
 mod bench;
 mod distributed;
 mod fetch;
+mod profile;
 mod run;
 mod serve;
 

@@ -61,7 +61,7 @@ impl Outcome {
 }
 
 pub fn load_pipeline(profile: &Path) -> Result<Pipeline> {
-    let profile = Profile::load(profile)?;
+    let (profile, _) = crate::profile::load(profile)?;
     load_profile(&profile)
 }
 

@@ -300,173 +300,6 @@ fn default_capacity() -> usize {
     64
 }
 
-/// Server-side settings (used by `omnistream serve`).
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ServerSpec {
-    #[serde(default)]
-    pub api_keys: Vec<String>,
-    /// Browser origins (`scheme://host:port`) allowed besides the server's own;
-    /// `*` allows any.
-    #[serde(default)]
-    pub allowed_origins: Vec<String>,
-    /// Host names clients may reach the server by, besides `localhost` and IP
-    /// addresses (DNS rebinding always comes with a name); `*` allows any.
-    #[serde(default)]
-    pub allowed_hosts: Vec<String>,
-    #[serde(default)]
-    pub webrtc: WebRtcSpec,
-    /// Voice activity detection for `server_vad` turn detection; without it
-    /// clients commit their turns themselves.
-    #[serde(default)]
-    pub vad: Option<VadSpec>,
-    /// Timeouts and caps of the connection layer (before any request is read).
-    #[serde(default)]
-    pub connections: ConnectionSpec,
-    /// After SIGTERM or SIGINT, how long answers in flight may take to finish
-    /// (seconds) before they are cancelled and the process exits.
-    #[serde(default = "default_drain_s")]
-    pub drain_s: f64,
-}
-
-fn default_drain_s() -> f64 {
-    // Under Kubernetes' default 30 s grace period, with room to close.
-    25.0
-}
-
-/// The connection layer: what a client may hold open, and for how long,
-/// before it has sent a request (checked before the key: it is not read yet).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ConnectionSpec {
-    /// Seconds a connection may take to send a request's headers, counted from
-    /// the moment it waits for one: a new connection, or a kept-alive one
-    /// between requests (so this is the idle keep-alive timeout too).
-    #[serde(default = "default_header_timeout_s")]
-    pub header_timeout_s: f64,
-    /// Request bodies: this many seconds of grace, after which a body must
-    /// keep arriving at `min_body_rate` bytes/s on average (or is cut, 408).
-    #[serde(default = "default_body_timeout_s")]
-    pub body_timeout_s: f64,
-    #[serde(default = "default_min_body_rate")]
-    pub min_body_rate: u64,
-    /// Open HTTP connections in total; 0 = half the open-file limit, at most
-    /// 4096. WebSockets count against the session caps instead, once upgraded.
-    #[serde(default)]
-    pub max: usize,
-    /// Open HTTP connections per client address; 0 = no cap (behind a load
-    /// balancer every client has its address).
-    #[serde(default = "default_max_per_client")]
-    pub max_per_client: usize,
-}
-
-impl Default for ConnectionSpec {
-    fn default() -> Self {
-        Self {
-            header_timeout_s: default_header_timeout_s(),
-            body_timeout_s: default_body_timeout_s(),
-            min_body_rate: default_min_body_rate(),
-            max: 0,
-            max_per_client: default_max_per_client(),
-        }
-    }
-}
-
-fn default_header_timeout_s() -> f64 {
-    10.0
-}
-fn default_body_timeout_s() -> f64 {
-    10.0
-}
-fn default_min_body_rate() -> u64 {
-    // 64 kbit/s: a phone on a poor link still uploads 25 MB in under an hour.
-    8 * 1024
-}
-fn default_max_per_client() -> usize {
-    256
-}
-
-/// Silero VAD for turn detection and for the Listener's speech filter, and
-/// the knobs that suit the audio path (clients set threshold, padding and
-/// silence per session).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct VadSpec {
-    /// The 16 kHz Silero VAD safetensors, relative to the profile's folder.
-    pub model: PathBuf,
-    /// Speech needed without a gap before a turn starts (ms): longer ignores
-    /// clicks and short echoes.
-    #[serde(default = "default_min_speech_ms")]
-    pub min_speech_ms: u32,
-    /// After an answer starts playing, speech is not taken as an interruption
-    /// for this long (ms): for speakerphones and telephony, where the answer
-    /// comes back in the microphone. 0 for headsets and browsers with echo
-    /// cancellation.
-    #[serde(default)]
-    pub echo_guard_ms: u32,
-    /// The Listener hears only the speech this model finds in its audio
-    /// (faster-whisper's `vad_filter`): silence and noise are not transcribed.
-    #[serde(default = "default_filter_transcriptions")]
-    pub filter_transcriptions: bool,
-}
-
-fn default_min_speech_ms() -> u32 {
-    250
-}
-
-fn default_filter_transcriptions() -> bool {
-    true
-}
-
-/// WebRTC peers (`POST /v1/webrtc`): ICE servers for clients behind NAT and
-/// the address a server behind NAT should advertise.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WebRtcSpec {
-    /// STUN/TURN servers, as in the browser's `RTCIceServer`.
-    #[serde(default)]
-    pub ice_servers: Vec<IceServerSpec>,
-    /// Public IPs to advertise instead of the host's own (1:1 NAT).
-    #[serde(default)]
-    pub public_ips: Vec<std::net::IpAddr>,
-    /// UDP ports for ICE, `[first, last]`; empty = any ephemeral port.
-    #[serde(default)]
-    pub udp_ports: Option<[u16; 2]>,
-    /// How long a new answer is held after its first audio arrives before it
-    /// plays on the track (ms, a jitter buffer): more delays the first audio,
-    /// less risks holes mid-answer when generation comes in bursts.
-    #[serde(default = "default_playout_lead_ms")]
-    pub playout_lead_ms: u64,
-}
-
-fn default_playout_lead_ms() -> u64 {
-    // Measured on the tiny CPU pipeline (docs/bench/webrtc.md): 1 s is the
-    // shortest hold with no holes mid-answer at 1 and 2 concurrent calls.
-    1000
-}
-
-impl Default for WebRtcSpec {
-    fn default() -> Self {
-        Self {
-            ice_servers: vec![],
-            public_ips: vec![],
-            udp_ports: None,
-            playout_lead_ms: default_playout_lead_ms(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct IceServerSpec {
-    /// `stun:host:port`, `turn:host:port?transport=udp`, ...
-    pub urls: Vec<String>,
-    #[serde(default)]
-    pub username: Option<String>,
-    #[serde(default)]
-    pub credential: Option<String>,
-}
-
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Profile {
@@ -476,8 +309,15 @@ pub struct Profile {
     pub stages: Vec<StageSpec>,
     #[serde(default)]
     pub connectors: Vec<ConnectorSpec>,
+    /// The server's own section (connections, keys, WebRTC, VAD): read by the
+    /// `omnistream` binary, which owns it; the engine does not look inside.
     #[serde(default)]
-    pub server: Option<ServerSpec>,
+    pub server: Option<serde_yaml_ng::Value>,
+    /// The Silero VAD (a resolved path) the Listener hears through, so silence
+    /// and noise never reach the recognizer (faster-whisper's `vad_filter`).
+    /// Set by whoever reads the server section (its `vad`), not from YAML.
+    #[serde(skip)]
+    pub listener_vad: Option<PathBuf>,
     /// Folder of the profile file; model paths are relative to it.
     #[serde(skip)]
     pub base_dir: PathBuf,
@@ -518,7 +358,8 @@ impl Profile {
         Ok(profile)
     }
 
-    fn invalid(&self, key: impl Into<String>, msg: impl Into<String>) -> ProfileError {
+    /// An error about `key` of this profile (naming its file).
+    pub fn invalid(&self, key: impl Into<String>, msg: impl Into<String>) -> ProfileError {
         ProfileError::Invalid {
             file: self.file.clone(),
             key: key.into(),
@@ -559,77 +400,6 @@ impl Profile {
     fn validate(&self) -> Result<(), ProfileError> {
         if self.stages.is_empty() {
             return Err(self.invalid("stages", "at least one stage is required"));
-        }
-        if let Some(w) = self.server.as_ref().map(|s| &s.webrtc) {
-            if let Some([lo, hi]) = w.udp_ports {
-                if lo == 0 || hi < lo {
-                    return Err(self.invalid(
-                        "server.webrtc.udp_ports",
-                        format!("expected [first, last] with 0 < first <= last, got [{lo}, {hi}]"),
-                    ));
-                }
-            }
-            for (i, ice) in w.ice_servers.iter().enumerate() {
-                let bad = ice.urls.is_empty()
-                    || ice.urls.iter().any(|u| {
-                        !["stun:", "stuns:", "turn:", "turns:"]
-                            .iter()
-                            .any(|p| u.starts_with(p))
-                    });
-                if bad {
-                    return Err(self.invalid(
-                        format!("server.webrtc.ice_servers[{i}].urls"),
-                        "expected one or more stun:, stuns:, turn: or turns: URLs",
-                    ));
-                }
-            }
-        }
-        if let Some(sv) = &self.server {
-            let c = &sv.connections;
-            for (k, v, max) in [
-                ("connections.header_timeout_s", c.header_timeout_s, 3600.0),
-                ("connections.body_timeout_s", c.body_timeout_s, 3600.0),
-                ("drain_s", sv.drain_s, 3600.0),
-            ] {
-                let zero_ok = k == "drain_s";
-                let ok = v.is_finite() && v <= max && (v > 0.0 || zero_ok && v == 0.0);
-                if !ok {
-                    let low = if zero_ok { "[0" } else { "(0" };
-                    return Err(self.invalid(
-                        format!("server.{k}"),
-                        format!("expected seconds in {low}, {max}], got {v}"),
-                    ));
-                }
-            }
-            if c.min_body_rate == 0 {
-                return Err(self.invalid(
-                    "server.connections.min_body_rate",
-                    "expected bytes per second > 0",
-                ));
-            }
-        }
-        if let Some(v) = self.server.as_ref().and_then(|s| s.vad.as_ref()) {
-            let p = self.resolve(&v.model);
-            if !p.is_file() {
-                return Err(self.invalid(
-                    "server.vad.model",
-                    format!(
-                        "{} does not exist (run `omnistream fetch-models`)",
-                        p.display()
-                    ),
-                ));
-            }
-            for (k, ms) in [
-                ("min_speech_ms", v.min_speech_ms),
-                ("echo_guard_ms", v.echo_guard_ms),
-            ] {
-                if ms > 10_000 {
-                    return Err(self.invalid(
-                        format!("server.vad.{k}"),
-                        format!("{ms} ms is over the 10000 ms limit"),
-                    ));
-                }
-            }
         }
         for (i, s) in self.stages.iter().enumerate() {
             let key = |k: &str| format!("stages[{i}].{k}");
@@ -1054,44 +824,6 @@ connectors:
         );
         assert_eq!(p.connector(1).unwrap().initial_codec_chunk_frames, Some(1));
         assert_eq!(p.connector_kind(0), Some(ConnectorKind::Text));
-    }
-
-    #[test]
-    fn connection_limits_and_the_drain_are_checked() {
-        let (_dir, path, yaml) = fixture();
-        let p = Profile::parse(&yaml, &path).unwrap();
-        let d = p.server.clone().unwrap_or_default();
-        assert_eq!(d.connections.header_timeout_s, 10.0);
-        assert_eq!(d.connections.max_per_client, 256);
-        let with = |server: &str| format!("{yaml}\nserver:\n{server}\n");
-        let p = Profile::parse(
-            &with(
-                "  drain_s: 0\n  connections: {header_timeout_s: 2, max: 100, max_per_client: 0}",
-            ),
-            &path,
-        )
-        .unwrap();
-        let s = p.server.unwrap();
-        assert_eq!((s.drain_s, s.connections.max), (0.0, 100));
-        for (bad, key) in [
-            ("  drain_s: -1", "server.drain_s"),
-            (
-                "  connections: {header_timeout_s: 0}",
-                "server.connections.header_timeout_s",
-            ),
-            (
-                "  connections: {body_timeout_s: .nan}",
-                "server.connections.body_timeout_s",
-            ),
-            (
-                "  connections: {min_body_rate: 0}",
-                "server.connections.min_body_rate",
-            ),
-            ("  connections: {max_conns: 3}", "max_conns"),
-        ] {
-            let e = err(&with(bad), &path);
-            assert!(e.contains(key), "{bad}: {e}");
-        }
     }
 
     #[test]

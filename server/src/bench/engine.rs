@@ -22,7 +22,7 @@ use omnistream_stages::engine::ChatMessage;
 use omnistream_stages::engine::{Modalities, Pipeline, SamplingOverrides};
 use omnistream_stages::models::qwen3_omni::omni::Qwen3OmniConfig;
 use omnistream_stages::models::tokenizer::ChatTokenizer;
-use omnistream_stages::profile::{ModelType, Profile, StageKind};
+use omnistream_stages::profile::{ModelType, StageKind};
 use serde::{Deserialize, Serialize};
 
 use super::machine;
@@ -187,7 +187,7 @@ pub fn bench_engine(args: EngineArgs) -> Result<()> {
             .collect::<Result<Vec<_>>>()?;
         return plot(&reports, &args.out);
     }
-    let mut profile = Profile::load(&args.profile.profile)?;
+    let (mut profile, _) = crate::profile::load(&args.profile.profile)?;
     if args.enforce_eager {
         for s in profile.stages.iter_mut().filter(|s| {
             s.kind == StageKind::Ar || s.model.model_type == ModelType::Qwen3OmniCode2wav

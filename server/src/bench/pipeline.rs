@@ -8,7 +8,6 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use omnistream_stages::engine::{Modalities, SamplingOverrides};
-use omnistream_stages::profile::Profile;
 use serde::Serialize;
 
 use super::machine;
@@ -76,7 +75,7 @@ pub fn bench_pipeline(
     warmup: usize,
     out: &Path,
 ) -> Result<()> {
-    let base = Profile::load(profile_path)?;
+    let (base, _) = crate::profile::load(profile_path)?;
     let mut on = base.clone();
     on.async_chunk = true;
     let mut off = base.clone();

@@ -32,7 +32,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify};
 use tower::ServiceExt;
 
-use omnistream_stages::profile::ConnectionSpec;
+use crate::profile::ConnectionSpec;
 
 use super::metrics::Metrics;
 

@@ -39,7 +39,6 @@ use omnistream_stages::engine::{
     Modalities, RequestInput, RequestSpec, SamplingOverrides, StageRole, TRANSCRIBE_RATE,
 };
 use omnistream_stages::models::silero_vad::SileroVad;
-use omnistream_stages::profile::Profile;
 
 /// Options of `omnistream serve`.
 pub struct ServeOptions {
@@ -57,7 +56,7 @@ pub struct ServeOptions {
 
 /// Loads the pipeline, warms it up, and serves until ctrl-c.
 pub async fn run(opts: ServeOptions) -> Result<()> {
-    let profile = Profile::load(&opts.profile)?;
+    let (profile, server) = crate::profile::load(&opts.profile)?;
     let (mesh, remote) =
         crate::distributed::remote_stages(&profile, opts.nats.as_deref(), opts.wait_stages).await?;
     let pipeline = {
@@ -90,7 +89,6 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
         .await
         .context("loading the pipeline")??
     };
-    let server = profile.server.clone().unwrap_or_default();
     let mut api_keys = server.api_keys.clone();
     api_keys.extend(opts.api_keys.iter().cloned());
     let vad = match &server.vad {

@@ -324,19 +324,14 @@ pub fn build_pipeline_placed(
     Ok(pipeline)
 }
 
-/// The Listener's speech filter: the profile's VAD (there for server_vad turns) also
-/// keeps silence and noise from the recognizer, on every path that transcribes. None
-/// without `server.vad`, or with its `filter_transcriptions: false`.
+/// The Listener's speech filter: the VAD the server uses for its turns also keeps
+/// silence and noise from the recognizer, on every path that transcribes. None
+/// unless the profile's reader set [`Profile::listener_vad`].
 fn speech_filter(profile: &Profile, device: &Device) -> Result<Option<SpeechFilter>, ModelError> {
-    let Some(v) = profile
-        .server
-        .as_ref()
-        .and_then(|sv| sv.vad.as_ref())
-        .filter(|v| v.filter_transcriptions)
-    else {
+    let Some(model) = &profile.listener_vad else {
         return Ok(None);
     };
-    let vad = SileroVad::load(&profile.resolve(&v.model), device)?;
+    let vad = SileroVad::load(model, device)?;
     SpeechFilter::new(Arc::new(vad), SpeechFilterConfig::default()).map(Some)
 }
 
@@ -655,37 +650,22 @@ mod cache_tests {
 mod listener_tests {
     use super::*;
 
-    /// The default profile's VAD filters the Listener's audio unless the profile says
-    /// `filter_transcriptions: false`; without `server.vad` there is no filter.
+    /// The Listener filters with the VAD its profile's reader names, and
+    /// without one there is no filter.
     #[test]
-    fn the_listener_filters_with_the_profile_vad() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/tiny-cpu.yaml");
-        let yaml = std::fs::read_to_string(&path).unwrap();
-        let on = match Profile::parse(&yaml, &path) {
-            Ok(p) => p,
-            Err(e) => {
-                // Model files absent (no `omnistream fetch-models`): nothing to load.
-                assert!(e.to_string().contains("does not exist"), "{e}");
-                eprintln!("SKIP: {e}");
-                return;
-            }
-        };
-        let f = speech_filter(&on, &Device::Cpu).unwrap().expect("a filter");
-        assert_eq!(f.config(), &SpeechFilterConfig::default());
-
-        let off = yaml.replacen(
-            "\n  vad:\n",
-            "\n  vad:\n    filter_transcriptions: false\n",
-            1,
-        );
-        assert_ne!(off, yaml);
-        let off = Profile::parse(&off, &path).unwrap();
-        assert!(speech_filter(&off, &Device::Cpu).unwrap().is_none());
-
-        let mut none = on.clone();
-        if let Some(s) = none.server.as_mut() {
-            s.vad = None;
+    fn the_listener_filters_with_the_vad_it_is_given() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let model = root.join("models/silero-vad/silero_vad_16k.safetensors");
+        if !model.is_file() {
+            // No `omnistream fetch-models`: nothing to load.
+            eprintln!("SKIP: {} is missing", model.display());
+            return;
         }
-        assert!(speech_filter(&none, &Device::Cpu).unwrap().is_none());
+        let mut p = Profile::load(&root.join("deploy/tiny-cpu.yaml")).unwrap();
+        p.listener_vad = Some(model);
+        let f = speech_filter(&p, &Device::Cpu).unwrap().expect("a filter");
+        assert_eq!(f.config(), &SpeechFilterConfig::default());
+        p.listener_vad = None;
+        assert!(speech_filter(&p, &Device::Cpu).unwrap().is_none());
     }
 }

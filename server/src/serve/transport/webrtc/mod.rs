@@ -50,7 +50,7 @@ use webrtc::track::track_local::track_local_static_sample::TrackLocalStaticSampl
 use webrtc::track::track_local::TrackLocal;
 use webrtc::track::track_remote::TrackRemote;
 
-use omnistream_stages::profile::WebRtcSpec;
+use crate::profile::WebRtcSpec;
 
 use super::realtime::{slow_client_event, Realtime, RATE};
 use crate::serve::conn::{AudioSink, ConnGauge, Outbox, Overflow};

@@ -235,6 +235,8 @@ async def run(args, out_dir):
         t = e["type"]
         if t == "error":
             result["errors"].append(e["error"])
+            if e["error"].get("code") == "server_shutting_down":
+                break  # the server cut the answer and is hanging up
         elif t == "response.output_audio_transcript.delta":
             transcript += e["delta"]
         elif t == "output_audio_buffer.started":
@@ -257,7 +259,8 @@ async def run(args, out_dir):
     result["transcript"] = transcript
 
     # The answer: frames that arrived while it played.
-    played = [f for f in frames if started_at - 0.1 <= f[0] <= stopped_at + 0.3]
+    played = [f for f in frames
+              if started_at is not None and started_at - 0.1 <= f[0] <= stopped_at + 0.3]
     result["frames_total"] = len(frames)
     result["frames_answer"] = len(played)
     rate = played[0][2] if played else 0
@@ -396,10 +399,23 @@ async def concurrent(args):
     return {"concurrent": args.concurrent, "calls": calls}
 
 
+def hang_up(url, location, api_key):
+    """DELETE the call's resource (the offer's Location): the HTTP status."""
+    req = urllib.request.Request(url + location, method="DELETE")
+    if api_key:
+        req.add_header("Authorization", "Bearer " + api_key)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 async def cycles(args):
     """Connect (offer, answer, events channel open, session.created), then
-    close at once, --cycles times."""
-    done = 0
+    close at once, --cycles times; with --delete, hang up over HTTP first
+    (the statuses are reported)."""
+    done, hangups = 0, []
     for _ in range(args.cycles):
         pc = RTCPeerConnection()
         pc.addTransceiver(Tone(), direction="sendrecv")
@@ -407,12 +423,14 @@ async def cycles(args):
         got = asyncio.Event()
         dc.on("message", lambda m: got.set())
         await pc.setLocalDescription(await pc.createOffer())
-        _, _, answer = post_offer(args.url, pc.localDescription.sdp, args.api_key)
+        _, location, answer = post_offer(args.url, pc.localDescription.sdp, args.api_key)
         await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
         await asyncio.wait_for(got.wait(), 20)
+        if args.delete:
+            hangups.append(hang_up(args.url, location, args.api_key))
         await pc.close()
         done += 1
-    return {"cycles": done}
+    return {"cycles": done, "hangups": hangups}
 
 
 def main():
@@ -431,6 +449,8 @@ def main():
     p.add_argument("--wait-for-hangup", action="store_true",
                    help="after the answer, record events until the server hangs up")
     p.add_argument("--cycles", type=int, help="only connect and hang up, this many times")
+    p.add_argument("--delete", action="store_true",
+                   help="with --cycles: hang up with DELETE on the offer's Location")
     p.add_argument("--concurrent", type=int, help="this many calls at once (a load test)")
     args = p.parse_args()
     if args.cycles:

@@ -69,7 +69,9 @@ fn half_open_connections_are_closed_and_health_answers_throughout() {
         "connections:\n  header_timeout_s: 2\n  body_timeout_s: 2\n  max: 2000\n  max_per_client: 0",
     );
     let server = spawn_server(&["--profile", &profile.path]);
-    for kind in ["connect", "partial", "dribble", "body"] {
+    // ("kept-alive": one whole request answered, then nothing: the header
+    // timeout is the idle keep-alive timeout too.)
+    for kind in ["connect", "partial", "dribble", "body", "kept-alive"] {
         let t0 = Instant::now();
         let mut conns: Vec<(TcpStream, Vec<u8>, Option<f64>)> = (0..300)
             .map(|_| {
@@ -77,6 +79,7 @@ fn half_open_connections_are_closed_and_health_answers_throughout() {
                 let head: &[u8] = match kind {
                     "partial" => b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n",
                     "dribble" => b"GET /health HTTP/1.1\r\nX-Slow: ",
+                    "kept-alive" => b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
                     "body" => b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\
                         Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{\"messages\": ",
                     _ => b"",
@@ -122,6 +125,13 @@ fn half_open_connections_are_closed_and_health_answers_throughout() {
             conns.iter().filter_map(|c| c.2).all(|t| t > TIMEOUT - 0.5),
             "{kind}: closed before the timeout"
         );
+        if kind == "kept-alive" {
+            let answered = conns
+                .iter()
+                .filter(|c| String::from_utf8_lossy(&c.1).starts_with("HTTP/1.1 200"))
+                .count();
+            assert_eq!(answered, 300, "kept-alive: each request answered first");
+        }
         if kind == "body" {
             let timed_out = conns
                 .iter()
@@ -463,20 +473,35 @@ async fn sigterm_lets_live_answers_finish_and_says_goodbye() {
     assert!(server.output().contains("shut down"));
 }
 
-/// SIGINT with answers that cannot finish within `drain_s`: at the deadline
-/// they are cut — SSE gets an error chunk and `[DONE]`, Realtime and the
-/// stream their failure and a close 1001 — and the process exits 0.
+/// SIGINT with answers that cannot finish within `drain_s`: `/health` says
+/// `draining` meanwhile; at the deadline they are cut — SSE gets an error
+/// chunk and `[DONE]`, Realtime and the stream their failure and a close
+/// 1001, the WebRTC call its error and a hang-up — and the process exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigint_past_the_drain_deadline_cuts_answers_cleanly() {
     let _x = exclusive();
     let profile = TempProfile::with_server("cut", "drain_s: 1");
     let mut server = spawn_server(&["--profile", &profile.path]);
+    let call = webrtc_call(&server, 400);
     let rt = realtime_answer(&server, 400).await;
     let st = stream_answer(&server).await;
     let sse = sse_answer(server.port, 400);
     server.signal("INT");
     let t0 = Instant::now();
-    let (events, close) = read_to_close(rt).await;
+    let rt = tokio::spawn(read_to_close(rt));
+    let st = tokio::spawn(read_to_close(st));
+    // Within the one second of drain, /health says so.
+    let mut draining = false;
+    while !draining && t0.elapsed() < Duration::from_secs(1) {
+        draining = matches!(health(server.port, Duration::from_millis(500)),
+            Some((503, v)) if v["status"] == "draining");
+    }
+    assert!(
+        draining,
+        "/health did not say draining\n{}",
+        server.output()
+    );
+    let (events, close) = rt.await.unwrap();
     assert_eq!(
         status_of(&events, "response.done"),
         ["failed"],
@@ -489,7 +514,7 @@ async fn sigint_past_the_drain_deadline_cuts_answers_cleanly() {
         types(&events)
     );
     assert_eq!(close, Some(CloseCode::Away));
-    let (events, close) = read_to_close(st).await;
+    let (events, close) = st.await.unwrap();
     assert_eq!(
         status_of(&events, "done"),
         ["failed"],
@@ -510,6 +535,19 @@ async fn sigint_past_the_drain_deadline_cuts_answers_cleanly() {
         "{body}"
     );
     assert_eq!(data.last().copied(), Some("[DONE]"), "{body}");
+    // The call: told on its data channel, then hung up by the server.
+    let report = call.join().unwrap();
+    let errs: Vec<&str> = report["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["code"].as_str())
+        .collect();
+    assert!(
+        !errs.is_empty() && errs.iter().all(|c| *c == "server_shutting_down"),
+        "{report}"
+    );
+    assert_eq!(report["hung_up_by_server"], true, "{report}");
     let status = server.wait_exit(Duration::from_secs(20));
     assert!(status.is_some_and(|s| s.success()), "exit: {status:?}");
     // The deadline was kept: 1 s of drain, then the goodbyes.

@@ -169,6 +169,30 @@ fn bad_requests_keys_and_body_limit_are_openai_errors() {
         let e = post(url, body, &[key]).assert_error(400, what);
         assert_eq!(e["type"], "invalid_request_error", "{what}");
     }
+    // Nothing to say: the rule's own code, naming the field.
+    let e = post(speech, r#"{"input":"... -- !?","voice":"joe"}"#, &[key])
+        .assert_error(400, "punctuation only");
+    assert_eq!(
+        (&e["code"], &e["param"]),
+        (&"nothing_to_say".into(), &"input".into()),
+        "{e}"
+    );
+    // A wrong path or method: the JSON error shape too.
+    let r = post(&format!("{}/v1/nowhere", server.url), "{}", &[key]);
+    let e = r.assert_error(404, "no such path");
+    assert_eq!(e["code"], "not_found", "{e}");
+    let r = omnistream_e2e::curl(&format!("{}/v1/chat/completions", server.url), None, &[key]);
+    let e = r.assert_error(405, "GET on a POST endpoint");
+    assert_eq!(e["code"], "method_not_allowed", "{e}");
+    // A plain GET on a WebSocket endpoint (no handshake).
+    let r = omnistream_e2e::curl(&format!("{}/v1/realtime", server.url), None, &[key]);
+    assert!(r.status >= 400 && r.status < 500, "{}", r.body);
+    assert_eq!(
+        r.json()["error"]["code"],
+        "websocket_upgrade_required",
+        "{}",
+        r.body
+    );
     let long = serde_json::json!({"input": "a".repeat(4097), "voice": "joe"}).to_string();
     post(speech, &long, &[key]).assert_error(400, "input over 4096");
     let e = post(speech, r#"{"input":"Hi","voice":"alloy"}"#, &[key]).assert_error(400, "voice");
@@ -479,7 +503,7 @@ fn the_prefix_cache_stays_within_its_byte_bound() {
         held(&server)
     );
     let before = server.rss_bytes();
-    for i in 1..7 {
+    for i in 1..20 {
         ask(i);
         let h = held(&server);
         assert!(h <= BOUND, "prompt {i}: the cache holds {h} bytes");
@@ -492,11 +516,12 @@ fn the_prefix_cache_stays_within_its_byte_bound() {
         "the cache holds {} bytes; bound {BOUND}",
         held(&server)
     );
-    // Six prompts' KV is ~140 MB; kept, as before the bound, it would show here.
+    // Nineteen prompts' KV is ~400 MB (16 entries, the entry cap, ~340 MB);
+    // kept, as before the bound, it would show here.
     let grown = server.rss_bytes().saturating_sub(before) as f64;
     assert!(
         grown < 2.0 * BOUND,
-        "RSS grew by {grown} bytes over 6 long prompts"
+        "RSS grew by {grown} bytes over 19 long prompts"
     );
     assert_healthy(&mut server);
 }

@@ -810,6 +810,27 @@ async fn bad_input_gets_clear_errors() {
     let updated = expect(&mut ws, "session.updated").await;
     assert_eq!(updated["session"]["instructions"], "Be brief.");
 
+    // A prompt over the Thinker's context fails its answer as the client's
+    // fault, with the code and param HTTP's 400 has; the session goes on.
+    send(
+        &mut ws,
+        json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "hello ".repeat(12000)}]}}),
+    )
+    .await;
+    expect(&mut ws, "conversation.item.created").await;
+    send(
+        &mut ws,
+        json!({"type": "response.create", "response": {"max_output_tokens": 4}}),
+    )
+    .await;
+    let done = expect(&mut ws, "response.done").await;
+    assert_eq!(done["response"]["status"], "failed", "{done}");
+    let e = &done["response"]["status_details"]["error"];
+    assert_eq!(e["code"], "context_length_exceeded", "{done}");
+    assert_eq!(e["param"], "messages", "{done}");
+    assert_eq!(e["type"], "invalid_request_error", "{done}");
+
     // An oversized frame: an error, then the server closes.
     let big = format!(
         r#"{{"type":"conversation.item.create","pad":"{}"}}"#,
@@ -841,6 +862,22 @@ async fn bad_input_gets_clear_errors() {
         .expect("send");
     send(&mut ws, json!({"type": "cancel"})).await;
     assert_eq!(next_event(&mut ws).await["code"], "no_active_response");
+    ws.close(None).await.ok();
+    // A prompt over the context (instructions are not capped as a turn is):
+    // an error with HTTP's code and param, then the answer's end.
+    let mut ws = connect(&server, "/v1/stream").await;
+    send(
+        &mut ws,
+        json!({"type": "start", "sample_rate": 16000, "instructions": "hello ".repeat(12000)}),
+    )
+    .await;
+    assert_eq!(next_event(&mut ws).await["type"], "started");
+    send(&mut ws, json!({"type": "text", "text": "Hi."})).await;
+    let e = expect_error(&mut ws).await;
+    assert_eq!(e["code"], "context_length_exceeded", "{e}");
+    assert_eq!(e["param"], "messages", "{e}");
+    let done = expect_stream(&mut ws, "done").await;
+    assert_eq!(done["status"], "failed", "{done}");
     ws.close(None).await.ok();
     assert_idle(&server).await;
 }
@@ -1002,17 +1039,24 @@ async fn churn_and_a_stalled_reader_leave_the_server_healthy() {
     )
     .await;
     // When it reads again it finds out why, then the close.
-    let mut told = false;
-    while let Some(m) = next_msg(&mut slow).await {
-        if let Message::Text(t) = m {
-            let v: Value = serde_json::from_str(&t).expect("JSON");
-            if v["type"] == "error" {
-                assert_eq!(v["error"]["code"], "slow_client", "{v}");
-                told = true;
+    let (mut told, mut close) = (false, None);
+    while let Ok(Some(m)) = tokio::time::timeout(EVENT_TIMEOUT, slow.next()).await {
+        match m {
+            Ok(Message::Text(t)) => {
+                let v: Value = serde_json::from_str(&t).expect("JSON");
+                if v["type"] == "error" {
+                    assert_eq!(v["error"]["code"], "slow_client", "{v}");
+                    told = true;
+                }
             }
+            Ok(Message::Close(f)) => close = f.map(|f| u16::from(f.code)),
+            Ok(_) => {}
+            Err(_) => break,
         }
     }
     assert!(told, "the dropped client was not told why");
+    // 1008: policy violation (RFC 6455), the code for "you did not read".
+    assert_eq!(close, Some(1008), "the close after slow_client");
 
     // The other session still works after all that.
     ask(

@@ -392,16 +392,21 @@ fn bad_offers_get_clear_errors_and_the_server_stays_healthy() {
         ),
         ("application/json", "{\"type\": \"answer\"}".into(), "type"),
         ("application/json", "{not json".into(), "not JSON"),
-        ("text/plain", "v=0".into(), "application/sdp"),
+    ];
+    // A type a page elsewhere could send without a preflight: 415; an offer
+    // over 64 KiB: 413; both in the JSON error shape.
+    let cases = cases.into_iter().map(|(c, b, e)| (c, b, e, 400)).chain([
+        ("text/plain", "v=0".into(), "application/sdp", 415),
         (
             "application/sdp",
             format!("v=0\r\n{}", "a=x\r\n".repeat(20_000)),
-            "at most",
+            "larger than 65536 bytes",
+            413,
         ),
-    ];
-    for (ctype, body, expect) in cases {
+    ]);
+    for (ctype, body, expect, status) in cases {
         let (code, text) = post(ctype, &body);
-        assert_eq!(code, 400, "{ctype} {body:.60}: {text}");
+        assert_eq!(code, status, "{ctype} {body:.60}: {text}");
         let v: Value = serde_json::from_str(&text).unwrap_or_default();
         let msg = v["error"]["message"].as_str().unwrap_or("");
         assert!(msg.contains(expect), "{expect:?} not in {msg:?}");

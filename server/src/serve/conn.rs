@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use base64::Engine as _;
 use futures_util::stream::SplitSink;
@@ -50,11 +51,13 @@ fn forbidden_origin() -> ApiError {
 
 /// The shared WebSocket upgrade: Origin check, a session (or 503 over the
 /// cap), frame and message limits, the subprotocol to echo (the first of
-/// `protocols` the client offered), then `serve` on the socket.
+/// `protocols` the client offered), then `serve` on the socket. A request
+/// that is no WebSocket handshake gets the JSON error shape (axum's
+/// rejection says what was wrong, with its status).
 pub fn accept<F, Fut>(
     state: Arc<AppState>,
     headers: &HeaderMap,
-    ws: WebSocketUpgrade,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
     kind: &'static str,
     protocols: &[&'static str],
     serve: F,
@@ -66,6 +69,10 @@ where
     if !auth::origin_allowed(&state, headers) {
         return forbidden_origin().into_response();
     }
+    let ws = match ws {
+        Ok(ws) => ws,
+        Err(e) => return ApiError::upgrade_refused(e.status(), e.body_text()).into_response(),
+    };
     let session = match state.sessions.open(kind) {
         Ok(s) => s,
         Err(e) => return e.into_response(),

@@ -1,11 +1,37 @@
 //! The errors a client sees, in both their forms: an HTTP response
 //! ([`ApiError`]) and an `error` event on a connection ([`ClientError`]).
 
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
+use super::connections::{declared_length, too_slow};
 use super::shutdown;
+
+/// A request's whole body, at most `limit` bytes, every refusal in the JSON
+/// shape: 413 `request_too_large` from its `Content-Length` before any of it
+/// is read (a client waiting on `Expect: 100-continue` never sends it) or once
+/// it grows past `limit`, 408 `request_timeout` when it comes too slowly.
+pub async fn read_body(req: Request, limit: usize) -> Result<Bytes, ApiError> {
+    if declared_length(req.headers()).is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::too_large(limit));
+    }
+    let bytes = Bytes::from_request(req, &()).await.map_err(|e| {
+        if let Some(m) = too_slow(&e) {
+            ApiError::request_timeout(m)
+        } else if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(limit)
+        } else {
+            ApiError::bad_request("invalid_body", e.body_text())
+        }
+    })?;
+    if bytes.len() > limit {
+        return Err(ApiError::too_large(limit));
+    }
+    Ok(bytes)
+}
 
 /// The error code a failed request's message maps to: `stage_unavailable`
 /// when a stage replica was lost (the engine's messages say so first).
@@ -93,6 +119,41 @@ impl ApiError {
             status: StatusCode::REQUEST_TIMEOUT,
             code: "request_timeout",
             ..Self::bad_request("", message)
+        }
+    }
+    /// A body of a type this endpoint does not take (among them the types a
+    /// page elsewhere may send without a preflight).
+    pub fn unsupported_media_type(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ..Self::bad_request("unsupported_media_type", message)
+        }
+    }
+    /// A request to a WebSocket endpoint that is no handshake.
+    pub fn upgrade_refused(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code: "websocket_upgrade_required",
+            ..Self::bad_request("", message)
+        }
+    }
+    /// No route at this path (or not for this method).
+    pub fn no_route(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code: if status == StatusCode::METHOD_NOT_ALLOWED {
+                "method_not_allowed"
+            } else {
+                "not_found"
+            },
+            ..Self::bad_request("", message)
+        }
+    }
+    pub fn too_large(limit: usize) -> Self {
+        Self {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            code: "request_too_large",
+            ..Self::bad_request("", format!("request body is larger than {limit} bytes"))
         }
     }
     /// New work while the server drains, or an answer its shutdown cut.
@@ -196,11 +257,13 @@ impl ClientError {
             ..Self::invalid(code, message)
         }
     }
-    /// A request that failed: its code and type from the message.
+    /// A request that failed: its code, type and param from the message,
+    /// as [`ApiError::failed`] gives them.
     pub fn failed(message: String) -> Self {
         let code = failure_code(&message);
         Self {
             kind: failure_kind(code),
+            param: (code == CONTEXT_LENGTH_EXCEEDED).then_some("messages"),
             ..Self::invalid(code, message)
         }
     }
@@ -227,7 +290,7 @@ impl From<ApiError> for ClientError {
             kind: e.kind,
             code: e.code,
             message: e.message,
-            param: None,
+            param: e.param,
         }
     }
 }

@@ -116,7 +116,8 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
         connections::Limits::new(&server.connections, connections::raise_open_file_limit());
     let rtc = transport::webrtc::WebRtc::new(&server.webrtc).context("setting up WebRTC")?;
     let state = AppState::new(pipeline, config)?;
-    let app = router(state.clone(), Some(Arc::new(rtc)));
+    let rtc = Arc::new(rtc);
+    let app = router(state.clone(), Some(rtc.clone()));
     let addr: SocketAddr = format!("{}:{}", opts.host, opts.port)
         .parse()
         .with_context(|| format!("bad address {}:{}", opts.host, opts.port))?;
@@ -134,7 +135,7 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
         app,
         limits,
         state.metrics.clone(),
-        shut_down_on_signal(state.clone(), drain),
+        shut_down_on_signal(state.clone(), rtc, drain),
         CLOSE_LINGER,
     )
     .await;
@@ -152,7 +153,11 @@ const CLOSE_LINGER: Duration = Duration::from_secs(5);
 /// drains (new work refused, answers in flight finish) until nothing runs or
 /// `drain` passes (or a second signal comes), then closes what still runs and
 /// waits for the sessions to say goodbye.
-async fn shut_down_on_signal(state: Arc<AppState>, drain: Duration) {
+async fn shut_down_on_signal(
+    state: Arc<AppState>,
+    rtc: Arc<transport::webrtc::WebRtc>,
+    drain: Duration,
+) {
     crate::distributed::wait_for_signal().await;
     // Lifecycle lines go to stdout beside the listening line (the log's
     // default level is warn).
@@ -173,7 +178,16 @@ async fn shut_down_on_signal(state: Arc<AppState>, drain: Duration) {
         }
     }
     state.shutdown.enter(shutdown::Phase::Closing);
-    let _ = tokio::time::timeout(CLOSE_LINGER, state.idle()).await;
+    // Sessions said goodbye, and WebRTC peers are hung up (a session ends
+    // before its peer connection is closed; exiting first would leave the
+    // caller to find out by ICE timeout).
+    let _ = tokio::time::timeout(CLOSE_LINGER, async {
+        state.idle().await;
+        while rtc.peers() > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
 }
 
 /// While draining, new work gets 503 `server_shutting_down` (and the
@@ -223,6 +237,21 @@ pub fn router(state: Arc<AppState>, rtc: Option<Arc<transport::webrtc::WebRtc>>)
         .route("/health", get(health))
         .merge(web::routes())
         .merge(api)
+        // Every answer in the JSON error shape, a wrong path or method too.
+        .fallback(|uri: axum::http::Uri| async move {
+            ApiError::no_route(
+                StatusCode::NOT_FOUND,
+                format!("no endpoint at {}", uri.path()),
+            )
+        })
+        .method_not_allowed_fallback(
+            |method: axum::http::Method, uri: axum::http::Uri| async move {
+                ApiError::no_route(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    format!("{} does not take {method}", uri.path()),
+                )
+            },
+        )
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             refuse_when_draining,

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -33,7 +33,7 @@ use omnistream_stages::engine::{ChatMessage, Role};
 
 use super::answer::Meter;
 use super::audio::{AudioEncoder, OutputFormat};
-use super::error::ApiError;
+use super::error::{read_body, ApiError};
 use super::metrics::{Metrics, TaskGuard};
 use super::sessions::InFlightGuard;
 use super::shutdown;
@@ -679,12 +679,6 @@ fn output_format(name: &str, allowed: &[&str], field: &str) -> Result<OutputForm
 
 /// Reads the body (413 past the limit) and parses it (400 with serde's reason).
 async fn read_json<T: DeserializeOwned>(req: Request) -> Result<T, ApiError> {
-    // Refused before any of it is read (a client waiting on `Expect:
-    // 100-continue` never sends it).
-    if super::connections::declared_length(req.headers()).is_some_and(|n| n > MAX_BODY_BYTES as u64)
-    {
-        return Err(too_large());
-    }
     // JSON or nothing said: a text/plain or form body is what a page elsewhere
     // can send without asking first (a CORS "simple request").
     let ctype = req
@@ -694,37 +688,14 @@ async fn read_json<T: DeserializeOwned>(req: Request) -> Result<T, ApiError> {
     if let Some(t) = ctype {
         let essence = t.split(';').next().unwrap_or("").trim();
         if essence != "application/json" && !essence.ends_with("+json") {
-            return Err(ApiError {
-                status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                ..ApiError::bad_request(
-                    "unsupported_media_type",
-                    format!("Content-Type {essence:?}: send application/json"),
-                )
-            });
+            return Err(ApiError::unsupported_media_type(format!(
+                "Content-Type {essence:?}: send application/json"
+            )));
         }
     }
-    let bytes = Bytes::from_request(req, &()).await.map_err(|e| {
-        if let Some(m) = super::connections::too_slow(&e) {
-            ApiError::request_timeout(m)
-        } else if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            too_large()
-        } else {
-            ApiError::bad_request("invalid_body", e.body_text())
-        }
-    })?;
+    let bytes = read_body(req, MAX_BODY_BYTES).await?;
     serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad_request("invalid_json", format!("invalid request body: {e}")))
-}
-
-fn too_large() -> ApiError {
-    ApiError {
-        status: StatusCode::PAYLOAD_TOO_LARGE,
-        kind: "invalid_request_error",
-        code: "request_too_large",
-        message: format!("request body is larger than {MAX_BODY_BYTES} bytes"),
-        retry_after: None,
-        param: None,
-    }
 }
 
 fn invalid(message: impl Into<String>) -> ApiError {

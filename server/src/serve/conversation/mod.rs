@@ -31,9 +31,10 @@ use serde_json::Value;
 use omnistream_stages::engine::{
     ChatMessage, Modalities, RequestInput, RequestSpec, Role, SamplingOverrides,
 };
+use omnistream_stages::models::CONTEXT_LENGTH_EXCEEDED;
 
 use super::audio::{to_listener_rate, OutputFormat};
-use super::error::ClientError;
+use super::error::{failure_code, ClientError};
 use history::History;
 use playback::Playback;
 pub use turns::{Speech, TurnSettings};
@@ -162,6 +163,8 @@ impl End {
             Self::Completed(_) => "ok",
             Self::Cancelled => "cancelled",
             Self::SlowClient => "slow_client",
+            // The prompt did not fit: the client's request, not a fault.
+            Self::Failed(m) if failure_code(m) == CONTEXT_LENGTH_EXCEEDED => "bad_request",
             Self::Failed(_) => "error",
         }
     }

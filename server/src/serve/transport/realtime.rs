@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::http::HeaderMap;
@@ -42,7 +43,7 @@ pub fn routes() -> Router<Arc<AppState>> {
 async fn upgrade(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    ws: WebSocketUpgrade,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
     conn::accept(state, &headers, ws, "realtime", &["realtime"], serve)
 }
@@ -686,7 +687,7 @@ impl Realtime {
                 let e = ClientError::failed(e.clone());
                 (
                     "failed",
-                    json!({"type": "failed", "error": {"type": e.kind, "code": e.code, "message": e.message}}),
+                    json!({"type": "failed", "error": {"type": e.kind, "code": e.code, "message": e.message, "param": e.param}}),
                     Value::Null,
                 )
             }

@@ -15,6 +15,7 @@
 
 use std::sync::Arc;
 
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::http::HeaderMap;
@@ -56,7 +57,7 @@ pub fn routes() -> Router<Arc<AppState>> {
 async fn upgrade(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    ws: WebSocketUpgrade,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
     conn::accept(
         state,
@@ -73,7 +74,11 @@ fn msg(body: Value) -> Message {
 }
 
 fn error_msg(e: &ClientError) -> Message {
-    msg(json!({"type": "error", "code": e.code, "message": e.message}))
+    let mut m = json!({"type": "error", "code": e.code, "message": e.message});
+    if let Some(p) = e.param {
+        m["param"] = p.into();
+    }
+    msg(m)
 }
 
 /// How audio travels both ways, chosen in `start`.

@@ -18,9 +18,8 @@ mod sdp;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Bytes;
 use axum::extract::ws::Message;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, post};
@@ -55,7 +54,7 @@ use crate::profile::WebRtcSpec;
 use super::realtime::{slow_client_event, Realtime, RATE};
 use crate::serve::conn::{AudioSink, ConnGauge, Outbox, Overflow};
 use crate::serve::driver::{self, Inbound};
-use crate::serve::error::ApiError;
+use crate::serve::error::{read_body, ApiError};
 use crate::serve::metrics::TaskGuard;
 use crate::serve::state::AppState;
 use media::{AudioOut, Codec, Mic, Slot, Speaker, FRAME};
@@ -166,12 +165,6 @@ enum Shape {
 }
 
 fn read_offer(headers: &HeaderMap, body: &[u8]) -> Result<(String, Shape), ApiError> {
-    if body.len() > MAX_OFFER_BYTES {
-        return Err(bad_offer(format!(
-            "the offer is {} bytes; at most {MAX_OFFER_BYTES}",
-            body.len()
-        )));
-    }
     let ctype = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -189,10 +182,9 @@ fn read_offer(headers: &HeaderMap, body: &[u8]) -> Result<(String, Shape), ApiEr
         return Ok((sdp.to_string(), Shape::Json));
     }
     if !(ctype.starts_with("application/sdp") || ctype.is_empty()) {
-        return Err(ApiError::bad_request(
-            "unsupported_media_type",
-            format!("send the offer as application/sdp or application/json, not {ctype:?}"),
-        ));
+        return Err(ApiError::unsupported_media_type(format!(
+            "send the offer as application/sdp or application/json, not {ctype:?}"
+        )));
     }
     let sdp = std::str::from_utf8(body).map_err(|_| bad_offer("the SDP offer is not UTF-8"))?;
     Ok((sdp.to_string(), Shape::Sdp))
@@ -201,9 +193,13 @@ fn read_offer(headers: &HeaderMap, body: &[u8]) -> Result<(String, Shape), ApiEr
 async fn offer(
     State(state): State<Arc<AppState>>,
     Extension(rtc): Extension<Option<Arc<WebRtc>>>,
-    headers: HeaderMap,
-    body: Bytes,
+    req: Request,
 ) -> Response {
+    let headers = req.headers().clone();
+    let body = match read_body(req, MAX_OFFER_BYTES).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
     match answer(state, rtc, &headers, &body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
@@ -518,8 +514,10 @@ async fn run_peer(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let _ = hangup_tx.send(true);
-    rtc.peers.remove(&id);
     let _ = pc.close().await;
+    // Listed until closed: a server shutting down waits for its peers to be
+    // hung up (the session itself ended with the driver).
+    rtc.peers.remove(&id);
 }
 
 /// Joins the `oai-events` data channel to the session: its messages become

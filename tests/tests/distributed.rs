@@ -325,14 +325,90 @@ fn a_dead_replica_fails_only_its_requests_and_the_system_recovers() {
         "the restarted replica took no work:\n{}",
         gw.metrics()
     );
-    // NATS itself restarts: everyone reconnects and announces again.
+    // A client that leaves mid-answer: the cancel crosses NATS and the
+    // stage processes drop its request (counted there as cancelled), rather
+    // than finish an answer nobody reads.
+    let cancelled = |gw: &Server| -> f64 {
+        ["talker", "code2wav"]
+            .iter()
+            .flat_map(|s| replica_counts(gw, s, "cancelled_total"))
+            .map(|(_, v)| v)
+            .sum()
+    };
+    let before = cancelled(&gw);
+    let first = sse_first_bytes(gw.port, &format!("{long} {long} {long}"));
+    assert!(first.contains("speech.audio.delta"), "{first}");
+    assert!(
+        eventually(10, || cancelled(&gw) > before),
+        "the cancel did not reach the stage processes:\n{}",
+        gw.metrics()
+    );
+    assert_idle(&gw);
+    // NATS itself restarts, with answers in flight: they end (completed, or
+    // failed with stage_unavailable), none hangs; everyone reconnects and
+    // announces again.
+    let clients: Vec<_> = (0..2)
+        .map(|_| {
+            let url = gw.url.clone();
+            thread::spawn(move || speak(&url, long))
+        })
+        .collect();
+    assert!(
+        eventually(60, || ["talker", "code2wav"].iter().any(|s| {
+            replica_counts(&gw, s, "active_requests")
+                .iter()
+                .any(|(_, v)| *v > 0.0)
+        })),
+        "no answer in flight"
+    );
+    let restarted = Instant::now();
     nats.restart();
+    for h in clients {
+        if let Err(e) = h.join().unwrap() {
+            assert!(e.contains("stage_unavailable"), "unclear error: {e}");
+        }
+    }
+    assert!(
+        restarted.elapsed() < Duration::from_secs(30),
+        "answers in flight took {:?} to end after the NATS restart",
+        restarted.elapsed()
+    );
     let back = eventually(30, || {
         replica_counts(&gw, "code2wav", "alive").len() == 2 && speak(&gw.url, "Back again.").is_ok()
     });
     assert!(back, "no recovery after the NATS restart:\n{}", gw.output());
     assert_idle(&gw);
     assert!(metric(&gw, "omnistream_requests_in_flight", &[]) == 0.0);
+}
+
+/// Starts a streamed `/v1/audio/speech` of `text` and returns once its first
+/// bytes arrived, dropping the connection (a client that leaves).
+fn sse_first_bytes(port: u16, text: &str) -> String {
+    use std::io::{Read, Write};
+    let body = serde_json::json!({
+        "model": "tts-1", "input": text, "voice": "joe",
+        "response_format": "pcm", "stream_format": "sse",
+    })
+    .to_string();
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    write!(
+        s,
+        "POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("write");
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    let mut got = Vec::new();
+    let mut buf = [0u8; 8192];
+    while !String::from_utf8_lossy(&got).contains("speech.audio.delta") {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
 }
 
 /// Garbage, another wire version and a corrupt body on a stage's subject: each
@@ -492,6 +568,26 @@ fn gateways_behind_haproxy_share_the_stages() {
         let text = rt.block_on(realtime_turn(&ws));
         assert!(!text.trim().is_empty());
     }
+    // WebRTC through the balancer: each call's offer and its hang-up (round
+    // robin would send the DELETE to the other gateway, a 404) reach the
+    // gateway that owns the call; the media goes straight to it.
+    let out = std::process::Command::new("python3")
+        .arg(omnistream_e2e::root().join("tests/python/webrtc_peer.py"))
+        .args(["--url", &lb, "--cycles", "4", "--delete"])
+        .output()
+        .expect("python3 webrtc_peer.py");
+    let report = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = report
+        .lines()
+        .rfind(|l| l.starts_with('{'))
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| {
+            panic!(
+                "no report: {report}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    assert_eq!(v["hangups"], serde_json::json!([200, 200, 200, 200]), "{v}");
     // Round robin reached both gateways.
     for gw in [&gw1, &gw2] {
         let served = metric(gw, "omnistream_requests_total", &[]);

@@ -309,7 +309,13 @@ impl Mesh {
             while let Ok(e) = ev_rx.recv_async().await {
                 let Some(mesh) = w.upgrade() else { break };
                 match e {
-                    async_nats::Event::Disconnected => mesh.on_disconnect(),
+                    async_nats::Event::Disconnected => mesh.lost("lost the connection to NATS"),
+                    // The client dropped messages a subscription could not
+                    // take in time: an event, an ack or a payload of any
+                    // request in flight may be gone, so none may wait on it.
+                    async_nats::Event::SlowConsumer(_) => {
+                        mesh.lost("this process fell behind NATS and lost messages (slow consumer)")
+                    }
                     async_nats::Event::Connected => {
                         tracing::info!("NATS: connected");
                         mesh.max_payload.store(
@@ -328,6 +334,8 @@ impl Mesh {
         Ok(())
     }
 
+    /// Queues a message, waiting for room in the outbox: for the workers'
+    /// threads, whose wait is the backpressure.
     fn push(&self, subject: String, reply: Option<String>, payload: Vec<u8>) {
         self.out_messages.fetch_add(1, Ordering::Relaxed);
         self.out_bytes
@@ -337,6 +345,30 @@ impl Mesh {
             reply,
             payload,
         });
+    }
+
+    /// Queues a message from an async task, which must not block a runtime
+    /// thread: with the outbox full (NATS stalled or gone) the message is
+    /// dropped and said so. What goes this way is periodic (announcements),
+    /// or has a fallback once NATS is back (a lost cancel: the stage drops
+    /// the request when its gateway's events find no taker; a lost refusal:
+    /// the disconnect path fails what crossed the outage).
+    fn push_from_task(&self, subject: String, reply: Option<String>, payload: Vec<u8>) {
+        let len = payload.len() as u64;
+        match self.out.try_send(Outgoing {
+            subject,
+            reply,
+            payload,
+        }) {
+            Ok(()) => {
+                self.out_messages.fetch_add(1, Ordering::Relaxed);
+                self.out_bytes.fetch_add(len, Ordering::Relaxed);
+            }
+            Err(e) => tracing::warn!(
+                "NATS outbox full ({OUTBOX} messages): dropped a message to {}",
+                e.into_inner().subject
+            ),
+        }
     }
 
     fn announce(&self) {
@@ -363,7 +395,7 @@ impl Mesh {
             role,
         };
         if let Ok(bytes) = wire::encode(0, self.process, &a) {
-            self.push(format!("{}.hb", self.ns), None, bytes);
+            self.push_from_task(format!("{}.hb", self.ns), None, bytes);
         }
     }
 
@@ -482,7 +514,7 @@ impl Mesh {
             self.requests.remove(&id);
             if owner == self.process {
                 if let Ok(b) = wire::encode(id, self.process, &()) {
-                    self.push(format!("{}.cancel", self.ns), None, b);
+                    self.push_from_task(format!("{}.cancel", self.ns), None, b);
                 }
             }
         }
@@ -502,12 +534,14 @@ impl Mesh {
         }
     }
 
-    fn on_disconnect(&self) {
-        tracing::error!("NATS: disconnected; requests that cross it fail");
+    /// Messages were lost (`why`): every request crossing NATS fails (none
+    /// waits on what will not come), and the links' credit windows start
+    /// over from the replicas' next announcements.
+    fn lost(&self, why: &str) {
+        tracing::error!("NATS: {why}; requests that cross it fail");
         for t in self.requests.iter() {
             if t.owner == self.process {
-                t.ctx
-                    .fail("stage_unavailable: lost the connection to NATS".into());
+                t.ctx.fail(format!("stage_unavailable: {why}"));
             } else {
                 t.ctx.cancel(CancelReason::Failed);
             }
@@ -573,10 +607,16 @@ impl Mesh {
         }
     }
 
-    fn ack(&self, reply: Option<String>) {
+    /// One credit back to a payload's sender; `from_task`: not from a
+    /// worker's thread (see [`Self::push_from_task`]).
+    fn ack(&self, reply: Option<String>, from_task: bool) {
         if let Some(reply) = reply {
             if let Ok(b) = wire::encode(0, self.process, &1u32) {
-                self.push(reply, None, b);
+                if from_task {
+                    self.push_from_task(reply, None, b);
+                } else {
+                    self.push(reply, None, b);
+                }
             }
         }
     }
@@ -780,7 +820,7 @@ impl Mesh {
         let refuse = |h: Option<wire::Header>, e: WireError| {
             self.refused.fetch_add(1, Ordering::Relaxed);
             tracing::error!("NATS {}: refused a payload: {e}", m.subject);
-            self.ack(reply.clone());
+            self.ack(reply.clone(), true);
             // Tell the owner, so the request fails rather than waits.
             if let Some(h) = h.filter(|h| h.owner != 0) {
                 if let Some(t) = self.requests.get(&h.request) {
@@ -788,7 +828,7 @@ impl Mesh {
                 }
                 let msg = OwnerMsg::Failed(format!("stage refused a payload: {e}"));
                 if let Ok(b) = wire::encode(h.request, h.owner, &msg) {
-                    self.push(self.subject("ev", h.owner), None, b);
+                    self.push_from_task(self.subject("ev", h.owner), None, b);
                 }
             }
         };
@@ -807,7 +847,7 @@ impl Mesh {
         let payload = match msg {
             StageMsg::Start(start) => {
                 if lock(&self.cancelled).set.contains(&h.request) {
-                    self.ack(reply);
+                    self.ack(reply, true);
                     return;
                 }
                 let spec = match start.spec() {
@@ -905,7 +945,7 @@ impl NatsRx {
     fn taken(&self, (env, reply): (Envelope, Option<String>)) -> Envelope {
         let mesh = self.mesh.upgrade();
         if let Some(m) = &mesh {
-            m.ack(reply);
+            m.ack(reply, false);
         }
         let request = env.request;
         match env.payload.states_to(&self.device) {

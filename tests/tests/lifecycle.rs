@@ -574,8 +574,8 @@ fn stage_active(server: &Server) -> f64 {
 }
 
 /// Mixed clients at the default caps for `SOAK_SECONDS` (default 600):
-/// streamed and whole chats, speech, Realtime and `/v1/stream` answers, a
-/// third of them dropped mid-answer. Every answer not dropped completes; at
+/// six clients in turn asking for streamed chats, Realtime and `/v1/stream`
+/// answers, a third of them dropped mid-answer. Every answer not dropped completes; at
 /// the end sessions, tasks, stage requests and file descriptors are back to
 /// where they started and memory has not crept. Not in CI (ten minutes):
 /// `cargo test -p omnistream-e2e --test lifecycle soak -- --ignored --nocapture`

@@ -349,10 +349,10 @@ impl Mesh {
 
     /// Queues a message from an async task, which must not block a runtime
     /// thread: with the outbox full (NATS stalled or gone) the message is
-    /// dropped and said so. What goes this way is periodic (announcements),
-    /// or has a fallback once NATS is back (a lost cancel: the stage drops
-    /// the request when its gateway's events find no taker; a lost refusal:
-    /// the disconnect path fails what crossed the outage).
+    /// dropped and said so. What goes this way repeats (announcements) or
+    /// costs only work (a lost cancel: the stage generates on for a request
+    /// nobody reads, until it ends); a full outbox means NATS is stalled, and
+    /// a disconnect or slow consumer fails what crossed it.
     fn push_from_task(&self, subject: String, reply: Option<String>, payload: Vec<u8>) {
         let len = payload.len() as u64;
         match self.out.try_send(Outgoing {

@@ -327,6 +327,21 @@ fn webrtc_call(server: &Server, max_tokens: u32) -> std::thread::JoinHandle<Valu
     })
 }
 
+/// `/health` says `draining` (503) before `within` of `t0` has passed, each
+/// probe waiting at most `probe`.
+fn assert_draining(server: &Server, t0: Instant, within: Duration, probe: Duration) {
+    let mut draining = false;
+    while !draining && t0.elapsed() < within {
+        draining = matches!(health(server.port, probe),
+            Some((503, v)) if v["status"] == "draining");
+    }
+    assert!(
+        draining,
+        "/health did not say draining\n{}",
+        server.output()
+    );
+}
+
 /// Event types, for failure messages (audio deltas are long).
 fn types(events: &[Value]) -> Vec<String> {
     events
@@ -393,16 +408,7 @@ async fn sigterm_lets_live_answers_finish_and_says_goodbye() {
     let rt = tokio::spawn(read_to_close(rt));
     let st = tokio::spawn(read_to_close(st));
 
-    let mut draining = false;
-    while !draining && t0.elapsed() < Duration::from_secs(3) {
-        draining = matches!(health(server.port, Duration::from_secs(2)),
-            Some((503, v)) if v["status"] == "draining");
-    }
-    assert!(
-        draining,
-        "/health did not say draining\n{}",
-        server.output()
-    );
+    assert_draining(&server, t0, Duration::from_secs(3), Duration::from_secs(2));
     let r = omnistream_e2e::post(
         &format!("{}/v1/chat/completions", server.url),
         &json!({"messages": [{"role": "user", "content": "hi"}]}).to_string(),
@@ -491,15 +497,11 @@ async fn sigint_past_the_drain_deadline_cuts_answers_cleanly() {
     let rt = tokio::spawn(read_to_close(rt));
     let st = tokio::spawn(read_to_close(st));
     // Within the one second of drain, /health says so.
-    let mut draining = false;
-    while !draining && t0.elapsed() < Duration::from_secs(1) {
-        draining = matches!(health(server.port, Duration::from_millis(500)),
-            Some((503, v)) if v["status"] == "draining");
-    }
-    assert!(
-        draining,
-        "/health did not say draining\n{}",
-        server.output()
+    assert_draining(
+        &server,
+        t0,
+        Duration::from_secs(1),
+        Duration::from_millis(500),
     );
     let (events, close) = rt.await.unwrap();
     assert_eq!(

@@ -55,6 +55,12 @@ pub fn failure_kind(code: &str) -> &'static str {
     }
 }
 
+/// The request field a failure code blames (a prompt over the context: the
+/// messages), in both error forms.
+fn failure_param(code: &str) -> Option<&'static str> {
+    (code == CONTEXT_LENGTH_EXCEEDED).then_some("messages")
+}
+
 /// A prompt over the Thinker's context: the client's fault (400), as OpenAI.
 const CONTEXT_LENGTH_EXCEEDED: &str = omnistream_stages::models::CONTEXT_LENGTH_EXCEEDED;
 
@@ -173,7 +179,7 @@ impl ApiError {
             "stage_unavailable" => Self::stage_unavailable(message),
             shutdown::CODE => Self::shutting_down(),
             CONTEXT_LENGTH_EXCEEDED => Self {
-                param: Some("messages"),
+                param: failure_param(CONTEXT_LENGTH_EXCEEDED),
                 ..Self::bad_request(CONTEXT_LENGTH_EXCEEDED, message)
             },
             _ => Self::internal(message),
@@ -263,7 +269,7 @@ impl ClientError {
         let code = failure_code(&message);
         Self {
             kind: failure_kind(code),
-            param: (code == CONTEXT_LENGTH_EXCEEDED).then_some("messages"),
+            param: failure_param(code),
             ..Self::invalid(code, message)
         }
     }

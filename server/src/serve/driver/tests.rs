@@ -289,6 +289,16 @@ impl Client {
     }
 
     /// Events up to one of type `kind` (its index in `seen` after).
+    /// A second of (silent) speech appended and committed: the turn's
+    /// `input_audio_buffer.committed`, its transcription under way.
+    async fn commit_a_turn(&mut self, seen: &mut Vec<String>) -> Value {
+        self.send(json!({"type": "input_audio_buffer.append", "audio": pcm_b64(1.0)}))
+            .await;
+        self.send(json!({"type": "input_audio_buffer.commit"}))
+            .await;
+        self.until("input_audio_buffer.committed", seen).await
+    }
+
     async fn until(&mut self, kind: &str, seen: &mut Vec<String>) -> Value {
         loop {
             let v = self.next().await;
@@ -313,10 +323,7 @@ async fn client_events_are_handled_while_a_turn_is_transcribed() {
     let mut c = Client::start(&state);
     let mut seen = Vec::new();
     c.until("session.created", &mut seen).await;
-    c.send(json!({"type": "input_audio_buffer.append", "audio": pcm_b64(1.0)}))
-        .await;
-    c.send(json!({"type": "input_audio_buffer.commit"})).await;
-    let committed = c.until("input_audio_buffer.committed", &mut seen).await;
+    let committed = c.commit_a_turn(&mut seen).await;
     let t0 = Instant::now();
     // The Listener takes 700 ms; the client goes on meanwhile.
     c.send(
@@ -398,10 +405,7 @@ async fn a_client_that_leaves_mid_transcription_releases_it_at_once() {
     let mut c = Client::start(&state);
     let mut seen = Vec::new();
     c.until("session.created", &mut seen).await;
-    c.send(json!({"type": "input_audio_buffer.append", "audio": pcm_b64(1.0)}))
-        .await;
-    c.send(json!({"type": "input_audio_buffer.commit"})).await;
-    c.until("input_audio_buffer.committed", &mut seen).await;
+    c.commit_a_turn(&mut seen).await;
     assert_eq!(state.sessions.in_flight(), 1, "the transcription runs");
     let t0 = Instant::now();
     drop(c.tx);

@@ -406,6 +406,12 @@ async fn a_client_that_leaves_mid_transcription_releases_it_at_once() {
     let mut seen = Vec::new();
     c.until("session.created", &mut seen).await;
     c.commit_a_turn(&mut seen).await;
+    // The transcription takes its slot in a task of its own, just after the
+    // `committed` event, and holds it for `HEARING`.
+    let t0 = Instant::now();
+    while state.sessions.in_flight() == 0 && t0.elapsed() < HEARING {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert_eq!(state.sessions.in_flight(), 1, "the transcription runs");
     let t0 = Instant::now();
     drop(c.tx);

@@ -6,11 +6,11 @@ use std::time::Instant;
 
 use tokio::sync::watch;
 
-use omnistream_stages::engine::{CancelReason, Event, RequestHandle, RequestSpec};
+use omnistream_stages::engine::{CancelReason, EngineError, Event, RequestHandle, RequestSpec};
 
 use super::audio::{AudioEncoder, OutputFormat};
 use super::conversation::{End, Usage};
-use super::error::ClientError;
+use super::error::{ApiError, ClientError};
 use super::metrics::Metrics;
 use super::sessions::InFlightGuard;
 use super::shutdown;
@@ -102,6 +102,12 @@ impl Meter {
     pub fn finish_if_open(&mut self, outcome: &'static str) {
         self.outcome.get_or_insert(outcome);
     }
+
+    /// Counts a request refused before it reached the pipeline (or cut by
+    /// `error` after), by the error's outcome.
+    pub fn refused(mut self, error: &ClientError) {
+        self.finish_if_open(error.outcome());
+    }
 }
 
 impl Drop for Meter {
@@ -122,15 +128,52 @@ impl Drop for Meter {
     }
 }
 
+/// What a connection keeps over its answer (a stateless HTTP request has
+/// neither: its client cancels by going away).
+pub struct Control {
+    /// Set to `true` (or dropped) to cancel the answer.
+    pub cancel: watch::Receiver<bool>,
+    /// Set when the connection dropped its client as too slow.
+    pub slow: Arc<AtomicBool>,
+}
+
+/// Why `Pipeline::submit` refused a request, in the client's terms.
+fn submit_error(e: EngineError) -> ClientError {
+    match e {
+        EngineError::BadRequest(m) => ClientError::invalid("invalid_value", m),
+        EngineError::Closed => ApiError::overloaded("the pipeline is shut down").into(),
+        e @ EngineError::Unavailable(_) => ApiError::stage_unavailable(e.to_string()).into(),
+        other => ClientError::server("internal_error", other.to_string()),
+    }
+}
+
+/// Takes an in-flight slot and submits `spec` off the async workers
+/// (`Pipeline::submit` may wait on a full connector). Shared by answers and
+/// transcriptions.
+pub async fn submit(
+    state: &Arc<AppState>,
+    spec: RequestSpec,
+) -> Result<(RequestHandle, InFlightGuard), ClientError> {
+    if state.shutdown.draining() {
+        return Err(ClientError::shutting_down());
+    }
+    let in_flight = state.sessions.begin_request().map_err(ClientError::from)?;
+    let st = state.clone();
+    let handle = tokio::task::spawn_blocking(move || st.pipeline.submit(spec))
+        .await
+        .map_err(|e| ClientError::server("internal_error", e.to_string()))?
+        .map_err(submit_error)?;
+    Ok((handle, in_flight))
+}
+
 /// One request through the pipeline as a client sees it: text deltas,
 /// audio converted to the client's format, the end; measured by its
-/// [`Meter`].
+/// [`Meter`]. Every endpoint that answers uses it: the connections through
+/// the driver, HTTP through its response bodies.
 pub struct Answer {
     handle: Option<RequestHandle>,
     _in_flight: InFlightGuard,
-    /// Set when the connection it answers dropped its client as too slow.
-    slow: Arc<AtomicBool>,
-    cancel: watch::Receiver<bool>,
+    control: Option<Control>,
     meter: Meter,
     /// The client's audio format, when it wants audio.
     format: Option<OutputFormat>,
@@ -143,35 +186,28 @@ pub struct Answer {
 }
 
 impl Answer {
-    /// Admits and submits the request (errors: over capacity, bad request).
-    pub fn start(
-        state: &AppState,
-        slow: Arc<AtomicBool>,
-        endpoint: &'static str,
+    /// Admits and submits the request. A refusal (over capacity, shutting
+    /// down, a bad request) is counted by `meter` and returned.
+    pub async fn start(
+        state: &Arc<AppState>,
+        meter: Meter,
         spec: RequestSpec,
         format: Option<OutputFormat>,
-        cancel: watch::Receiver<bool>,
+        control: Option<Control>,
     ) -> Result<Self, ClientError> {
-        if state.shutdown.draining() {
-            return Err(ClientError::shutting_down());
-        }
-        let in_flight = state.sessions.begin_request().map_err(ClientError::from)?;
-        let handle = state.pipeline.submit(spec).map_err(|e| match e {
-            omnistream_stages::engine::EngineError::BadRequest(m) => {
-                ClientError::invalid("invalid_request", m)
+        let (handle, in_flight) = match submit(state, spec).await {
+            Ok(h) => h,
+            Err(e) => {
+                meter.refused(&e);
+                return Err(e);
             }
-            e @ omnistream_stages::engine::EngineError::Unavailable(_) => {
-                ClientError::server("stage_unavailable", e.to_string())
-            }
-            other => ClientError::server("engine_unavailable", other.to_string()),
-        })?;
+        };
         Ok(Self {
             handle: Some(handle),
             _in_flight: in_flight,
-            slow,
-            cancel,
+            control,
             phase: state.shutdown.watch(),
-            meter: Meter::new(&state.metrics, endpoint),
+            meter,
             format,
             encoder: None,
             pipeline_seconds: 0.0,
@@ -219,6 +255,12 @@ impl Answer {
         self.meter.text_out();
     }
 
+    /// The answer completed but its response could not be made (its whole
+    /// file failed to encode): counted as an error.
+    pub fn fail(&mut self) {
+        self.meter.finish("error");
+    }
+
     fn encode(&mut self, samples: &[f32], input_rate: u32) -> Result<Vec<u8>, String> {
         let Some(format) = self.format else {
             return Ok(Vec::new());
@@ -259,7 +301,11 @@ impl Answer {
     /// Counts the request once; a cancellation caused by dropping a slow
     /// client counts as `slow_client`.
     fn record(&mut self, outcome: &'static str) {
-        let outcome = if outcome == "cancelled" && self.slow.load(Ordering::Acquire) {
+        let slow = self
+            .control
+            .as_ref()
+            .is_some_and(|c| c.slow.load(Ordering::Acquire));
+        let outcome = if outcome == "cancelled" && slow {
             "slow_client"
         } else {
             outcome
@@ -275,9 +321,16 @@ impl Answer {
             let Some(handle) = self.handle.as_ref() else {
                 return Step::End(End::Cancelled);
             };
+            let cancelled = async {
+                match self.control.as_mut() {
+                    // A dropped sender cancels too.
+                    Some(c) => drop(c.cancel.wait_for(|c| *c).await),
+                    None => std::future::pending().await,
+                }
+            };
             let event = tokio::select! {
                 biased;
-                _ = self.cancel.wait_for(|c| *c) => None,
+                _ = cancelled => None,
                 // At the server's close: cancelled, and a shutdown failure.
                 e = self.phase.next_event(handle) => Some(e),
             };

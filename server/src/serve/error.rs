@@ -215,6 +215,17 @@ impl ApiError {
             param: None,
         }
     }
+    /// Its `outcome` in `omnistream_requests_total`: `overloaded` for a 503
+    /// (over capacity, shutting down, no stage replica), `bad_request` for
+    /// the client's faults, else `error`.
+    pub fn outcome(&self) -> &'static str {
+        match self.status {
+            StatusCode::SERVICE_UNAVAILABLE => "overloaded",
+            s if s.is_client_error() => "bad_request",
+            _ => "error",
+        }
+    }
+
     pub fn body(&self) -> serde_json::Value {
         serde_json::json!({"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param}})
     }
@@ -302,6 +313,12 @@ impl From<ApiError> for ClientError {
 }
 
 impl ClientError {
+    /// How a request refused or failed with this error counts in
+    /// `omnistream_requests_total` (docs/api.md), as its HTTP status says.
+    pub fn outcome(&self) -> &'static str {
+        self.to_api().outcome()
+    }
+
     /// The same error as an HTTP response: 503 when over capacity or
     /// shutting down, 500 for the server's faults, else 400.
     pub fn to_api(&self) -> ApiError {

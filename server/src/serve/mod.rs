@@ -11,7 +11,6 @@ mod driver;
 mod error;
 mod listen;
 mod metrics;
-mod openai;
 mod sessions;
 mod shutdown;
 mod state;
@@ -224,8 +223,7 @@ pub fn router(state: Arc<AppState>, rtc: Option<Arc<transport::webrtc::WebRtc>>)
                 )
             }),
         )
-        .merge(openai::routes())
-        .merge(listen::routes())
+        .merge(transport::http::routes())
         .merge(transport::realtime::routes())
         .merge(transport::stream::routes())
         .merge(transport::webrtc::routes(rtc))

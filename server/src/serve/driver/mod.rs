@@ -17,7 +17,7 @@ use axum::extract::ws::{close_code, Message};
 use futures_util::{Stream, StreamExt};
 use tokio::sync::{mpsc, watch};
 
-use super::answer::{Answer, Step};
+use super::answer::{Answer, Control, Meter, Step};
 use super::conn::{self, Drain, Outbox, Overflow};
 use super::conversation::{Caps, Conversation, End, Input, Output, Settings, Work};
 use super::error::ClientError;
@@ -410,12 +410,14 @@ impl<T: Transport> Driver<T> {
                 let (cancel, cancel_rx) = watch::channel(false);
                 self.cancels.insert(response_id.clone(), cancel);
                 let state = self.state.clone();
-                let slow = self.out.slow_flag();
-                let endpoint = self.endpoint;
+                let control = Control {
+                    cancel: cancel_rx,
+                    slow: self.out.slow_flag(),
+                };
+                let meter = Meter::new(&state.metrics, self.endpoint);
                 let tx = self.submitted_tx.clone();
-                // `Pipeline::submit` may wait on a full connector: off the async workers.
-                tokio::task::spawn_blocking(move || {
-                    let r = Answer::start(&state, slow, endpoint, *spec, format, cancel_rx);
+                tokio::spawn(async move {
+                    let r = Answer::start(&state, meter, *spec, format, Some(control)).await;
                     let _ = tx.send((response_id, r));
                 });
             }

@@ -1,6 +1,7 @@
-//! The driver with the Realtime codec over in-memory channels and an engine
-//! of small deterministic stages: a slow Listener, a Thinker that counts, a
-//! Talker and a Code2Wav that make 20 ms of audio per word.
+//! The driver with the Realtime and the stream codecs over in-memory
+//! channels and an engine of small deterministic stages: a slow Listener, a
+//! Thinker that counts, a Talker and a Code2Wav that make 20 ms of audio per
+//! word.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,6 +22,7 @@ use super::*;
 use crate::serve::sessions::SessionLimits;
 use crate::serve::state::ServerConfig;
 use crate::serve::transport::realtime::Realtime;
+use crate::serve::transport::stream::PcmStream;
 
 /// How long the Listener takes over a transcription.
 const HEARING: Duration = Duration::from_millis(700);
@@ -258,13 +260,25 @@ struct Client {
 }
 
 impl Client {
+    /// A Realtime client.
     fn start(state: &Arc<AppState>) -> Self {
+        Self::start_with(state, "realtime", |id| {
+            Realtime::new(state.clone(), id, None)
+        })
+    }
+
+    /// A client of the transport `codec(session id)` makes.
+    fn start_with<T: Transport + Send + 'static>(
+        state: &Arc<AppState>,
+        kind: &'static str,
+        codec: impl FnOnce(String) -> T,
+    ) -> Self {
         let (tx, in_rx) = mpsc::channel(64);
         let (out_tx, rx) = futures_channel::mpsc::channel(1024);
         let slow = Message::Text("slow".into());
         let out = Outbox::start_on(out_tx, &state.metrics, slow, false);
-        let session = state.sessions.open("realtime").expect("session");
-        let codec = Realtime::new(state.clone(), session.id.clone(), None);
+        let session = state.sessions.open(kind).expect("session");
+        let codec = codec(session.id.clone());
         let inbound = tokio_stream::wrappers::ReceiverStream::new(in_rx);
         let task = tokio::spawn(run(state.clone(), codec, out, inbound, session, None));
         Self { tx, rx, task }
@@ -277,12 +291,15 @@ impl Client {
             .expect("send");
     }
 
-    async fn next(&mut self) -> Value {
-        let m = tokio::time::timeout(Duration::from_secs(10), self.rx.next())
+    async fn message(&mut self) -> Message {
+        tokio::time::timeout(Duration::from_secs(10), self.rx.next())
             .await
             .expect("an event in time")
-            .expect("the connection is open");
-        match m {
+            .expect("the connection is open")
+    }
+
+    async fn next(&mut self) -> Value {
+        match self.message().await {
             Message::Text(t) => serde_json::from_str(&t).expect("JSON"),
             other => panic!("not an event: {other:?}"),
         }
@@ -432,4 +449,75 @@ async fn a_client_that_leaves_mid_transcription_releases_it_at_once() {
         "released after {:?}",
         t0.elapsed()
     );
+}
+
+/// The stream codec (`/v1/stream`) over the same driver: a typed turn
+/// cancelled mid-answer, then a spoken turn heard, answered and completed,
+/// its audio in binary frames between `audio_start` and `done`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_codec_answers_typed_and_spoken_turns() {
+    let state = state();
+    let mut c = Client::start_with(&state, "stream", |id| PcmStream::new(state.clone(), id));
+    // Events (text frames) up to one of `kind`, and the audio bytes before it.
+    async fn until(c: &mut Client, kind: &str) -> (Value, usize) {
+        let mut audio = 0;
+        loop {
+            match c.message().await {
+                Message::Binary(b) => audio += b.len(),
+                Message::Text(t) => {
+                    let v: Value = serde_json::from_str(&t).expect("JSON");
+                    assert_ne!(v["type"], "error", "{v}");
+                    if v["type"] == kind {
+                        return (v, audio);
+                    }
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+    c.send(json!({"type": "start", "sample_rate": 24000})).await;
+    let (started, _) = until(&mut c, "started").await;
+    assert_eq!(started["sample_rate"], 24000);
+
+    c.send(json!({"type": "text", "text": "count"})).await;
+    let (a, _) = until(&mut c, "audio_start").await;
+    let (_, bytes) = until(&mut c, "transcript").await;
+    c.send(json!({"type": "cancel"})).await;
+    let (done, _) = until(&mut c, "done").await;
+    assert_eq!(done["response_id"], a["response_id"]);
+    assert_eq!(done["status"], "cancelled", "{done} after {bytes} bytes");
+
+    // A second of speech, then its end: heard, then answered in full.
+    c.tx.send(Inbound::Binary(vec![0u8; 48_000]))
+        .await
+        .expect("send");
+    c.send(json!({"type": "audio_end"})).await;
+    let (heard, _) = until(&mut c, "input_transcript").await;
+    assert_eq!(heard["text"], "you said something");
+    let (b, _) = until(&mut c, "audio_start").await;
+    assert_ne!(b["response_id"], a["response_id"]);
+    let (done, bytes) = until(&mut c, "done").await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert!(bytes > 0 && bytes % 2 == 0, "{bytes} bytes of pcm16");
+    // Audio seconds as sent: the bytes at 24 kHz.
+    let seconds = done["audio_seconds"].as_f64().expect("audio_seconds");
+    assert!((seconds - bytes as f64 / 48_000.0).abs() < 1e-6, "{done}");
+
+    drop(c.tx);
+    tokio::time::timeout(Duration::from_secs(5), c.task)
+        .await
+        .expect("the driver ends")
+        .expect("no panic");
+    assert_eq!(state.sessions.count(), 0);
+    assert_eq!(state.sessions.in_flight(), 0, "every request released");
+    // Counted once each, in the one vocabulary: the spoken turn's
+    // transcription and answer `ok`, the typed answer `cancelled`.
+    let count = |outcome: &str| {
+        state
+            .metrics
+            .requests
+            .with_label_values(&["stream", outcome])
+            .get()
+    };
+    assert_eq!((count("ok"), count("cancelled")), (2, 1));
 }

@@ -120,7 +120,7 @@ struct Text {
 }
 
 /// The stream protocol's codec.
-struct PcmStream {
+pub struct PcmStream {
     state: Arc<AppState>,
     session_id: String,
     /// Chosen in `start`; nothing else is accepted before.
@@ -134,13 +134,7 @@ async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
     let _conn = conn::ConnGauge::new(&state.metrics, "stream");
     let (sink, stream) = socket.split();
     let out = Outbox::start(sink, &state.metrics, error_msg(&ClientError::slow_client()));
-    let codec = PcmStream {
-        state: state.clone(),
-        session_id: session.id.clone(),
-        rate: None,
-        format: Format::Pcm16,
-        opus_in: None,
-    };
+    let codec = PcmStream::new(state.clone(), session.id.clone());
     driver::run(
         state,
         codec,
@@ -173,6 +167,17 @@ fn busy(id: &str) -> ClientError {
 }
 
 impl PcmStream {
+    /// A stream's codec, waiting for its `start`.
+    pub fn new(state: Arc<AppState>, session_id: String) -> Self {
+        Self {
+            state,
+            session_id,
+            rate: None,
+            format: Format::Pcm16,
+            opus_in: None,
+        }
+    }
+
     fn not_started() -> ClientError {
         ClientError::invalid(
             "not_started",

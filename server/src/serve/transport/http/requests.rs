@@ -1,0 +1,642 @@
+//! The OpenAI HTTP requests, validated: `POST /v1/chat/completions` and
+//! `POST /v1/audio/speech` bodies into the engine's request specs, and the
+//! transcripts of earlier spoken answers that later turns may refer to.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use axum::extract::Request;
+use axum::http::header;
+use base64::Engine as _;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::Value;
+
+use omnistream_stages::engine::{
+    ChatMessage, Modalities, RequestInput, RequestSpec, Role, SamplingOverrides, MAX_SPEECH_CHARS,
+};
+
+use super::unix_now;
+use crate::serve::audio::OutputFormat;
+use crate::serve::error::{read_body, ApiError};
+
+/// Largest request body; more is a 413.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+/// How long an answer's audio id can be referred to in a later turn.
+pub const AUDIO_TTL: Duration = Duration::from_secs(3600);
+/// Answers whose transcript is kept for later turns (oldest dropped first).
+const AUDIO_STORE_CAP: usize = 1024;
+/// Output formats per endpoint (OpenAI's names).
+const CHAT_FORMATS: &[&str] = &["pcm16", "wav", "opus"];
+const SPEECH_FORMATS: &[&str] = &["wav", "pcm", "opus"];
+
+/// `POST /v1/chat/completions`. Fields not listed are ignored, as OpenAI does.
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    messages: Vec<InMessage>,
+    #[serde(default)]
+    modalities: Option<Vec<String>>,
+    #[serde(default)]
+    audio: Option<AudioParam>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    temperature: Option<f64>,
+    #[serde(default)]
+    top_p: Option<f64>,
+    #[serde(default)]
+    max_tokens: Option<i64>,
+    #[serde(default)]
+    max_completion_tokens: Option<i64>,
+    #[serde(default)]
+    seed: Option<i64>,
+    #[serde(default)]
+    n: Option<i64>,
+    /// vLLM's extension: generate exactly `max_tokens` (benchmarks' equal work).
+    #[serde(default)]
+    ignore_eos: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+struct InMessage {
+    role: String,
+    #[serde(default)]
+    content: Option<Value>,
+    /// An earlier answer's audio (`{"id": ...}`), for an assistant turn.
+    #[serde(default)]
+    audio: Option<AudioRef>,
+}
+
+#[derive(Debug, Deserialize)]
+struct AudioRef {
+    id: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct AudioParam {
+    #[serde(default)]
+    voice: Option<Value>,
+    #[serde(default)]
+    format: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+/// `POST /v1/audio/speech`.
+#[derive(Debug, Deserialize)]
+pub struct SpeechRequest {
+    input: String,
+    #[serde(default)]
+    voice: Option<Value>,
+    #[serde(default)]
+    response_format: Option<String>,
+    #[serde(default)]
+    speed: Option<f64>,
+    #[serde(default)]
+    stream_format: Option<String>,
+}
+
+/// A validated chat request.
+#[derive(Debug)]
+pub struct ChatPlan {
+    pub spec: RequestSpec,
+    pub audio: Option<OutputFormat>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+impl ChatPlan {
+    pub fn from_request(
+        mut r: ChatRequest,
+        store: &AudioStore,
+        voices: &[String],
+    ) -> Result<Self, ApiError> {
+        if r.messages.is_empty() {
+            return Err(invalid("`messages` must not be empty"));
+        }
+        // Speech in the last user message goes to a Thinker that hears it.
+        let last = r.messages.len() - 1;
+        let mut heard = None;
+        for (i, m) in r.messages.iter_mut().enumerate() {
+            if let Some(audio) = take_input_audio(i, m, i == last)? {
+                heard = Some(audio);
+            }
+        }
+        let messages = r
+            .messages
+            .iter()
+            .enumerate()
+            .filter(|(i, m)| !(heard.is_some() && *i == last && m.content.is_none()))
+            .map(|(i, m)| to_chat_message(i, m, store))
+            .collect::<Result<Vec<_>, _>>()?;
+        let sampling = chat_sampling(&r)?;
+        let names = r.modalities.unwrap_or_else(|| vec!["text".into()]);
+        let modalities =
+            Modalities::from_names(&names).map_err(|e| invalid(format!("`modalities`: {e}")))?;
+        let (audio, voice) = if modalities.audio {
+            let a = r.audio.ok_or_else(|| {
+                invalid("`audio` ({\"voice\", \"format\"}) is required when `modalities` includes \"audio\"",
+                )
+            })?;
+            let name = a.format.as_deref().unwrap_or("pcm16");
+            (
+                Some(output_format(name, CHAT_FORMATS, "audio.format")?),
+                check_voice(a.voice.as_ref(), voices)?,
+            )
+        } else {
+            (None, None)
+        };
+        if r.n.is_some_and(|n| n != 1) {
+            return Err(invalid("only `n` = 1 is supported"));
+        }
+        let stream = r.stream.unwrap_or(false);
+        Ok(Self {
+            spec: RequestSpec {
+                input: match heard {
+                    Some(audio) => RequestInput::Heard {
+                        messages,
+                        audio: audio.into(),
+                    },
+                    None => RequestInput::Chat { messages },
+                },
+                modalities,
+                sampling,
+                voice,
+            },
+            audio,
+            stream,
+            include_usage: stream
+                && r.stream_options
+                    .and_then(|o| o.include_usage)
+                    .unwrap_or(false),
+        })
+    }
+}
+
+/// `temperature`, `top_p`, `max_(completion_)tokens`, `seed`, checked against
+/// OpenAI's ranges.
+fn chat_sampling(r: &ChatRequest) -> Result<SamplingOverrides, ApiError> {
+    let mut s = SamplingOverrides::default();
+    if let Some(t) = r.temperature {
+        if !(0.0..=2.0).contains(&t) {
+            return Err(invalid(format!(
+                "`temperature` must be between 0 and 2, got {t}"
+            )));
+        }
+        s.temperature = Some(t);
+    }
+    if let Some(p) = r.top_p {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(invalid(format!("`top_p` must be between 0 and 1, got {p}")));
+        }
+        if p == 0.0 {
+            // The smallest nucleus is the most likely token: greedy.
+            s.temperature = Some(0.0);
+        } else {
+            s.top_p = Some(p);
+        }
+    }
+    let (field, max) = match (r.max_completion_tokens, r.max_tokens) {
+        (Some(m), _) => ("max_completion_tokens", Some(m)),
+        (None, m) => ("max_tokens", m),
+    };
+    if let Some(m) = max {
+        if m < 1 {
+            return Err(invalid(format!("`{field}` must be at least 1, got {m}")));
+        }
+        s.max_tokens = Some(usize::try_from(m).unwrap_or(usize::MAX));
+    }
+    // OpenAI's seed is any 64-bit integer; the bits are the seed.
+    s.seed = r.seed.map(|v| v as u64);
+    if r.ignore_eos == Some(true) {
+        if max.is_none() {
+            return Err(invalid(
+                "`ignore_eos` needs `max_tokens` (or `max_completion_tokens`): the answer would never end",
+            ));
+        }
+        s.ignore_eos = true;
+    }
+    Ok(s)
+}
+
+fn to_chat_message(i: usize, m: &InMessage, store: &AudioStore) -> Result<ChatMessage, ApiError> {
+    let role = match m.role.as_str() {
+        "system" | "developer" => Role::System,
+        "user" => Role::User,
+        "assistant" => Role::Assistant,
+        "tool" | "function" => {
+            return Err(invalid(format!(
+                "messages[{i}]: role {:?} is not supported (no tools)",
+                m.role
+            )))
+        }
+        other => {
+            return Err(invalid(format!(
+            "messages[{i}]: invalid role {other:?}; expected system, developer, user or assistant"
+        )))
+        }
+    };
+    let content = match (&m.content, &m.audio) {
+        (Some(c), _) if !c.is_null() => content_text(i, c)?,
+        (_, Some(a)) if role == Role::Assistant => store.get(&a.id).ok_or_else(|| {
+            invalid(format!(
+                "messages[{i}]: audio {:?} is unknown or expired",
+                a.id
+            ))
+        })?,
+        _ => return Err(invalid(format!("messages[{i}]: `content` is required"))),
+    };
+    Ok(ChatMessage::new(role, content))
+}
+
+/// Takes the `{"type": "input_audio", "input_audio": {"data", "format"}}` parts
+/// out of a message (WAV or Ogg Opus, base64), as 16 kHz mono; only the last
+/// message, a user's, may carry speech. A message left without parts has its
+/// `content` removed.
+fn take_input_audio(i: usize, m: &mut InMessage, last: bool) -> Result<Option<Vec<f32>>, ApiError> {
+    let Some(Value::Array(parts)) = &mut m.content else {
+        return Ok(None);
+    };
+    let is_audio = |p: &Value| p.get("type").and_then(Value::as_str) == Some("input_audio");
+    let Some(j) = parts.iter().position(is_audio) else {
+        return Ok(None);
+    };
+    if !last || m.role != "user" {
+        return Err(invalid(format!(
+            "messages[{i}].content[{j}]: only the last message, a user's, may carry audio"
+        )));
+    }
+    if parts.iter().filter(|p| is_audio(p)).count() > 1 {
+        return Err(invalid(format!(
+            "messages[{i}]: one input_audio part per message"
+        )));
+    }
+    let part = parts.remove(j);
+    let a = part.get("input_audio");
+    let data = a
+        .and_then(|a| a.get("data"))
+        .and_then(Value::as_str)
+        .ok_or_else(|| {
+            invalid(format!(
+                "messages[{i}].content[{j}]: input_audio needs `data` (base64)"
+            ))
+        })?;
+    let format = a
+        .and_then(|a| a.get("format"))
+        .and_then(Value::as_str)
+        .unwrap_or("wav");
+    if !matches!(format, "wav" | "opus" | "ogg") {
+        return Err(invalid(format!(
+            "messages[{i}].content[{j}]: input_audio format {format:?} is not supported (wav, opus)"
+        )));
+    }
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(data)
+        .map_err(|e| {
+            invalid(format!(
+                "messages[{i}].content[{j}]: input_audio data is not base64: {e}"
+            ))
+        })?;
+    let (samples, rate) = super::transcriptions::decode_upload(&bytes)?;
+    if samples.is_empty() {
+        return Err(invalid(format!(
+            "messages[{i}].content[{j}]: the audio is empty"
+        )));
+    }
+    let audio = crate::serve::audio::resample(&samples, rate)
+        .map_err(|e| ApiError::bad_request(e.code, e.message))?;
+    if parts.is_empty() {
+        m.content = None;
+    }
+    Ok(Some(audio))
+}
+
+/// A message's text: a string, or an array of `{"type": "text", "text"}` parts.
+fn content_text(i: usize, c: &Value) -> Result<String, ApiError> {
+    match c {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, p) in parts.iter().enumerate() {
+                let kind = p.get("type").and_then(Value::as_str).unwrap_or("");
+                match (kind, p.get("text").and_then(Value::as_str)) {
+                    ("text" | "input_text", Some(t)) => texts.push(t),
+                    ("text" | "input_text", None) => {
+                        return Err(invalid(format!("messages[{i}].content[{j}]: a text part needs `text`"),
+                        ))
+                    }
+                    _ => {
+                        return Err(invalid(format!(
+                                "messages[{i}].content[{j}]: content part type {kind:?} is not supported (only \"text\")"
+                            ),
+                        ))
+                    }
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+        _ => Err(invalid(format!(
+            "messages[{i}].content must be a string or an array of text parts"
+        ))),
+    }
+}
+
+/// A validated speech request.
+#[derive(Debug)]
+pub struct SpeechPlan {
+    pub spec: RequestSpec,
+    pub format: OutputFormat,
+    pub sse: bool,
+}
+
+impl SpeechPlan {
+    pub fn from_request(r: SpeechRequest, voices: &[String]) -> Result<Self, ApiError> {
+        if r.input.trim().is_empty() {
+            return Err(invalid("`input` must not be empty"));
+        }
+        // The rule: speech needs a letter or a digit; punctuation and markup
+        // alone would be an empty recording.
+        if !r.input.chars().any(char::is_alphanumeric) {
+            return Err(ApiError {
+                param: Some("input"),
+                ..ApiError::bad_request(
+                    "nothing_to_say",
+                    "`input` has no letters or digits: there is nothing to say",
+                )
+            });
+        }
+        let n = r.input.chars().count();
+        if n > MAX_SPEECH_CHARS {
+            return Err(invalid(format!(
+                "`input` is {n} characters; the limit is {MAX_SPEECH_CHARS}"
+            )));
+        }
+        let voice = check_voice(r.voice.as_ref(), voices)?;
+        let format = output_format(
+            r.response_format.as_deref().unwrap_or("wav"),
+            SPEECH_FORMATS,
+            "response_format",
+        )?;
+        let speed = match r.speed {
+            Some(s) if !(0.25..=4.0).contains(&s) => {
+                return Err(invalid(format!(
+                    "`speed` must be between 0.25 and 4.0, got {s}"
+                )))
+            }
+            s => s.map(|s| s as f32),
+        };
+        let sse = match r.stream_format.as_deref() {
+            None | Some("audio") => false,
+            Some("sse") => true,
+            Some(other) => {
+                return Err(invalid(format!(
+                    "unsupported `stream_format` {other:?}; expected \"audio\" or \"sse\""
+                )))
+            }
+        };
+        Ok(Self {
+            spec: RequestSpec {
+                input: RequestInput::Speech { text: r.input },
+                modalities: Modalities::TEXT_AUDIO,
+                sampling: SamplingOverrides {
+                    speed,
+                    ..Default::default()
+                },
+                voice,
+            },
+            format,
+            sse,
+        })
+    }
+}
+
+/// One of the pipeline's voices, by name or as `{"id": ...}`; none = the default.
+fn check_voice(v: Option<&Value>, voices: &[String]) -> Result<Option<String>, ApiError> {
+    let name = match v {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::String(s)) => s.as_str(),
+        Some(Value::Object(o)) => o.get("id").and_then(Value::as_str).unwrap_or(""),
+        Some(other) => return Err(invalid(format!("`voice` must be a string, got {other}"))),
+    };
+    match voices.iter().find(|v| v.eq_ignore_ascii_case(name)) {
+        Some(v) => Ok(Some(v.clone())),
+        None => Err(invalid(format!(
+            "unsupported voice {name:?}; available voices: {}",
+            voices.join(", ")
+        ))),
+    }
+}
+
+fn output_format(name: &str, allowed: &[&str], field: &str) -> Result<OutputFormat, ApiError> {
+    let unsupported = || {
+        invalid(format!(
+            "unsupported `{field}` {name:?}; supported: {}",
+            allowed.join(", ")
+        ))
+    };
+    if !allowed.contains(&name) {
+        return Err(unsupported());
+    }
+    OutputFormat::from_name(name).map_err(invalid)
+}
+
+/// Reads the body (413 past the limit) and parses it (400 with serde's reason).
+pub async fn read_json<T: DeserializeOwned>(req: Request) -> Result<T, ApiError> {
+    // JSON or nothing said: a text/plain or form body is what a page elsewhere
+    // can send without asking first (a CORS "simple request").
+    let ctype = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .map(|v| v.to_str().unwrap_or("?").to_ascii_lowercase());
+    if let Some(t) = ctype {
+        let essence = t.split(';').next().unwrap_or("").trim();
+        if essence != "application/json" && !essence.ends_with("+json") {
+            return Err(ApiError::unsupported_media_type(format!(
+                "Content-Type {essence:?}: send application/json"
+            )));
+        }
+    }
+    let bytes = read_body(req, MAX_BODY_BYTES).await?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad_request("invalid_json", format!("invalid request body: {e}")))
+}
+
+pub fn invalid(message: impl Into<String>) -> ApiError {
+    ApiError::bad_request("invalid_value", message)
+}
+
+pub fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::internal(e.to_string())
+}
+
+// ---------------------------------------------------------------- audio ids
+
+/// Transcripts of recent spoken answers by audio id, so that a later turn can
+/// send `{"role": "assistant", "audio": {"id": ...}}` as OpenAI allows.
+#[derive(Default)]
+pub struct AudioStore {
+    inner: Mutex<StoreInner>,
+}
+
+#[derive(Default)]
+struct StoreInner {
+    by_id: HashMap<String, (String, u64)>,
+    order: VecDeque<String>,
+}
+
+impl AudioStore {
+    pub fn put(&self, id: &str, transcript: &str, expires_at: u64) {
+        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        while s.order.len() >= AUDIO_STORE_CAP {
+            if let Some(old) = s.order.pop_front() {
+                s.by_id.remove(&old);
+            }
+        }
+        s.order.push_back(id.to_string());
+        s.by_id
+            .insert(id.to_string(), (transcript.to_string(), expires_at));
+    }
+
+    fn get(&self, id: &str) -> Option<String> {
+        let s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        s.by_id
+            .get(id)
+            .filter(|(_, exp)| *exp > unix_now())
+            .map(|(t, _)| t.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+    use omnistream_stages::roles::PIPER_VOICE_NAME;
+    use serde_json::json;
+
+    fn chat_req(v: Value) -> Result<ChatPlan, ApiError> {
+        let r: ChatRequest = serde_json::from_value(v).map_err(|e| invalid(e.to_string()))?;
+        ChatPlan::from_request(r, &AudioStore::default(), &[PIPER_VOICE_NAME.to_string()])
+    }
+
+    fn msgs() -> Value {
+        json!([{"role": "user", "content": "hi"}])
+    }
+
+    #[test]
+    fn chat_requests_are_validated() {
+        let ok = chat_req(json!({"model": "x", "messages": msgs(), "unknown_field": 1})).unwrap();
+        assert!(!ok.spec.modalities.audio && !ok.stream);
+        for bad in [
+            json!({"messages": []}),
+            json!({"messages": [{"role": "wizard", "content": "x"}]}),
+            json!({"messages": [{"role": "tool", "content": "x"}]}),
+            json!({"messages": [{"role": "user"}]}),
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            json!({"messages": msgs(), "temperature": 2.5}),
+            json!({"messages": msgs(), "top_p": 1.5}),
+            json!({"messages": msgs(), "max_tokens": -1}),
+            json!({"messages": msgs(), "max_completion_tokens": 0}),
+            json!({"messages": msgs(), "n": 2}),
+            json!({"messages": msgs(), "modalities": ["text", "video"]}),
+            json!({"messages": msgs(), "modalities": ["text", "audio"]}),
+            json!({"messages": msgs(), "modalities": ["text", "audio"], "audio": {"voice": "joe", "format": "mp3"}}),
+            json!({"messages": msgs(), "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}),
+        ] {
+            let e = chat_req(bad.clone()).expect_err(&bad.to_string());
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad}");
+        }
+        let e = chat_req(json!({"messages": msgs(), "modalities": ["audio"], "audio": {"voice": "alloy", "format": "wav"}}))
+            .unwrap_err();
+        assert!(e.message.contains("joe"), "{}", e.message);
+    }
+
+    #[test]
+    fn chat_fields_reach_the_spec() {
+        let p = chat_req(json!({
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "c"},
+                {"role": "user", "content": "d"},
+            ],
+            "modalities": ["text", "audio"],
+            "audio": {"voice": {"id": "joe"}, "format": "opus"},
+            "stream": true,
+            "stream_options": {"include_usage": true},
+            "temperature": 0.5, "top_p": 0.9, "max_tokens": 99, "max_completion_tokens": 7, "seed": -1,
+        }))
+        .unwrap();
+        let RequestInput::Chat { messages } = &p.spec.input else {
+            panic!("not a chat")
+        };
+        let got: Vec<_> = messages
+            .iter()
+            .map(|m| (m.role.as_str(), m.content.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("system", "Be brief."),
+                ("user", "a\nb"),
+                ("assistant", "c"),
+                ("user", "d")
+            ]
+        );
+        assert!(p.spec.modalities.audio && p.stream && p.include_usage);
+        assert_eq!(p.spec.voice.as_deref(), Some("joe"));
+        assert_eq!(p.spec.sampling.max_tokens, Some(7));
+        assert_eq!(p.spec.sampling.temperature, Some(0.5));
+        assert_eq!(p.spec.sampling.top_p, Some(0.9));
+        assert_eq!(p.spec.sampling.seed, Some(u64::MAX));
+    }
+
+    #[test]
+    fn earlier_audio_answers_stand_in_for_their_transcript() {
+        let store = AudioStore::default();
+        store.put("audio_1", "Paris.", unix_now() + 60);
+        store.put("audio_old", "gone", unix_now().saturating_sub(1));
+        let m = |id: &str| InMessage {
+            role: "assistant".into(),
+            content: None,
+            audio: Some(AudioRef { id: id.into() }),
+        };
+        assert_eq!(
+            to_chat_message(0, &m("audio_1"), &store).unwrap().content,
+            "Paris."
+        );
+        assert!(to_chat_message(0, &m("audio_old"), &store).is_err());
+        assert!(to_chat_message(0, &m("audio_nope"), &store).is_err());
+    }
+
+    #[test]
+    fn speech_requests_are_validated() {
+        let plan = |v: Value| {
+            let r: SpeechRequest = serde_json::from_value(v).map_err(|e| invalid(e.to_string()))?;
+            SpeechPlan::from_request(r, &[PIPER_VOICE_NAME.to_string()])
+        };
+        let p = plan(json!({"model": "tts-1", "input": "Hello.", "voice": "joe", "speed": 1.5, "stream_format": "sse"})).unwrap();
+        assert!(p.sse);
+        assert_eq!(p.spec.sampling.speed, Some(1.5));
+        assert!(plan(json!({"input": "Hello."})).is_ok());
+        for bad in [
+            json!({"input": ""}),
+            json!({"input": "x".repeat(MAX_SPEECH_CHARS + 1)}),
+            json!({"input": "Hi", "voice": "alloy"}),
+            json!({"input": "Hi", "response_format": "mp3"}),
+            json!({"input": "Hi", "response_format": "pcm16"}),
+            json!({"input": "Hi", "speed": 4.5}),
+            json!({"input": "Hi", "speed": 0.1}),
+            json!({"input": "Hi", "stream_format": "ws"}),
+            json!({"voice": "joe"}),
+        ] {
+            assert!(plan(bad.clone()).is_err(), "{bad}");
+        }
+    }
+}

@@ -10,6 +10,9 @@ use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::{self, client::IntoClientRequest, Message};
 
+use std::sync::Arc;
+
+use super::dataset::Question;
 use super::metrics::Timeline;
 
 /// `pcm16` / `pcm` output of the OpenAI APIs: 24 kHz mono s16le.
@@ -40,7 +43,27 @@ pub struct RequestShape {
     pub temperature: Option<f64>,
     #[serde(skip)]
     pub timeout: Duration,
+    /// Spoken questions instead of typed prompts (chat: `input_audio`;
+    /// realtime: a microphone paced at real time, turns found by server VAD).
+    /// Times then run from the end of speech.
+    #[serde(skip)]
+    pub questions: Option<Arc<Vec<Question>>>,
+    /// Where the questions came from, for the report.
+    pub spoken_input: Option<String>,
+    /// Realtime with spoken questions: the server VAD's `silence_duration_ms`.
+    pub vad_silence_ms: u32,
 }
+
+impl RequestShape {
+    /// The spoken question of the request seeded `seed` (cycling).
+    fn question(&self, seed: u64) -> Option<&Question> {
+        let q = self.questions.as_ref()?;
+        q.get((seed % q.len().max(1) as u64) as usize)
+    }
+}
+
+/// Microphone chunks on Realtime: 20 ms, as a browser sends them.
+const MIC_CHUNK_S: f64 = 0.02;
 
 /// A client for one server.
 #[derive(Clone)]
@@ -126,7 +149,10 @@ impl Client {
             match shape.endpoint {
                 Endpoint::Chat => self.chat(shape, prompt, seed).await,
                 Endpoint::Speech => self.speech(shape, prompt).await,
-                Endpoint::Realtime => self.realtime(shape, prompt).await,
+                Endpoint::Realtime => match shape.question(seed) {
+                    Some(q) => self.realtime_spoken(shape, q).await,
+                    None => self.realtime(shape, prompt).await,
+                },
             }
         };
         tokio::time::timeout(shape.timeout, fut)
@@ -140,9 +166,14 @@ impl Client {
         prompt: &str,
         seed: u64,
     ) -> Result<Timeline, String> {
+        let content = match shape.question(seed) {
+            Some(q) => json!([{"type": "input_audio",
+                               "input_audio": {"data": q.wav_b64, "format": "wav"}}]),
+            None => json!(prompt),
+        };
         let mut body = json!({
             "model": shape.model,
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": [{"role": "user", "content": content}],
             "stream": true,
             "stream_options": {"include_usage": true},
             "seed": seed,
@@ -213,40 +244,18 @@ impl Client {
         });
         let (t0, resp) = self.post_json("/v1/audio/speech", &body).await?;
         let mut tl = Timeline::default();
-        let mut bytes = 0usize;
         let mut stream = resp.bytes_stream();
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|e| describe(&e))?;
-            if chunk.is_empty() {
-                continue;
-            }
             let now = t0.elapsed().as_secs_f64();
-            tl.first_audio.get_or_insert(now);
-            tl.last_audio = Some(now);
-            bytes += chunk.len();
+            tl.audio(now, chunk.len() as f64 / 2.0 / PCM_RATE);
         }
-        tl.audio_seconds = (bytes / 2) as f64 / PCM_RATE;
         tl.end = t0.elapsed().as_secs_f64();
         Ok(tl)
     }
 
     async fn realtime(&self, shape: &RequestShape, prompt: &str) -> Result<Timeline, String> {
-        let url = format!("ws{}/v1/realtime", &self.base["http".len()..]);
-        let mut req = url.into_client_request().map_err(|e| e.to_string())?;
-        if let Some(k) = &self.api_key {
-            let v = format!("Bearer {k}")
-                .parse()
-                .map_err(|_| "the API key is not a valid header value".to_string())?;
-            req.headers_mut().insert("authorization", v);
-        }
-        let (mut ws, _) = tokio_tungstenite::connect_async(req)
-            .await
-            .map_err(|e| match e {
-                tungstenite::Error::Http(r) => {
-                    format!("WebSocket upgrade refused: HTTP {}", r.status())
-                }
-                e => format!("WebSocket connect: {e}"),
-            })?;
+        let mut ws = self.connect_realtime().await?;
         let send = |v: Value| Message::Text(v.to_string().into());
         let mut response = json!({
             "output_modalities": if shape.audio { ["audio"] } else { ["text"] },
@@ -278,50 +287,186 @@ impl Client {
                 continue;
             };
             let now = t0.elapsed().as_secs_f64();
-            let v: Value = serde_json::from_str(&text)
-                .map_err(|e| format!("unparseable event ({e}): {:.200}", text.as_str()))?;
-            match v["type"].as_str().unwrap_or("") {
-                "response.output_text.delta" | "response.output_audio_transcript.delta"
-                    if v["delta"].as_str().is_some_and(|d| !d.is_empty()) =>
-                {
-                    tl.first_text.get_or_insert(now);
-                    tl.last_text = Some(now);
-                }
-                "response.output_audio.delta" => {
-                    audio_chunk(&mut tl, v["delta"].as_str().unwrap_or(""), now)?
-                }
-                "response.done" => {
-                    let r = &v["response"];
-                    // Stopping at max_output_tokens is the cap the bench set.
-                    let capped = r["status"] == "incomplete"
-                        && r["status_details"]["reason"] == "max_output_tokens";
-                    if r["status"] != "completed" && !capped {
-                        return Err(format!("response {}: {}", r["status"], r["status_details"]));
-                    }
-                    tl.output_tokens = r["usage"]["output_tokens"].as_u64().map(|n| n as usize);
-                    tl.input_tokens = r["usage"]["input_tokens"].as_u64().map(|n| n as usize);
-                    tl.end = now;
-                    let _ = ws.close(None).await;
-                    return Ok(tl);
-                }
-                "error" => return Err(format!("error event: {}", v["error"])),
-                _ => {}
+            if realtime_event(&mut tl, &text, now)? {
+                let _ = ws.close(None).await;
+                return Ok(tl);
             }
         }
         Err("the WebSocket closed before response.done".into())
     }
+
+    /// One spoken turn on Realtime: the question streamed in 20 ms chunks at
+    /// real time, then silence until the server's VAD ends the turn and its
+    /// answer starts by itself. Times run from the last chunk of speech.
+    async fn realtime_spoken(
+        &self,
+        shape: &RequestShape,
+        q: &Question,
+    ) -> Result<Timeline, String> {
+        let ws = self.connect_realtime().await?;
+        let (mut tx, mut rx) = ws.split();
+        let send = |v: Value| Message::Text(v.to_string().into());
+        let mut session = json!({
+            "type": "realtime",
+            "output_modalities": if shape.audio { ["audio"] } else { ["text"] },
+            "audio": {
+                "input": {
+                    "format": {"type": "audio/pcm", "rate": 24000},
+                    "turn_detection": {"type": "server_vad",
+                                       "silence_duration_ms": shape.vad_silence_ms},
+                },
+                "output": {"voice": shape.voice},
+            },
+        });
+        if let Some(n) = shape.max_tokens {
+            session["max_output_tokens"] = json!(n);
+        }
+        if let Some(t) = shape.temperature {
+            session["temperature"] = json!(t);
+        }
+        tx.send(send(json!({"type": "session.update", "session": session})))
+            .await
+            .map_err(|e| e.to_string())?;
+        // The microphone: speech, then silence until the turn is taken.
+        let (ended_tx, ended_rx) = tokio::sync::oneshot::channel::<Instant>();
+        let (heard_tx, mut heard_rx) = tokio::sync::watch::channel(false);
+        let chunk = (24_000.0 * MIC_CHUNK_S) as usize * 2;
+        let speech = q.pcm.clone();
+        let mic = tokio::spawn(async move {
+            let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+            let silence = vec![0u8; chunk];
+            let start = tokio::time::Instant::now();
+            let mut ended = Some(ended_tx);
+            for k in 0.. {
+                let from = k * chunk;
+                let part: &[u8] = if from < speech.len() {
+                    &speech[from..(from + chunk).min(speech.len())]
+                } else {
+                    if let Some(t) = ended.take() {
+                        let _ = t.send(Instant::now());
+                    }
+                    if *heard_rx.borrow_and_update() {
+                        break;
+                    }
+                    &silence
+                };
+                let m = send(json!({"type": "input_audio_buffer.append", "audio": b64(part)}));
+                if tx.send(m).await.is_err() {
+                    break;
+                }
+                let next = start + Duration::from_secs_f64(MIC_CHUNK_S * (k + 1) as f64);
+                tokio::select! {
+                    _ = tokio::time::sleep_until(next) => {}
+                    _ = heard_rx.changed() => {}
+                }
+            }
+            tx
+        });
+        let mut ended: Option<Instant> = None;
+        let mut ended_rx = Some(ended_rx);
+        let mut tl = Timeline::default();
+        let result = loop {
+            let Some(msg) = rx.next().await else {
+                break Err("the WebSocket closed before response.done".to_string());
+            };
+            let msg = match msg {
+                Ok(m) => m,
+                Err(e) => break Err(format!("WebSocket: {e}")),
+            };
+            let Message::Text(text) = msg else {
+                continue;
+            };
+            if ended.is_none() {
+                if let Some(t) = ended_rx.as_mut().and_then(|r| r.try_recv().ok()) {
+                    ended = Some(t);
+                }
+            }
+            let now = Instant::now();
+            let at =
+                |t: Instant| ended.map_or(0.0, |e| t.saturating_duration_since(e).as_secs_f64());
+            if text.contains("\"input_audio_buffer.committed\"") {
+                let _ = heard_tx.send(true);
+                tl.turn_end = Some(at(now));
+                continue;
+            }
+            match realtime_event(&mut tl, &text, at(now)) {
+                Ok(true) => break Ok(()),
+                Ok(false) => {}
+                Err(e) => break Err(e),
+            }
+        };
+        let _ = heard_tx.send(true);
+        if let Ok(mut tx) = mic.await {
+            let _ = tx.close().await;
+        }
+        result.map(|()| tl)
+    }
+
+    async fn connect_realtime(
+        &self,
+    ) -> Result<
+        tokio_tungstenite::WebSocketStream<
+            tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
+        >,
+        String,
+    > {
+        let url = format!("ws{}/v1/realtime", &self.base["http".len()..]);
+        let mut req = url.into_client_request().map_err(|e| e.to_string())?;
+        if let Some(k) = &self.api_key {
+            let v = format!("Bearer {k}")
+                .parse()
+                .map_err(|_| "the API key is not a valid header value".to_string())?;
+            req.headers_mut().insert("authorization", v);
+        }
+        let (ws, _) = tokio_tungstenite::connect_async(req)
+            .await
+            .map_err(|e| match e {
+                tungstenite::Error::Http(r) => {
+                    format!("WebSocket upgrade refused: HTTP {}", r.status())
+                }
+                e => format!("WebSocket connect: {e}"),
+            })?;
+        Ok(ws)
+    }
+}
+
+/// One Realtime server event into `tl`; `true` at the answer's
+/// `response.done`.
+fn realtime_event(tl: &mut Timeline, text: &str, now: f64) -> Result<bool, String> {
+    let v: Value =
+        serde_json::from_str(text).map_err(|e| format!("unparseable event ({e}): {text:.200}"))?;
+    match v["type"].as_str().unwrap_or("") {
+        "response.output_text.delta" | "response.output_audio_transcript.delta"
+            if v["delta"].as_str().is_some_and(|d| !d.is_empty()) =>
+        {
+            tl.first_text.get_or_insert(now);
+            tl.last_text = Some(now);
+        }
+        "response.output_audio.delta" => audio_chunk(tl, v["delta"].as_str().unwrap_or(""), now)?,
+        "response.done" => {
+            let r = &v["response"];
+            // Stopping at max_output_tokens is the cap the bench set.
+            let capped =
+                r["status"] == "incomplete" && r["status_details"]["reason"] == "max_output_tokens";
+            if r["status"] != "completed" && !capped {
+                return Err(format!("response {}: {}", r["status"], r["status_details"]));
+            }
+            tl.output_tokens = r["usage"]["output_tokens"].as_u64().map(|n| n as usize);
+            tl.input_tokens = r["usage"]["input_tokens"].as_u64().map(|n| n as usize);
+            tl.end = now;
+            return Ok(true);
+        }
+        "error" => return Err(format!("error event: {}", v["error"])),
+        _ => {}
+    }
+    Ok(false)
 }
 
 fn audio_chunk(tl: &mut Timeline, b64: &str, now: f64) -> Result<(), String> {
     let pcm = base64::engine::general_purpose::STANDARD
         .decode(b64)
         .map_err(|e| format!("audio delta is not base64: {e}"))?;
-    if pcm.is_empty() {
-        return Ok(());
-    }
-    tl.first_audio.get_or_insert(now);
-    tl.last_audio = Some(now);
-    tl.audio_seconds += (pcm.len() / 2) as f64 / PCM_RATE;
+    tl.audio(now, (pcm.len() / 2) as f64 / PCM_RATE);
     Ok(())
 }
 

@@ -12,6 +12,11 @@
 //! - Audio throughput: Σ audio seconds / wall seconds; output tok/s:
 //!   Σ output tokens / wall seconds; req/s: completed requests / wall seconds.
 //!
+//! - Playback: each answer's audio played at real time from its first packet,
+//!   as a listener's player would; an underrun is a moment the next audio
+//!   was not there yet (a gap in what the listener hears). A request is
+//!   gap-free when none of its gaps is over [`AUDIBLE_GAP_S`].
+//!
 //! Summaries report mean, median, p90 and p99, with percentiles interpolated
 //! linearly between ranks (numpy's default, which vLLM's bench uses).
 
@@ -33,9 +38,63 @@ pub struct Timeline {
     pub input_tokens: Option<usize>,
     /// The response's end (last byte / `[DONE]` / `response.done`).
     pub end: f64,
+    /// The audio played at real time from its first packet.
+    #[serde(default)]
+    pub playback: Playback,
+    /// A spoken turn on Realtime: when the server ended the turn
+    /// (`input_audio_buffer.committed`), from the end of speech.
+    #[serde(default)]
+    pub turn_end: Option<f64>,
+}
+
+/// A gap longer than this is heard as a break in the speech.
+pub const AUDIBLE_GAP_S: f64 = 0.1;
+/// Shorter waits are clock noise, not underruns.
+const MIN_GAP_S: f64 = 0.001;
+
+/// Where a real-time player of one answer's audio ran dry.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Playback {
+    pub underruns: usize,
+    /// Silence heard, summed over the underruns.
+    pub gap_s: f64,
+    pub worst_gap_s: f64,
+    /// When the audio received so far has played out (offset like the rest).
+    #[serde(skip)]
+    played_until: Option<f64>,
+}
+
+impl Playback {
+    /// `seconds` of audio arrived at `at`.
+    fn push(&mut self, at: f64, seconds: f64) {
+        let start = match self.played_until {
+            None => at,
+            Some(until) if at > until + MIN_GAP_S => {
+                let gap = at - until;
+                self.underruns += 1;
+                self.gap_s += gap;
+                self.worst_gap_s = self.worst_gap_s.max(gap);
+                at
+            }
+            // Arrived before the player needed it: plays right after.
+            Some(until) => until,
+        };
+        self.played_until = Some(start + seconds);
+    }
 }
 
 impl Timeline {
+    /// `seconds` of audio arrived at offset `at`.
+    pub fn audio(&mut self, at: f64, seconds: f64) {
+        if seconds <= 0.0 {
+            return;
+        }
+        self.first_audio.get_or_insert(at);
+        self.last_audio = Some(at);
+        self.audio_seconds += seconds;
+        self.playback.push(at, seconds);
+    }
+
     pub fn ttft(&self) -> Option<f64> {
         self.first_text
     }
@@ -123,6 +182,23 @@ pub struct LevelMetrics {
     pub audio_throughput: f64,
     pub output_tok_s: f64,
     pub req_s: f64,
+    /// Playback of the requests with audio: underruns per request, silence
+    /// heard per request, the worst gap of the level, and the share of
+    /// requests with no gap over [`AUDIBLE_GAP_S`].
+    #[serde(default)]
+    pub underruns: Summary,
+    #[serde(default)]
+    pub gap_ms: Summary,
+    #[serde(default)]
+    pub worst_gap_ms: f64,
+    #[serde(default)]
+    pub gap_free_share: f64,
+    /// Spoken turns: end of speech → the server's end of the turn (the VAD's
+    /// silence wait), and that → the first answer audio.
+    #[serde(default)]
+    pub turn_end_ms: Summary,
+    #[serde(default)]
+    pub turn_end_to_audio_ms: Summary,
 }
 
 /// Aggregates the completed requests of a level that ran for `wall_s`.
@@ -157,7 +233,31 @@ pub fn level_metrics(done: &[Timeline], failed: usize, wall_s: f64) -> LevelMetr
         audio_throughput: per_s(audio),
         output_tok_s: per_s(tokens as f64),
         req_s: per_s(done.len() as f64),
+        underruns: plain(&|t| speaking(t).then_some(t.playback.underruns as f64)),
+        gap_ms: ms(&|t| speaking(t).then_some(t.playback.gap_s)),
+        worst_gap_ms: done
+            .iter()
+            .map(|t| t.playback.worst_gap_s * 1e3)
+            .fold(0.0, f64::max),
+        turn_end_ms: ms(&|t| t.turn_end),
+        turn_end_to_audio_ms: ms(&|t| Some(t.first_audio? - t.turn_end?)),
+        gap_free_share: {
+            let spoken = done.iter().filter(|t| speaking(t)).count();
+            let clean = done
+                .iter()
+                .filter(|t| speaking(t) && t.playback.worst_gap_s <= AUDIBLE_GAP_S)
+                .count();
+            if spoken > 0 {
+                clean as f64 / spoken as f64
+            } else {
+                0.0
+            }
+        },
     }
+}
+
+fn speaking(t: &Timeline) -> bool {
+    t.audio_seconds > 0.0
 }
 
 /// One stage's share of a level, from `/metrics` read before and after it
@@ -333,7 +433,48 @@ mod tests {
             output_tokens: Some(11),
             input_tokens: Some(30),
             end: 2.1,
+            playback: Playback::default(),
+            turn_end: None,
         }
+    }
+
+    #[test]
+    fn playback_underruns_by_hand() {
+        let mut t = Timeline::default();
+        // 0.2 s at 1.0 plays to 1.2; 0.2 s at 1.1 (early) to 1.4; 0.5 s at
+        // 1.5 (0.1 s late) to 2.0; 0.1 s at 2.3 (0.3 s late).
+        for (at, s) in [(1.0, 0.2), (1.1, 0.2), (1.5, 0.5), (2.3, 0.1)] {
+            t.audio(at, s);
+        }
+        t.audio(2.35, 0.0); // nothing: no packet
+        assert_eq!(t.playback.underruns, 2);
+        close(t.playback.gap_s, 0.4);
+        close(t.playback.worst_gap_s, 0.3);
+        close(t.audio_seconds, 1.0);
+        assert_eq!((t.first_audio, t.last_audio), (Some(1.0), Some(2.3)));
+        // A steady stream ahead of the player: no underrun.
+        let mut smooth = Timeline::default();
+        for k in 0..50 {
+            smooth.audio(0.5 + f64::from(k) * 0.05, 0.08);
+        }
+        assert_eq!(
+            smooth.playback,
+            Playback {
+                played_until: smooth.playback.played_until,
+                ..Playback::default()
+            }
+        );
+        // The level: one of the two speaking requests is gap-free.
+        let quiet = Timeline {
+            end: 1.0,
+            ..Timeline::default()
+        };
+        let m = level_metrics(&[t, smooth, quiet], 0, 3.0);
+        close(m.gap_free_share, 0.5);
+        close(m.worst_gap_ms, 300.0);
+        assert_eq!(m.underruns.n, 2);
+        close(m.underruns.mean, 1.0);
+        close(m.gap_ms.mean, 200.0);
     }
 
     #[test]
@@ -385,6 +526,8 @@ mod tests {
             output_tokens: Some(31),
             input_tokens: Some(10),
             end: 4.0,
+            playback: Playback::default(),
+            turn_end: None,
         };
         let m = level_metrics(&[a, b], 1, 4.0);
         assert_eq!((m.completed, m.failed), (2, 1));

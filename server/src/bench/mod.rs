@@ -97,6 +97,15 @@ pub struct BenchArgs {
     /// Text only (chat/realtime): no audio.
     #[arg(long)]
     pub text_only: bool,
+    /// Spoken questions instead of text prompts: a WAV file or a folder of
+    /// them (cycled). Chat sends each as `input_audio`; Realtime streams it
+    /// as a microphone at real time and lets server VAD end the turn. Times
+    /// then run from the end of speech.
+    #[arg(long)]
+    pub spoken_input: Option<PathBuf>,
+    /// Realtime with --spoken-input: server VAD's `silence_duration_ms`.
+    #[arg(long, default_value_t = 500)]
+    pub vad_silence_ms: u32,
     #[arg(long, default_value = "joe")]
     pub voice: String,
     /// The `model` field of each request.
@@ -167,9 +176,14 @@ impl BenchArgs {
             .collect())
     }
 
-    fn shape(&self) -> RequestShape {
+    fn shape(&self) -> Result<RequestShape> {
         let speech = self.endpoint == Endpoint::Speech;
-        RequestShape {
+        let questions = match &self.spoken_input {
+            Some(_) if speech => bail!("--spoken-input asks chat or realtime, not speech"),
+            Some(p) => Some(Arc::new(dataset::questions(p)?)),
+            None => None,
+        };
+        Ok(RequestShape {
             endpoint: self.endpoint,
             model: self.model.clone(),
             voice: self.voice.clone(),
@@ -178,7 +192,10 @@ impl BenchArgs {
             ignore_eos: !speech && !self.no_ignore_eos,
             temperature: self.temperature,
             timeout: Duration::from_secs(self.timeout.max(1)),
-        }
+            questions,
+            spoken_input: self.spoken_input.as_ref().map(|p| p.display().to_string()),
+            vad_silence_ms: self.vad_silence_ms,
+        })
     }
 }
 
@@ -255,15 +272,36 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         schema: report::SCHEMA.into(),
         omnistream_version: env!("CARGO_PKG_VERSION").into(),
         started_unix,
-        machine: machine(),
+        machine: {
+            let mut devices: Vec<&String> = Vec::new();
+            for d in runs.iter().flat_map(|r| &r.devices) {
+                if !devices.contains(&d) {
+                    devices.push(d);
+                }
+            }
+            match devices.is_empty() {
+                true => machine(),
+                false => format!(
+                    "{}; the server's stages on {}",
+                    machine(),
+                    devices
+                        .iter()
+                        .map(|d| d.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            }
+        },
         command: std::env::args().collect::<Vec<_>>().join(" "),
-        request: serde_json::to_value(args.shape())?,
+        request: serde_json::to_value(args.shape()?)?,
         dataset: Dataset {
-            source: args
-                .prompts
-                .as_ref()
-                .map_or("random".into(), |p| p.display().to_string()),
-            input_len: args.prompts.is_none().then_some(args.input_len),
+            source: match (&args.spoken_input, &args.prompts) {
+                (Some(q), _) => format!("spoken questions in {}", q.display()),
+                (None, Some(p)) => p.display().to_string(),
+                (None, None) => "random".into(),
+            },
+            input_len: (args.prompts.is_none() && args.spoken_input.is_none())
+                .then_some(args.input_len),
             num_prompts: args.num_prompts,
             warmup: args.warmup,
             seed: args.seed,
@@ -287,9 +325,15 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             }));
         }
         let x_label = x_label(&plotted);
-        let files = plot::plot_runs(&plotted, x_label, &args.out).context("plots")?;
-        for f in files {
-            eprintln!("wrote {}", f.display());
+        // The report stands without them (a GPU host may have no fonts);
+        // `--plot-only --overlay bench.json` draws them later elsewhere.
+        match plot::plot_runs(&plotted, x_label, &args.out) {
+            Ok(files) => {
+                for f in files {
+                    eprintln!("wrote {}", f.display());
+                }
+            }
+            Err(e) => eprintln!("warning: no plots: {e:#}"),
         }
     }
     eprintln!("wrote {} and bench.md", json_path.display());
@@ -353,13 +397,14 @@ async fn sweep(
     label: &str,
     bar: &ProgressBar,
 ) -> Result<Run> {
-    client.get_text("/health").await.map_err(|e| {
+    let health = client.get_text("/health").await.map_err(|e| {
         anyhow::anyhow!(
             "cannot reach the server at {}/health: {e} (is `omnistream serve` running?)",
             client.base()
         )
     })?;
-    let shape = args.shape();
+    let devices = server_devices(&health);
+    let shape = args.shape()?;
     // Warm-up: its own prompts, so that no measured prompt is already cached.
     bar.set_message(format!("{label}: warm-up"));
     let warm = dataset::prompts(
@@ -403,8 +448,23 @@ async fn sweep(
         label: label.into(),
         profile: None,
         url: client.base().into(),
+        devices,
         levels,
     })
+}
+
+/// The devices a server's `/health` names, each once, in order.
+fn server_devices(health: &str) -> Vec<String> {
+    let v: serde_json::Value = serde_json::from_str(health).unwrap_or_default();
+    let mut out: Vec<String> = Vec::new();
+    for d in v["devices"].as_array().into_iter().flatten() {
+        if let Some(name) = d["device"].as_str() {
+            if !out.iter().any(|o| o == name) {
+                out.push(name.to_string());
+            }
+        }
+    }
+    out
 }
 
 async fn scrape(client: &Client) -> Vec<(String, StageCounters)> {

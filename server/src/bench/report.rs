@@ -45,6 +45,10 @@ pub struct Run {
     /// The profile the bench started the server with (`--compare`).
     pub profile: Option<String>,
     pub url: String,
+    /// What the server's stages ran on, from its `/health` (`cuda:0 (NVIDIA
+    /// H200)`, `cpu`, `remote`), each once.
+    #[serde(default)]
+    pub devices: Vec<String>,
     pub levels: Vec<Level>,
 }
 
@@ -206,6 +210,24 @@ pub fn markdown(r: &Report) -> String {
                 l.server_peak_rss_mib.map_or("–".into(), |v| format!("{v:.0}")),
             );
         }
+        if run.levels.iter().any(|l| l.metrics.underruns.n > 0) {
+            md += "\nPlayback: each answer's audio played at real time from its first packet; \
+                   an underrun is a moment the player ran dry.\n\n\
+                   | load | gap-free (no gap over 100 ms) | underruns per request mean | p99 | silence per request mean ms | worst gap ms |\n\
+                   |---|---|---|---|---|---|\n";
+            for l in &run.levels {
+                let m = &l.metrics;
+                md += &format!(
+                    "| {} | {:.0}% | {:.2} | {:.0} | {} | {} |\n",
+                    l.load.name(),
+                    m.gap_free_share * 100.0,
+                    m.underruns.mean,
+                    m.underruns.p99,
+                    ms(m.gap_ms.mean),
+                    ms(m.worst_gap_ms),
+                );
+            }
+        }
         if run.levels.iter().any(|l| !l.stages.is_empty()) {
             md += "\nStages (from `/metrics`): busy and waiting-for-input as shares of the \
                    level's wall clock, mean batch per step, input queue depth and requests held (active) sampled every 250 ms.\n\n\
@@ -232,10 +254,12 @@ pub fn markdown(r: &Report) -> String {
                | load | metric | n | mean | median | p90 | p99 |\n|---|---|---|---|---|---|---|\n";
         for l in &run.levels {
             let m = &l.metrics;
-            let rows: [(&str, &Summary); 8] = [
+            let rows: [(&str, &Summary); 10] = [
                 ("TTFT ms", &m.ttft_ms),
                 ("TPOT ms", &m.tpot_ms),
                 ("TTFP ms", &m.ttfp_ms),
+                ("turn end ms (VAD)", &m.turn_end_ms),
+                ("turn end → audio ms", &m.turn_end_to_audio_ms),
                 ("audio RTF", &m.audio_rtf),
                 ("E2EL ms", &m.e2el_ms),
                 ("input tokens", &m.input_tokens),
@@ -310,6 +334,7 @@ mod tests {
             label: label.into(),
             profile: None,
             url: "http://x".into(),
+            devices: vec![],
             levels: vec![Level {
                 load: Load::Closed { concurrency: 4 },
                 x: 4.0,

@@ -110,6 +110,7 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
         allowed_hosts: server.allowed_hosts.clone(),
         limits: opts.limits,
         vad,
+        devices: stage_devices(&profile),
     };
     let limits =
         connections::Limits::new(&server.connections, connections::raise_open_file_limit());
@@ -263,6 +264,33 @@ pub fn router(state: Arc<AppState>, rtc: Option<Arc<transport::webrtc::WebRtc>>)
         .with_state(state)
 }
 
+/// Every stage replica's device, named (`cuda:0 (NVIDIA H200)`), so that a
+/// report taken through the server says what it ran on.
+fn stage_devices(profile: &omnistream_stages::profile::Profile) -> Vec<state::StageDevice> {
+    use omnistream_stages::profile::Placement;
+    let mut names = std::collections::HashMap::new();
+    let mut out = Vec::new();
+    for s in &profile.stages {
+        for replica in 0..s.replicas.max(1) {
+            let device = if s.placement == Placement::Remote {
+                "remote".to_string()
+            } else {
+                let spec = s.device_of(replica).to_string();
+                names
+                    .entry(spec.clone())
+                    .or_insert_with(|| omnistream_stages::roles::describe_device(&spec))
+                    .clone()
+            };
+            out.push(state::StageDevice {
+                stage: s.name.clone(),
+                replica,
+                device,
+            });
+        }
+    }
+    out
+}
+
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     let stats = state.pipeline.stats();
     let alive = stats.stages.iter().all(|s| s.alive);
@@ -277,6 +305,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
         "sessions_open": state.sessions.count(),
         "requests_in_flight": state.sessions.in_flight(),
         "stages": stats.stages.iter().map(|s| serde_json::json!({"name": s.name, "alive": s.alive})).collect::<Vec<_>>(),
+        "devices": state.config.devices,
     });
     let code = if alive && !draining {
         StatusCode::OK

@@ -23,6 +23,17 @@ pub struct ServerConfig {
     /// Voice activity detection for `server_vad` turns; `None`: clients
     /// commit their turns themselves.
     pub vad: Option<VadHub>,
+    /// What each stage replica runs on, for `/health` (`remote` for a stage
+    /// in another process).
+    pub devices: Vec<StageDevice>,
+}
+
+/// One stage replica's device, as `/health` lists it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StageDevice {
+    pub stage: String,
+    pub replica: usize,
+    pub device: String,
 }
 
 /// The VAD model (shared by every session; each keeps its own state) and

@@ -534,6 +534,30 @@ pub fn stage_device(s: &StageSpec, replica: usize) -> Result<Device, EngineError
     }
 }
 
+/// A stage's device as reports name it: `cpu`, or `cuda:N (GPU model)`.
+pub fn describe_device(device: &str) -> String {
+    match crate::profile::parse_device(device) {
+        Ok(DeviceSpec::Cuda(n)) => match gpu_name(n) {
+            Some(name) => format!("cuda:{n} ({name})"),
+            None => format!("cuda:{n}"),
+        },
+        _ => device.to_string(),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_name(n: usize) -> Option<String> {
+    candle_core::cuda::cudarc::driver::CudaContext::new(n)
+        .ok()?
+        .name()
+        .ok()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_name(_: usize) -> Option<String> {
+    None
+}
+
 /// The Qwen3-Omni checkpoint at `path`, loaded once per device for all its
 /// stages and replicas there, with the parts the cache's plan names.
 fn load_omni(

@@ -248,6 +248,7 @@ fn state() -> Arc<AppState> {
         allowed_hosts: vec![],
         limits: SessionLimits::default(),
         vad: None,
+        devices: vec![],
     };
     AppState::new(pipeline, config).expect("state")
 }

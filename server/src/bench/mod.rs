@@ -268,6 +268,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     bar.finish_and_clear();
 
+    let shape = args.shape()?;
     let report = Report {
         schema: report::SCHEMA.into(),
         omnistream_version: env!("CARGO_PKG_VERSION").into(),
@@ -293,10 +294,24 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             }
         },
         command: std::env::args().collect::<Vec<_>>().join(" "),
-        request: serde_json::to_value(args.shape()?)?,
+        request: serde_json::to_value(&shape)?,
         dataset: Dataset {
             source: match (&args.spoken_input, &args.prompts) {
-                (Some(q), _) => format!("spoken questions in {}", q.display()),
+                (Some(q), _) => {
+                    let secs: Vec<f64> = shape
+                        .questions
+                        .iter()
+                        .flat_map(|v| v.iter().map(|q| q.seconds))
+                        .collect();
+                    let (lo, hi) = secs
+                        .iter()
+                        .fold((f64::MAX, 0.0f64), |(l, h), &x| (l.min(x), h.max(x)));
+                    format!(
+                        "spoken questions in {} ({} files, {lo:.1}-{hi:.1} s of speech)",
+                        q.display(),
+                        secs.len()
+                    )
+                }
                 (None, Some(p)) => p.display().to_string(),
                 (None, None) => "random".into(),
             },

@@ -34,6 +34,7 @@ use tower::ServiceExt;
 
 use crate::profile::ConnectionSpec;
 
+use super::error::ApiError;
 use super::metrics::Metrics;
 
 /// The profile's `server.connections`, resolved.
@@ -234,7 +235,7 @@ fn refuse(mut stream: TcpStream, refusing: &Arc<AtomicUsize>) {
     }
     let refusing = refusing.clone();
     tokio::spawn(async move {
-        let body = super::error::ApiError::overloaded(
+        let body = ApiError::overloaded(
             "too many connections (server.connections.max / max_per_client); retry",
         )
         .body()
@@ -571,6 +572,35 @@ pub fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
+}
+
+/// A request's whole body, at most `limit` bytes, every refusal in the JSON
+/// shape: 413 `request_too_large` from its `Content-Length` before any of it
+/// is read (a client waiting on `Expect: 100-continue` never sends it) or once
+/// it grows past `limit`, 408 `request_timeout` when it comes too slowly.
+pub async fn read_body(
+    req: axum::extract::Request,
+    limit: usize,
+) -> Result<axum::body::Bytes, ApiError> {
+    use axum::extract::FromRequest;
+    if declared_length(req.headers()).is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::too_large(limit));
+    }
+    let bytes = axum::body::Bytes::from_request(req, &())
+        .await
+        .map_err(|e| {
+            if let Some(m) = too_slow(&e) {
+                ApiError::request_timeout(m)
+            } else if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::too_large(limit)
+            } else {
+                ApiError::bad_request("invalid_body", e.body_text())
+            }
+        })?;
+    if bytes.len() > limit {
+        return Err(ApiError::too_large(limit));
+    }
+    Ok(bytes)
 }
 
 #[cfg(test)]

@@ -1,37 +1,11 @@
 //! The errors a client sees, in both their forms: an HTTP response
 //! ([`ApiError`]) and an `error` event on a connection ([`ClientError`]).
 
-use axum::body::Bytes;
-use axum::extract::{FromRequest, Request};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
-use super::connections::{declared_length, too_slow};
 use super::shutdown;
-
-/// A request's whole body, at most `limit` bytes, every refusal in the JSON
-/// shape: 413 `request_too_large` from its `Content-Length` before any of it
-/// is read (a client waiting on `Expect: 100-continue` never sends it) or once
-/// it grows past `limit`, 408 `request_timeout` when it comes too slowly.
-pub async fn read_body(req: Request, limit: usize) -> Result<Bytes, ApiError> {
-    if declared_length(req.headers()).is_some_and(|n| n > limit as u64) {
-        return Err(ApiError::too_large(limit));
-    }
-    let bytes = Bytes::from_request(req, &()).await.map_err(|e| {
-        if let Some(m) = too_slow(&e) {
-            ApiError::request_timeout(m)
-        } else if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::too_large(limit)
-        } else {
-            ApiError::bad_request("invalid_body", e.body_text())
-        }
-    })?;
-    if bytes.len() > limit {
-        return Err(ApiError::too_large(limit));
-    }
-    Ok(bytes)
-}
 
 /// The error code a failed request's message maps to: `stage_unavailable`
 /// when a stage replica was lost (the engine's messages say so first).

@@ -19,7 +19,8 @@ use omnistream_stages::engine::{
 
 use super::unix_now;
 use crate::serve::audio::OutputFormat;
-use crate::serve::error::{read_body, ApiError};
+use crate::serve::connections::read_body;
+use crate::serve::error::ApiError;
 
 /// Largest request body; more is a 413.
 pub const MAX_BODY_BYTES: usize = 1 << 20;

@@ -53,8 +53,9 @@ use crate::profile::WebRtcSpec;
 
 use super::realtime::{slow_client_event, Realtime, RATE};
 use crate::serve::conn::{AudioSink, ConnGauge, Outbox, Overflow};
+use crate::serve::connections::read_body;
 use crate::serve::driver::{self, Inbound};
-use crate::serve::error::{read_body, ApiError};
+use crate::serve::error::ApiError;
 use crate::serve::metrics::TaskGuard;
 use crate::serve::state::AppState;
 use media::{AudioOut, Codec, Mic, Slot, Speaker, FRAME};

@@ -55,6 +55,20 @@
 #              a level (default 32), prompts of 100 words, answers of 200 tokens
 #   split-mps  the same with the CUDA MPS daemon started for the run (both
 #              sides through it), when the host has nvidia-cuda-mps-control
+#   serve      what a user sees: one `omnistream serve` (deploy/qwen3-omni-h200.yaml,
+#              server VAD on; carry models/silero-vad) driven by `omnistream bench`
+#              over loopback, one run after another against the same server:
+#              SERVE_RUNS picks them (default all, in this order):
+#                chat       HTTP SSE chat, 100-word prompts, 200 tokens, audio:
+#                           c=1 (8 requests), 8 (32), 32 (64), 64 (128)
+#                text       text only, sampled at TEMP (default 1.0), c=32 (64)
+#                rt         Realtime, typed turns, audio: c=1 (8), 32 (64)
+#                spoken     spoken questions (scripts/cuda/make_questions.sh wrote
+#                           gpu-questions/ here; it travels untracked): chat
+#                           input_audio and Realtime turns paced as a microphone
+#                           with server VAD (silence 200 ms), 100 tokens: c=1 (6),
+#                           8 (16), 32 (32) each
+#                long       2,500-word prompts, 900 tokens, audio: c=1 (2), 32 (32)
 #
 # Everything printed goes to $OUT/log.txt; the JSON reports to $OUT/json.tar.gz
 # ($OUT, or bench-out/gpu; at most 8 files come back from the device tool).
@@ -176,6 +190,51 @@ fi
 if has reference; then
   step reference
   timeout "${REF_S:-240}" python3 scripts/cuda/reference_gpu.py 2>&1 | tail -20 | tee "$OUT/json/reference.json"
+fi
+if has serve; then
+  step serve
+  PORT=8093
+  cuda-bin/omnistream serve --profile deploy/qwen3-omni-h200.yaml --port $PORT > "$OUT/serve.log" 2>&1 &
+  SERVER=$!
+  # It prints this line once loaded, warmed up and listening.
+  for _ in $(seq 1 300); do grep -q "omnistream listening" "$OUT/serve.log" && break; sleep 1; done
+  grep -E "listening|rror" "$OUT/serve.log" | tail -3
+  # One bench against the running server: NAME, then its arguments.
+  sb() {
+    local name=$1; shift
+    step "serve $name"
+    timeout "${SB_S:-300}" cuda-bin/omnistream bench --url "http://127.0.0.1:$PORT" --voice ethan \
+      --no-plots --out "$OUT/json/serve-$name" "$@" 2>&1 | grep -v '^\s*$' | tail -4
+    sed -n '/^| load/,/^$/p;/^Playback/,/^$/p' "$OUT/json/serve-$name/bench.md"
+    grep -E '\| (TTFT|TTFP|audio RTF|turn end)' "$OUT/json/serve-$name/bench.md"
+  }
+  runs=" ${SERVE_RUNS:-chat text rt spoken long} "
+  CHAT=(--input-len 100 --output-len 200)
+  if [[ $runs == *" chat "* ]]; then
+    sb chat-c1 --endpoint chat "${CHAT[@]}" --concurrency 1 --num-prompts 8
+    sb chat-c8 --endpoint chat "${CHAT[@]}" --concurrency 8 --num-prompts 32
+    sb chat-c32 --endpoint chat "${CHAT[@]}" --concurrency 32 --num-prompts 64
+    sb chat-c64 --endpoint chat "${CHAT[@]}" --concurrency 64 --num-prompts 128
+  fi
+  [[ $runs == *" text "* ]] && sb text-c32 --endpoint chat "${CHAT[@]}" --text-only \
+    --temperature "${TEMP:-1.0}" --concurrency 32 --num-prompts 64
+  if [[ $runs == *" rt "* ]]; then
+    sb rt-c1 --endpoint realtime "${CHAT[@]}" --concurrency 1 --num-prompts 8
+    sb rt-c32 --endpoint realtime "${CHAT[@]}" --concurrency 32 --num-prompts 64
+  fi
+  if [[ $runs == *" spoken "* ]]; then
+    SPOKEN=(--spoken-input gpu-questions --output-len 100 --vad-silence-ms 200)
+    for c in 1:6 8:16 32:32; do
+      sb "spoken-chat-c${c%:*}" --endpoint chat "${SPOKEN[@]}" --concurrency "${c%:*}" --num-prompts "${c#*:}"
+      sb "spoken-rt-c${c%:*}" --endpoint realtime "${SPOKEN[@]}" --concurrency "${c%:*}" --num-prompts "${c#*:}"
+    done
+  fi
+  if [[ $runs == *" long "* ]]; then
+    sb long-c1 --endpoint chat --input-len 2500 --output-len 900 --concurrency 1 --num-prompts 2 --warmup 1
+    sb long-c32 --endpoint chat --input-len 2500 --output-len 900 --concurrency 32 --num-prompts 32 --warmup 1
+  fi
+  kill "$SERVER"; wait "$SERVER"
+  tail -n 20 "$OUT/serve.log"
 fi
 rm -f "$OUT"/json/*.md "$OUT"/json/*.png "$OUT/ncu.csv"
 tar -C "$OUT" -czf "$OUT/json.tar.gz" json && rm -rf "$OUT/json"

@@ -27,18 +27,28 @@ pub fn load(path: &Path) -> Result<(Profile, ServerSpec), ProfileError> {
 impl ServerSpec {
     /// Parses and checks `profile`'s server section (defaults without one).
     pub fn of(profile: &Profile) -> Result<Self, ProfileError> {
-        let sv: ServerSpec = match &profile.server {
-            None => ServerSpec::default(),
-            Some(v) => serde_yaml_ng::from_value(v.clone()).map_err(|e| ProfileError::Parse {
+        // No section is an empty one: serde's defaults (a drain of 25 s), not
+        // the type's zeroes.
+        let empty = serde_yaml_ng::Value::Mapping(Default::default());
+        let section = profile.server.as_ref().unwrap_or(&empty).clone();
+        let sv: ServerSpec =
+            serde_yaml_ng::from_value(section).map_err(|e| ProfileError::Parse {
                 file: profile.file.clone(),
                 msg: format!("server: {e}"),
-            })?,
-        };
+            })?;
         sv.validate(profile)?;
         Ok(sv)
     }
 
     fn validate(&self, profile: &Profile) -> Result<(), ProfileError> {
+        for (alias, voice) in &self.voice_aliases {
+            if alias.trim().is_empty() || voice.trim().is_empty() {
+                return Err(profile.invalid(
+                    "server.voice_aliases",
+                    format!("an alias and its voice must both be named, got {alias:?}: {voice:?}"),
+                ));
+            }
+        }
         let w = &self.webrtc;
         if let Some([lo, hi]) = w.udp_ports {
             if lo == 0 || hi < lo {
@@ -112,7 +122,7 @@ impl ServerSpec {
 }
 
 /// The profile's `server:` section.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerSpec {
     #[serde(default)]
@@ -138,6 +148,11 @@ pub struct ServerSpec {
     /// (seconds) before they are cancelled and the process exits.
     #[serde(default = "default_drain_s")]
     pub drain_s: f64,
+    /// Other names for the pipeline's voices (`alloy: chelsie`): apps written
+    /// for OpenAI hard-code its voice names. Every OpenAI voice not named
+    /// here speaks in the pipeline's default voice.
+    #[serde(default)]
+    pub voice_aliases: std::collections::BTreeMap<String, String>,
 }
 
 fn default_drain_s() -> f64 {

@@ -339,12 +339,34 @@ def test_speech_sse_events(client):
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
 
+def test_openai_voice_names_speak_in_the_pipeline_voice(client):
+    """Apps hard-code OpenAI's voice names: each speaks in one of the
+    pipeline's voices (server.voice_aliases; by default the default voice),
+    here exactly as `joe` does."""
+    def speak(voice):
+        r = client.audio.speech.create(model="tts-1", voice=voice, input="Hello there.", response_format="pcm")
+        return r.content
+
+    joe = speak("joe")
+    assert len(joe) > RATE  # over half a second of pcm16
+    for voice in ["alloy", "shimmer", "Cedar"]:
+        assert speak(voice) == joe, voice
+    completion = client.chat.completions.create(
+        model="omnistream",
+        messages=chat_messages("Say hi."),
+        modalities=["text", "audio"],
+        audio={"voice": "coral", "format": "wav"},
+        max_tokens=8,
+    )
+    assert completion.choices[0].message.audio.data
+
+
 # ---------------------------------------------------------------- errors
 
 
 def test_invalid_requests_are_openai_errors(client):
     bad_chat = [
-        dict(messages=chat_messages("Hi"), modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}),
+        dict(messages=chat_messages("Hi"), modalities=["text", "audio"], audio={"voice": "bob", "format": "wav"}),
         dict(messages=chat_messages("Hi"), modalities=["text", "audio"], audio={"voice": "joe", "format": "mp3"}),
         dict(messages=chat_messages("Hi"), temperature=3),
         dict(messages=chat_messages("Hi"), max_tokens=-5),
@@ -358,8 +380,8 @@ def test_invalid_requests_are_openai_errors(client):
         assert e.value.body["type"] == "invalid_request_error", e.value.body
         assert e.value.body["message"], e.value.body
     with pytest.raises(openai.BadRequestError) as e:
-        client.audio.speech.create(model="tts-1", voice="alloy", input="Hi")
-    assert "joe" in e.value.body["message"]
+        client.audio.speech.create(model="tts-1", voice="bob", input="Hi")
+    assert "joe" in e.value.body["message"] and "alloy" in e.value.body["message"]
     for kw in [dict(response_format="mp3"), dict(speed=5.0), dict(stream_format="ws")]:
         with pytest.raises(openai.BadRequestError):
             client.audio.speech.create(model="tts-1", voice="joe", input="Hi", **kw)

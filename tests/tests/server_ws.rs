@@ -759,7 +759,7 @@ async fn bad_input_gets_clear_errors() {
         ),
         (
             Message::text(
-                r#"{"type":"session.update","session":{"audio":{"output":{"voice":"alloy"}}}}"#,
+                r#"{"type":"session.update","session":{"audio":{"output":{"voice":"bob"}}}}"#,
             ),
             "invalid_value",
         ),

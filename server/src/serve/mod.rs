@@ -15,6 +15,7 @@ mod sessions;
 mod shutdown;
 mod state;
 mod transport;
+mod voices;
 mod web;
 
 use std::net::SocketAddr;
@@ -111,6 +112,7 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
         limits: opts.limits,
         vad,
         devices: stage_devices(&profile),
+        voice_aliases: server.voice_aliases.clone(),
     };
     let limits =
         connections::Limits::new(&server.connections, connections::raise_open_file_limit());

@@ -8,6 +8,7 @@ use omnistream_stages::engine::Pipeline;
 
 use super::metrics::Metrics;
 use super::sessions::{SessionLimits, SessionManager};
+use super::voices::Voices;
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -26,6 +27,8 @@ pub struct ServerConfig {
     /// What each stage replica runs on, for `/health` (`remote` for a stage
     /// in another process).
     pub devices: Vec<StageDevice>,
+    /// `server.voice_aliases`: other names for the pipeline's voices.
+    pub voice_aliases: std::collections::BTreeMap<String, String>,
 }
 
 /// One stage replica's device, as `/health` lists it.
@@ -64,22 +67,15 @@ pub struct AppState {
     pub speech_rate: super::conversation::playback::SpeechRate,
     /// Serving, draining or closing (SIGTERM/SIGINT).
     pub shutdown: super::shutdown::Shutdown,
+    /// The voices a client may name.
+    pub voices: Voices,
 }
 
 impl AppState {
-    /// The pipeline's voice named `name` (any case), or an error listing them.
+    /// The pipeline's voice that `name` (one of its voices or an alias, any
+    /// case) speaks in, or an error listing them.
     pub fn voice(&self, name: &str) -> Result<String, String> {
-        let voices = self.pipeline.voices();
-        voices
-            .iter()
-            .find(|v| v.eq_ignore_ascii_case(name))
-            .cloned()
-            .ok_or_else(|| {
-                format!(
-                    "voice {name:?} is not available; available voices: {}",
-                    voices.join(", ")
-                )
-            })
+        self.voices.resolve(name)
     }
 
     /// Resolves once no session is open and no request is in flight.
@@ -91,12 +87,15 @@ impl AppState {
 
     /// The voice used when a request names none.
     pub fn default_voice(&self) -> &str {
-        self.pipeline.voices().first().map_or("", String::as_str)
+        self.voices.default_voice()
     }
 
     pub fn new(pipeline: Pipeline, config: ServerConfig) -> Result<Arc<Self>> {
         let metrics = Metrics::new()?;
+        let voices = Voices::new(pipeline.voices().to_vec(), &config.voice_aliases)
+            .map_err(anyhow::Error::msg)?;
         Ok(Arc::new(Self {
+            voices,
             sessions: SessionManager::new(config.limits.clone(), metrics.clone()),
             pipeline,
             metrics,

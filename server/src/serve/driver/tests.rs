@@ -249,6 +249,7 @@ fn state() -> Arc<AppState> {
         limits: SessionLimits::default(),
         vad: None,
         devices: vec![],
+        voice_aliases: Default::default(),
     };
     AppState::new(pipeline, config).expect("state")
 }

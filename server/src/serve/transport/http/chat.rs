@@ -28,7 +28,7 @@ pub(super) async fn handle(
 ) -> Result<Response, ApiError> {
     let plan = async {
         let body = read_json(req).await?;
-        let plan = ChatPlan::from_request(body, store, state.pipeline.voices())?;
+        let plan = ChatPlan::from_request(body, store, &state.voices)?;
         let rate = match plan.audio {
             Some(_) => Some(sample_rate(state)?),
             None => None,

@@ -21,6 +21,7 @@ use super::unix_now;
 use crate::serve::audio::OutputFormat;
 use crate::serve::connections::read_body;
 use crate::serve::error::ApiError;
+use crate::serve::voices::Voices;
 
 /// Largest request body; more is a 413.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
@@ -117,7 +118,7 @@ impl ChatPlan {
     pub fn from_request(
         mut r: ChatRequest,
         store: &AudioStore,
-        voices: &[String],
+        voices: &Voices,
     ) -> Result<Self, ApiError> {
         if r.messages.is_empty() {
             return Err(invalid("`messages` must not be empty"));
@@ -358,7 +359,7 @@ pub struct SpeechPlan {
 }
 
 impl SpeechPlan {
-    pub fn from_request(r: SpeechRequest, voices: &[String]) -> Result<Self, ApiError> {
+    pub fn from_request(r: SpeechRequest, voices: &Voices) -> Result<Self, ApiError> {
         if r.input.trim().is_empty() {
             return Err(invalid("`input` must not be empty"));
         }
@@ -418,21 +419,16 @@ impl SpeechPlan {
     }
 }
 
-/// One of the pipeline's voices, by name or as `{"id": ...}`; none = the default.
-fn check_voice(v: Option<&Value>, voices: &[String]) -> Result<Option<String>, ApiError> {
+/// One of the pipeline's voices or an alias, by name or as `{"id": ...}`;
+/// none = the default.
+fn check_voice(v: Option<&Value>, voices: &Voices) -> Result<Option<String>, ApiError> {
     let name = match v {
         None | Some(Value::Null) => return Ok(None),
         Some(Value::String(s)) => s.as_str(),
         Some(Value::Object(o)) => o.get("id").and_then(Value::as_str).unwrap_or(""),
         Some(other) => return Err(invalid(format!("`voice` must be a string, got {other}"))),
     };
-    match voices.iter().find(|v| v.eq_ignore_ascii_case(name)) {
-        Some(v) => Ok(Some(v.clone())),
-        None => Err(invalid(format!(
-            "unsupported voice {name:?}; available voices: {}",
-            voices.join(", ")
-        ))),
-    }
+    voices.resolve(name).map(Some).map_err(invalid)
 }
 
 fn output_format(name: &str, allowed: &[&str], field: &str) -> Result<OutputFormat, ApiError> {
@@ -523,7 +519,11 @@ mod tests {
 
     fn chat_req(v: Value) -> Result<ChatPlan, ApiError> {
         let r: ChatRequest = serde_json::from_value(v).map_err(|e| invalid(e.to_string()))?;
-        ChatPlan::from_request(r, &AudioStore::default(), &[PIPER_VOICE_NAME.to_string()])
+        ChatPlan::from_request(r, &AudioStore::default(), &voices())
+    }
+
+    fn voices() -> Voices {
+        Voices::new(vec![PIPER_VOICE_NAME.to_string()], &Default::default()).unwrap()
     }
 
     fn msgs() -> Value {
@@ -548,14 +548,22 @@ mod tests {
             json!({"messages": msgs(), "modalities": ["text", "video"]}),
             json!({"messages": msgs(), "modalities": ["text", "audio"]}),
             json!({"messages": msgs(), "modalities": ["text", "audio"], "audio": {"voice": "joe", "format": "mp3"}}),
-            json!({"messages": msgs(), "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}),
+            json!({"messages": msgs(), "modalities": ["text", "audio"], "audio": {"voice": "bob", "format": "wav"}}),
         ] {
             let e = chat_req(bad.clone()).expect_err(&bad.to_string());
             assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad}");
         }
-        let e = chat_req(json!({"messages": msgs(), "modalities": ["audio"], "audio": {"voice": "alloy", "format": "wav"}}))
+        let e = chat_req(json!({"messages": msgs(), "modalities": ["audio"], "audio": {"voice": "bob", "format": "wav"}}))
             .unwrap_err();
-        assert!(e.message.contains("joe"), "{}", e.message);
+        assert!(
+            e.message.contains("joe") && e.message.contains("alloy"),
+            "{}",
+            e.message
+        );
+        // OpenAI's names speak in the pipeline's voice.
+        let p = chat_req(json!({"messages": msgs(), "modalities": ["audio"], "audio": {"voice": "Alloy", "format": "wav"}}))
+            .unwrap();
+        assert_eq!(p.spec.voice.as_deref(), Some(PIPER_VOICE_NAME));
     }
 
     #[test]
@@ -620,7 +628,7 @@ mod tests {
     fn speech_requests_are_validated() {
         let plan = |v: Value| {
             let r: SpeechRequest = serde_json::from_value(v).map_err(|e| invalid(e.to_string()))?;
-            SpeechPlan::from_request(r, &[PIPER_VOICE_NAME.to_string()])
+            SpeechPlan::from_request(r, &voices())
         };
         let p = plan(json!({"model": "tts-1", "input": "Hello.", "voice": "joe", "speed": 1.5, "stream_format": "sse"})).unwrap();
         assert!(p.sse);
@@ -629,7 +637,7 @@ mod tests {
         for bad in [
             json!({"input": ""}),
             json!({"input": "x".repeat(MAX_SPEECH_CHARS + 1)}),
-            json!({"input": "Hi", "voice": "alloy"}),
+            json!({"input": "Hi", "voice": "bob"}),
             json!({"input": "Hi", "response_format": "mp3"}),
             json!({"input": "Hi", "response_format": "pcm16"}),
             json!({"input": "Hi", "speed": 4.5}),

@@ -2,6 +2,7 @@
 //! sample-rate conversion, Ogg Opus, raw Opus packets and G.711 for RTP.
 
 pub mod g711;
+pub mod mp3;
 mod ogg_demux;
 pub mod ogg_opus;
 pub mod opus_frames;

@@ -339,6 +339,30 @@ def test_speech_sse_events(client):
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
 
+def test_speech_mp3_is_the_default_and_heard(client, whisper, tmp_path):
+    """OpenAI's default speech format: MP3 (audio/mpeg), streamed, and what
+    a decoder (PyAV, under faster-whisper) hears is the sentence."""
+    r = client.audio.speech.create(model="tts-1", voice="alloy", input=SENTENCE)
+    assert r.response.headers["content-type"] == "audio/mpeg"
+    mp3 = r.content
+    # MPEG audio frames from the first byte (sync word), about 64 kbit/s.
+    assert mp3[0] == 0xFF and mp3[1] & 0xE0 == 0xE0, mp3[:4]
+    assert 4_000 < len(mp3) < 64_000, len(mp3)
+    path = tmp_path / "speech.mp3"
+    path.write_bytes(mp3)
+    assert_intelligible(whisper, path, SENTENCE)
+    # The chat answer's audio as MP3 too.
+    completion = client.chat.completions.create(
+        model="omnistream",
+        messages=chat_messages("Say hi."),
+        modalities=["text", "audio"],
+        audio={"voice": "joe", "format": "mp3"},
+        max_tokens=8,
+    )
+    data = base64.b64decode(completion.choices[0].message.audio.data)
+    assert data[0] == 0xFF and data[1] & 0xE0 == 0xE0, data[:4]
+
+
 def test_openai_voice_names_speak_in_the_pipeline_voice(client):
     """Apps hard-code OpenAI's voice names: each speaks in one of the
     pipeline's voices (server.voice_aliases; by default the default voice),
@@ -367,7 +391,7 @@ def test_openai_voice_names_speak_in_the_pipeline_voice(client):
 def test_invalid_requests_are_openai_errors(client):
     bad_chat = [
         dict(messages=chat_messages("Hi"), modalities=["text", "audio"], audio={"voice": "bob", "format": "wav"}),
-        dict(messages=chat_messages("Hi"), modalities=["text", "audio"], audio={"voice": "joe", "format": "mp3"}),
+        dict(messages=chat_messages("Hi"), modalities=["text", "audio"], audio={"voice": "joe", "format": "flac"}),
         dict(messages=chat_messages("Hi"), temperature=3),
         dict(messages=chat_messages("Hi"), max_tokens=-5),
         dict(messages=[]),
@@ -382,7 +406,7 @@ def test_invalid_requests_are_openai_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.audio.speech.create(model="tts-1", voice="bob", input="Hi")
     assert "joe" in e.value.body["message"] and "alloy" in e.value.body["message"]
-    for kw in [dict(response_format="mp3"), dict(speed=5.0), dict(stream_format="ws")]:
+    for kw in [dict(response_format="flac"), dict(speed=5.0), dict(stream_format="ws")]:
         with pytest.raises(openai.BadRequestError):
             client.audio.speech.create(model="tts-1", voice="joe", input="Hi", **kw)
     with pytest.raises(openai.BadRequestError):

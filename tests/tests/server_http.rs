@@ -143,7 +143,7 @@ fn bad_requests_keys_and_body_limit_are_openai_errors() {
         ),
         (
             chat,
-            r#"{"messages":[{"role":"user","content":"x"}],"modalities":["text","audio"],"audio":{"voice":"joe","format":"mp3"}}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"modalities":["text","audio"],"audio":{"voice":"joe","format":"flac"}}"#,
             "chat format",
         ),
         (

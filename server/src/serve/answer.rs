@@ -217,13 +217,13 @@ impl Answer {
     }
 
     /// Seconds of audio handed out: exact for PCM (bytes at the client's
-    /// rate), the pipeline's audio for Ogg Opus.
+    /// rate), the pipeline's audio for Ogg Opus and MP3.
     pub fn audio_seconds(&self) -> f64 {
         match self.format {
             Some(OutputFormat::Pcm16 { rate } | OutputFormat::Wav { rate }) if rate > 0 => {
                 self.out_bytes as f64 / 2.0 / f64::from(rate)
             }
-            Some(OutputFormat::OggOpus) => self.pipeline_seconds,
+            Some(OutputFormat::OggOpus | OutputFormat::Mp3 { .. }) => self.pipeline_seconds,
             _ => 0.0,
         }
     }

@@ -1,5 +1,5 @@
 //! Pipeline audio (mono f32 at the pipeline's rate) -> a client's format,
-//! streaming: PCM16, WAV (streaming header) or Ogg Opus.
+//! streaming: PCM16, WAV (streaming header), MP3 or Ogg Opus.
 
 // Some callers land after this file; the API is complete either way.
 #![allow(dead_code)]
@@ -8,6 +8,7 @@ use omnistream_codecs::pcm::{f32_to_pcm16_le, pcm16_le_to_f32};
 use omnistream_stages::engine::TRANSCRIBE_RATE;
 
 use super::error::ClientError;
+use omnistream_codecs::mp3::Mp3Encoder;
 use omnistream_codecs::wav::{streaming_header, wav_bytes};
 use omnistream_codecs::{CodecError, OggOpusEncoder, StreamResampler};
 
@@ -23,15 +24,17 @@ pub enum OutputFormat {
     Wav { rate: u32 },
     /// Opus in Ogg, 48 kHz mono.
     OggOpus,
+    /// MP3 (LAME), 64 kbit/s mono.
+    Mp3 { rate: u32 },
 }
 
 /// The names `from_name` takes, for error messages.
-pub const SUPPORTED_NAMES: &str = "pcm16 (or pcm), wav, opus";
+pub const SUPPORTED_NAMES: &str = "pcm16 (or pcm), wav, mp3, opus";
 
 impl OutputFormat {
-    /// From OpenAI names: "pcm16"/"pcm" (24 kHz), "wav" (24 kHz), "opus"
-    /// (Ogg Opus 48 kHz). Anything else (mp3, flac, aac, …) is an error
-    /// naming the supported ones.
+    /// From OpenAI names: "pcm16"/"pcm" (24 kHz), "wav" (24 kHz), "mp3"
+    /// (24 kHz), "opus" (Ogg Opus 48 kHz). Anything else (flac, aac, …) is
+    /// an error naming the supported ones.
     pub fn from_name(name: &str) -> Result<Self, String> {
         match name {
             "pcm16" | "pcm" => Ok(Self::Pcm16 {
@@ -41,6 +44,9 @@ impl OutputFormat {
                 rate: OPENAI_PCM_RATE,
             }),
             "opus" => Ok(Self::OggOpus),
+            "mp3" => Ok(Self::Mp3 {
+                rate: OPENAI_PCM_RATE,
+            }),
             other => Err(format!(
                 "unsupported audio format {other:?}; supported: {SUPPORTED_NAMES}"
             )),
@@ -52,13 +58,14 @@ impl OutputFormat {
             Self::Pcm16 { .. } => "audio/pcm",
             Self::Wav { .. } => "audio/wav",
             Self::OggOpus => "audio/ogg",
+            Self::Mp3 { .. } => "audio/mpeg",
         }
     }
 
     /// The sample rate of the bytes this format produces.
     pub fn rate(&self) -> u32 {
         match *self {
-            Self::Pcm16 { rate } | Self::Wav { rate } => rate,
+            Self::Pcm16 { rate } | Self::Wav { rate } | Self::Mp3 { rate } => rate,
             Self::OggOpus => omnistream_codecs::ogg_opus::OPUS_RATE,
         }
     }
@@ -77,6 +84,10 @@ enum Inner {
         header: Option<[u8; 44]>,
     },
     Opus(Box<OggOpusEncoder>),
+    Mp3 {
+        resampler: Box<StreamResampler>,
+        enc: Box<Mp3Encoder>,
+    },
 }
 
 impl AudioEncoder {
@@ -91,6 +102,10 @@ impl AudioEncoder {
                 header: Some(streaming_header(rate)),
             },
             OutputFormat::OggOpus => Inner::Opus(Box::new(OggOpusEncoder::new(input_rate, None)?)),
+            OutputFormat::Mp3 { rate } => Inner::Mp3 {
+                resampler: Box::new(StreamResampler::new(input_rate, rate)?),
+                enc: Box::new(Mp3Encoder::new(rate)?),
+            },
         };
         Ok(Self { inner })
     }
@@ -103,6 +118,7 @@ impl AudioEncoder {
                 Ok(with_header(header, f32_to_pcm16_le(&pcm)))
             }
             Inner::Opus(enc) => enc.push(samples),
+            Inner::Mp3 { resampler, enc } => enc.push(&resampler.process(samples)?),
         }
     }
 
@@ -114,6 +130,11 @@ impl AudioEncoder {
                 Ok(with_header(header, f32_to_pcm16_le(&pcm)))
             }
             Inner::Opus(enc) => enc.finish(),
+            Inner::Mp3 { resampler, enc } => {
+                let mut out = enc.push(&resampler.flush()?)?;
+                out.extend(enc.finish()?);
+                Ok(out)
+            }
         }
     }
 
@@ -130,7 +151,7 @@ impl AudioEncoder {
                 pcm.extend(r.flush()?);
                 wav_bytes(&pcm, rate)
             }
-            OutputFormat::Pcm16 { .. } | OutputFormat::OggOpus => {
+            OutputFormat::Pcm16 { .. } | OutputFormat::OggOpus | OutputFormat::Mp3 { .. } => {
                 let mut enc = Self::new(format, input_rate)?;
                 let mut out = enc.push(samples)?;
                 out.extend(enc.finish()?);
@@ -188,6 +209,30 @@ mod tests {
     }
 
     #[test]
+    fn mp3_streams_frames_as_the_audio_comes() {
+        let f = OutputFormat::from_name("mp3").unwrap();
+        assert_eq!(f, OutputFormat::Mp3 { rate: 24_000 });
+        assert_eq!(f.content_type(), "audio/mpeg");
+        let x = sine(22_050);
+        let mut e = AudioEncoder::new(f, PIPELINE_RATE).unwrap();
+        let mut streamed = Vec::new();
+        let mut early = 0;
+        for c in x.chunks(2_205) {
+            let b = e.push(c).unwrap();
+            early += usize::from(!b.is_empty());
+            streamed.extend(b);
+        }
+        streamed.extend(e.finish().unwrap());
+        assert!(early >= 5, "{early} of 10 chunks gave frames");
+        assert_eq!(streamed[0], 0xFF, "frame sync");
+        let whole = AudioEncoder::encode_all(f, &x, PIPELINE_RATE).unwrap();
+        // One second at 64 kbit/s, however it was fed.
+        for n in [streamed.len(), whole.len()] {
+            assert!((7_000..=10_000).contains(&n), "{n} bytes");
+        }
+    }
+
+    #[test]
     fn names_and_content_types() {
         assert_eq!(
             OutputFormat::from_name("pcm16"),
@@ -202,7 +247,7 @@ mod tests {
             Ok(OutputFormat::Wav { rate: 24_000 })
         );
         assert_eq!(OutputFormat::from_name("opus"), Ok(OutputFormat::OggOpus));
-        for bad in ["mp3", "flac", "aac", "", "PCM16"] {
+        for bad in ["flac", "aac", "", "PCM16"] {
             let e = OutputFormat::from_name(bad).unwrap_err();
             assert!(
                 e.contains("pcm16") && e.contains("wav") && e.contains("opus"),

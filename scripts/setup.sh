@@ -13,6 +13,7 @@ need_apt=()
 command -v espeak-ng >/dev/null || need_apt+=(espeak-ng)      # phonemes for the Piper voice (run as a separate process)
 command -v protoc >/dev/null || need_apt+=(protobuf-compiler) # candle-onnx compiles the ONNX schema
 command -v pkg-config >/dev/null || need_apt+=(pkg-config)
+command -v make >/dev/null || need_apt+=(make)                # MP3 out: mp3lame-sys builds LAME with its configure and make
 python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
 pkg-config --exists opus 2>/dev/null || need_apt+=(libopus-dev) # Opus output (the opus crate links the system libopus)
 [[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]] || need_apt+=(fonts-dejavu-core) # text in `omnistream bench` plots

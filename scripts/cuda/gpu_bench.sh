@@ -194,10 +194,14 @@ fi
 if has serve; then
   step serve
   PORT=8093
-  cuda-bin/omnistream serve --profile deploy/qwen3-omni-h200.yaml --port $PORT > "$OUT/serve.log" 2>&1 &
+  cuda-bin/omnistream serve --profile "${SERVE_PROFILE:-deploy/qwen3-omni-h200.yaml}" --port $PORT > "$OUT/serve.log" 2>&1 &
   SERVER=$!
   # It prints this line once loaded, warmed up and listening.
-  for _ in $(seq 1 300); do grep -q "omnistream listening" "$OUT/serve.log" && break; sleep 1; done
+  for _ in $(seq 1 300); do
+    grep -q "omnistream listening" "$OUT/serve.log" && break
+    kill -0 "$SERVER" 2>/dev/null || break
+    sleep 1
+  done
   grep -E "listening|rror" "$OUT/serve.log" | tail -3
   # One bench against the running server: NAME, then its arguments.
   sb() {

@@ -355,9 +355,14 @@ impl Client {
                     break;
                 }
                 let next = start + Duration::from_secs_f64(MIC_CHUNK_S * (k + 1) as f64);
-                tokio::select! {
-                    _ = tokio::time::sleep_until(next) => {}
-                    _ = heard_rx.changed() => {}
+                if from + chunk < speech.len() {
+                    // Speech keeps its pace whatever the server says meanwhile.
+                    tokio::time::sleep_until(next).await;
+                } else {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(next) => {}
+                        _ = heard_rx.changed() => {}
+                    }
                 }
             }
             tx
@@ -385,8 +390,19 @@ impl Client {
             let at =
                 |t: Instant| ended.map_or(0.0, |e| t.saturating_duration_since(e).as_secs_f64());
             if text.contains("\"input_audio_buffer.committed\"") {
-                let _ = heard_tx.send(true);
-                tl.turn_end = Some(at(now));
+                // A turn the server ended at a pause inside the question is
+                // not the end of speech: only one after it is.
+                if ended.is_some() && tl.turn_end.is_none() {
+                    let _ = heard_tx.send(true);
+                    tl.turn_end = Some(at(now));
+                }
+                continue;
+            }
+            // An answer to a part of the question, cut when the speaker went
+            // on (barge-in), is the conversation working, not a failure:
+            // measure the answer to the whole question.
+            if tl.turn_end.is_none() && text.contains("\"response.done\"") {
+                tl = Timeline::default();
                 continue;
             }
             match realtime_event(&mut tl, &text, at(now)) {

@@ -339,28 +339,36 @@ def test_speech_sse_events(client):
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
 
+def short_spoken_answer(client, voice: str, fmt: str) -> bytes:
+    """A chat answer of a few tokens, spoken: its audio bytes."""
+    completion = client.chat.completions.create(
+        model="omnistream",
+        messages=chat_messages("Say hi."),
+        modalities=["text", "audio"],
+        audio={"voice": voice, "format": fmt},
+        max_tokens=8,
+    )
+    return base64.b64decode(completion.choices[0].message.audio.data)
+
+
+def assert_mp3_frames(data: bytes) -> None:
+    """MPEG audio frames from the first byte (the frame sync word)."""
+    assert data[0] == 0xFF and data[1] & 0xE0 == 0xE0, data[:4]
+
+
 def test_speech_mp3_is_the_default_and_heard(client, whisper, tmp_path):
     """OpenAI's default speech format: MP3 (audio/mpeg), streamed, and what
     a decoder (PyAV, under faster-whisper) hears is the sentence."""
     r = client.audio.speech.create(model="tts-1", voice="alloy", input=SENTENCE)
     assert r.response.headers["content-type"] == "audio/mpeg"
     mp3 = r.content
-    # MPEG audio frames from the first byte (sync word), about 64 kbit/s.
-    assert mp3[0] == 0xFF and mp3[1] & 0xE0 == 0xE0, mp3[:4]
-    assert 4_000 < len(mp3) < 64_000, len(mp3)
+    assert_mp3_frames(mp3)
+    assert 4_000 < len(mp3) < 64_000, len(mp3)  # about 64 kbit/s
     path = tmp_path / "speech.mp3"
     path.write_bytes(mp3)
     assert_intelligible(whisper, path, SENTENCE)
     # The chat answer's audio as MP3 too.
-    completion = client.chat.completions.create(
-        model="omnistream",
-        messages=chat_messages("Say hi."),
-        modalities=["text", "audio"],
-        audio={"voice": "joe", "format": "mp3"},
-        max_tokens=8,
-    )
-    data = base64.b64decode(completion.choices[0].message.audio.data)
-    assert data[0] == 0xFF and data[1] & 0xE0 == 0xE0, data[:4]
+    assert_mp3_frames(short_spoken_answer(client, "joe", "mp3"))
 
 
 def test_openai_voice_names_speak_in_the_pipeline_voice(client):
@@ -375,14 +383,7 @@ def test_openai_voice_names_speak_in_the_pipeline_voice(client):
     assert len(joe) > RATE  # over half a second of pcm16
     for voice in ["alloy", "shimmer", "Cedar"]:
         assert speak(voice) == joe, voice
-    completion = client.chat.completions.create(
-        model="omnistream",
-        messages=chat_messages("Say hi."),
-        modalities=["text", "audio"],
-        audio={"voice": "coral", "format": "wav"},
-        max_tokens=8,
-    )
-    assert completion.choices[0].message.audio.data
+    assert short_spoken_answer(client, "coral", "wav")[:4] == b"RIFF"
 
 
 # ---------------------------------------------------------------- errors

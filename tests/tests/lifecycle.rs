@@ -295,6 +295,16 @@ fn sse_start(port: u16, max_tokens: u32) -> (TcpStream, Vec<u8>) {
 
 /// A WebRTC call (tests/python/webrtc_peer.py) that has asked its question;
 /// its JSON report once the server hangs up.
+/// The codes of the `error` events a WebRTC call's report lists.
+fn error_codes(report: &Value) -> Vec<&str> {
+    report["errors"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e["code"].as_str())
+        .collect()
+}
+
 fn webrtc_call(server: &Server, max_tokens: u32) -> std::thread::JoinHandle<Value> {
     let out = tempfile::tempdir().unwrap();
     let mut child = Command::new("python3")
@@ -461,12 +471,7 @@ async fn sigterm_lets_live_answers_finish_and_says_goodbye() {
         report["answer_seconds"].as_f64().unwrap_or(0.0) > 0.5,
         "{report}"
     );
-    let errs: Vec<&str> = report["errors"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|e| e["code"].as_str())
-        .collect();
+    let errs = error_codes(&report);
     assert_eq!(errs, ["server_shutting_down"], "{report}");
     assert_eq!(report["hung_up_by_server"], true, "{report}");
 
@@ -539,12 +544,7 @@ async fn sigint_past_the_drain_deadline_cuts_answers_cleanly() {
     assert_eq!(data.last().copied(), Some("[DONE]"), "{body}");
     // The call: told on its data channel, then hung up by the server.
     let report = call.join().unwrap();
-    let errs: Vec<&str> = report["errors"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|e| e["code"].as_str())
-        .collect();
+    let errs = error_codes(&report);
     assert!(
         !errs.is_empty() && errs.iter().all(|c| *c == "server_shutting_down"),
         "{report}"

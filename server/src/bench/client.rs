@@ -368,7 +368,7 @@ impl Client {
             tx
         });
         let mut ended: Option<Instant> = None;
-        let mut ended_rx = Some(ended_rx);
+        let mut ended_rx = ended_rx;
         let mut tl = Timeline::default();
         let result = loop {
             let Some(msg) = rx.next().await else {
@@ -382,9 +382,7 @@ impl Client {
                 continue;
             };
             if ended.is_none() {
-                if let Some(t) = ended_rx.as_mut().and_then(|r| r.try_recv().ok()) {
-                    ended = Some(t);
-                }
+                ended = ended_rx.try_recv().ok();
             }
             let now = Instant::now();
             let at =

@@ -222,6 +222,8 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         }
         return Ok(());
     }
+    // Every run asks the same: the spoken questions are read once.
+    let shape = args.shape()?;
     let rt = tokio::runtime::Runtime::new().context("starting tokio")?;
     let started_unix = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -259,7 +261,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         };
         let label = profile.map_or_else(|| url.clone(), |p| profile_label(p));
         let client = Client::new(&url, args.api_key.clone())?;
-        let run = rt.block_on(sweep(&args, &client, &loads, &label, &bar));
+        let run = rt.block_on(sweep(&args, &shape, &client, &loads, &label, &bar));
         drop(server);
         let mut run = run?;
         run.profile = profile.map(|p| p.display().to_string());
@@ -268,53 +270,26 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     bar.finish_and_clear();
 
-    let shape = args.shape()?;
+    let mut devices = Vec::new();
+    for d in runs.iter().flat_map(|r| &r.devices) {
+        push_unique(&mut devices, d);
+    }
     let report = Report {
         schema: report::SCHEMA.into(),
         omnistream_version: env!("CARGO_PKG_VERSION").into(),
         started_unix,
-        machine: {
-            let mut devices: Vec<&String> = Vec::new();
-            for d in runs.iter().flat_map(|r| &r.devices) {
-                if !devices.contains(&d) {
-                    devices.push(d);
-                }
-            }
-            match devices.is_empty() {
-                true => machine(),
-                false => format!(
-                    "{}; the server's stages on {}",
-                    machine(),
-                    devices
-                        .iter()
-                        .map(|d| d.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            }
+        machine: match devices.is_empty() {
+            true => machine(),
+            false => format!(
+                "{}; the server's stages on {}",
+                machine(),
+                devices.join(", ")
+            ),
         },
         command: std::env::args().collect::<Vec<_>>().join(" "),
         request: serde_json::to_value(&shape)?,
         dataset: Dataset {
-            source: match (&args.spoken_input, &args.prompts) {
-                (Some(q), _) => {
-                    let secs: Vec<f64> = shape
-                        .questions
-                        .iter()
-                        .flat_map(|v| v.iter().map(|q| q.seconds))
-                        .collect();
-                    let (lo, hi) = secs
-                        .iter()
-                        .fold((f64::MAX, 0.0f64), |(l, h), &x| (l.min(x), h.max(x)));
-                    format!(
-                        "spoken questions in {} ({} files, {lo:.1}-{hi:.1} s of speech)",
-                        q.display(),
-                        secs.len()
-                    )
-                }
-                (None, Some(p)) => p.display().to_string(),
-                (None, None) => "random".into(),
-            },
+            source: dataset_source(&args, &shape),
             input_len: (args.prompts.is_none() && args.spoken_input.is_none())
                 .then_some(args.input_len),
             num_prompts: args.num_prompts,
@@ -407,6 +382,7 @@ fn load_report(path: &Path) -> Result<Report> {
 /// Every load level against one server.
 async fn sweep(
     args: &BenchArgs,
+    shape: &RequestShape,
     client: &Client,
     loads: &[Load],
     label: &str,
@@ -419,7 +395,6 @@ async fn sweep(
         )
     })?;
     let devices = server_devices(&health);
-    let shape = args.shape()?;
     // Warm-up: its own prompts, so that no measured prompt is already cached.
     bar.set_message(format!("{label}: warm-up"));
     let warm = dataset::prompts(
@@ -430,7 +405,7 @@ async fn sweep(
     )?;
     for (i, p) in warm.iter().enumerate() {
         client
-            .run(&shape, p, args.seed.wrapping_add(i as u64))
+            .run(shape, p, args.seed.wrapping_add(i as u64))
             .await
             .map_err(|e| anyhow::anyhow!("warm-up request failed: {e}"))?;
         bar.inc(1);
@@ -446,7 +421,7 @@ async fn sweep(
             args.input_len,
             args.seed.wrapping_add(k as u64 + 1),
         )?;
-        let level = run_level(args, client, &shape, *load, &prompts, bar).await;
+        let level = run_level(args, client, shape, *load, &prompts, bar).await;
         if bar.is_hidden() {
             // No terminal for the bar: one line per level for the log.
             eprintln!(
@@ -471,15 +446,38 @@ async fn sweep(
 /// The devices a server's `/health` names, each once, in order.
 fn server_devices(health: &str) -> Vec<String> {
     let v: serde_json::Value = serde_json::from_str(health).unwrap_or_default();
-    let mut out: Vec<String> = Vec::new();
+    let mut out = Vec::new();
     for d in v["devices"].as_array().into_iter().flatten() {
         if let Some(name) = d["device"].as_str() {
-            if !out.iter().any(|o| o == name) {
-                out.push(name.to_string());
-            }
+            push_unique(&mut out, name);
         }
     }
     out
+}
+
+fn push_unique(out: &mut Vec<String>, s: &str) {
+    if !out.iter().any(|o| o == s) {
+        out.push(s.to_string());
+    }
+}
+
+/// The report's dataset: random words, a prompts file, or spoken questions
+/// with their lengths.
+fn dataset_source(args: &BenchArgs, shape: &RequestShape) -> String {
+    match (&args.spoken_input, &args.prompts, &shape.questions) {
+        (Some(dir), _, Some(q)) => {
+            let (lo, hi) = q.iter().fold((f64::MAX, 0.0f64), |(l, h), q| {
+                (l.min(q.seconds), h.max(q.seconds))
+            });
+            format!(
+                "spoken questions in {} ({} files, {lo:.1}-{hi:.1} s of speech)",
+                dir.display(),
+                q.len()
+            )
+        }
+        (_, Some(p), _) => p.display().to_string(),
+        _ => "random".into(),
+    }
 }
 
 async fn scrape(client: &Client) -> Vec<(String, StageCounters)> {

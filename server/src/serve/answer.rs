@@ -103,10 +103,11 @@ impl Meter {
         self.outcome.get_or_insert(outcome);
     }
 
-    /// Counts a request refused before it reached the pipeline (or cut by
-    /// `error` after), by the error's outcome.
-    pub fn refused(mut self, error: &ClientError) {
+    /// Counts a request refused before it reached the pipeline by the
+    /// error's outcome; hands the error back.
+    pub fn refuse(mut self, error: ClientError) -> ClientError {
         self.finish_if_open(error.outcome());
+        error
     }
 }
 
@@ -197,10 +198,7 @@ impl Answer {
     ) -> Result<Self, ClientError> {
         let (handle, in_flight) = match submit(state, spec).await {
             Ok(h) => h,
-            Err(e) => {
-                meter.refused(&e);
-                return Err(e);
-            }
+            Err(e) => return Err(meter.refuse(e)),
         };
         Ok(Self {
             handle: Some(handle),

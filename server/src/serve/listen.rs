@@ -26,14 +26,11 @@ pub async fn transcribe(
     audio: Vec<f32>,
 ) -> Result<String, ClientError> {
     let mut meter = Meter::new(&state.metrics, endpoint);
-    meter.streaming = false;
     if !can_hear(state) {
-        let e = ClientError::invalid(
+        return Err(meter.refuse(ClientError::invalid(
             "transcription_unavailable",
             "this server's pipeline has no speech recognition stage (see deploy/ for profiles with a listener)",
-        );
-        meter.refused(&e);
-        return Err(e);
+        )));
     }
     let spec = RequestSpec {
         input: RequestInput::Transcribe {
@@ -45,10 +42,7 @@ pub async fn transcribe(
     };
     let (handle, _in_flight) = match submit(state, spec).await {
         Ok(h) => h,
-        Err(e) => {
-            meter.refused(&e);
-            return Err(e);
-        }
+        Err(e) => return Err(meter.refuse(e)),
     };
     let started = std::time::Instant::now();
     let mut text = String::new();

@@ -31,10 +31,9 @@ use serde_json::Value;
 use omnistream_stages::engine::{
     ChatMessage, Modalities, RequestInput, RequestSpec, Role, SamplingOverrides,
 };
-use omnistream_stages::models::CONTEXT_LENGTH_EXCEEDED;
 
 use super::audio::{to_listener_rate, OutputFormat};
-use super::error::{failure_code, ClientError};
+use super::error::ClientError;
 use history::History;
 use playback::Playback;
 pub use turns::{Speech, TurnSettings};
@@ -163,9 +162,9 @@ impl End {
             Self::Completed(_) => "ok",
             Self::Cancelled => "cancelled",
             Self::SlowClient => "slow_client",
-            // The prompt did not fit: the client's request, not a fault.
-            Self::Failed(m) if failure_code(m) == CONTEXT_LENGTH_EXCEEDED => "bad_request",
-            Self::Failed(_) => "error",
+            // By the error's own rule (a prompt over the context is the
+            // client's request, a lost stage replica a 503), as everywhere.
+            Self::Failed(m) => ClientError::failed(m.clone()).outcome(),
         }
     }
 }

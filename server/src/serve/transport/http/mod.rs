@@ -31,7 +31,7 @@ use serde_json::Value;
 use crate::serve::answer::{Answer, Meter, Step};
 use crate::serve::audio::OutputFormat;
 use crate::serve::conversation::End;
-use crate::serve::error::{ApiError, ClientError};
+use crate::serve::error::ApiError;
 use crate::serve::metrics::TaskGuard;
 use crate::serve::state::AppState;
 use omnistream_stages::engine::RequestSpec;
@@ -98,13 +98,8 @@ async fn start(
     loop {
         match answer.next().await {
             Step::Text(_) if skip_text => continue,
-            Step::End(End::Failed(m)) => return Err(ApiError::failed(m)),
-            Step::End(End::Cancelled | End::SlowClient) => {
-                return Err(ClientError::server(
-                    "generation_failed",
-                    "the pipeline ended the request without a result",
-                )
-                .to_api())
+            Step::End(end @ (End::Failed(_) | End::Cancelled | End::SlowClient)) => {
+                return Err(ApiError::failed(cut(&end)))
             }
             step => return Ok((answer, step)),
         }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use omnistream_codecs::wav::write_wav;
-use omnistream_stages::engine::{ChatMessage, Role};
+use omnistream_stages::engine::ChatMessage;
 use omnistream_stages::engine::{
     Event, Modalities, Pipeline, RequestInput, RequestSpec, SamplingOverrides,
 };
@@ -123,6 +123,8 @@ pub fn run_request(
                 out.sample_rate = sample_rate;
                 out.samples.extend(samples);
             }
+            // `run` offers no tools.
+            Event::ToolCall(_) => {}
             Event::Done {
                 completion_tokens, ..
             } => {
@@ -146,20 +148,19 @@ pub fn speech_spec(text: &str, voice: Option<String>, speed: Option<f32>) -> Req
             ..Default::default()
         },
         voice,
+        tools: None,
     }
 }
 
 pub fn chat_spec(prompt: &str, modalities: Modalities, sampling: SamplingOverrides) -> RequestSpec {
     RequestSpec {
         input: RequestInput::Chat {
-            messages: vec![ChatMessage {
-                role: Role::User,
-                content: prompt.to_string(),
-            }],
+            messages: vec![ChatMessage::user(prompt)],
         },
         modalities,
         sampling,
         voice: None,
+        tools: None,
     }
 }
 

@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
+use omnistream_stages::engine::ChatMessage;
 use omnistream_stages::engine::{
     CancelReason, Event, FrameChunk, Modalities, Payload, Pipeline, RequestCtx, RequestId,
     RequestInput, RequestSpec, SamplingOverrides, StageDef, StageModel, StagePlacement, StageRole,
     StepOutput, TextChunk,
 };
-use omnistream_stages::engine::{ChatMessage, Role};
 use omnistream_stages::models::{ModelError, Result};
 
 /// Thinker: answers with the words of the last message, one per step.
@@ -208,14 +208,12 @@ fn pipeline(max_seqs: usize) -> Pipeline {
 fn chat(text: &str, modalities: Modalities) -> RequestSpec {
     RequestSpec {
         input: RequestInput::Chat {
-            messages: vec![ChatMessage {
-                role: Role::User,
-                content: text.into(),
-            }],
+            messages: vec![ChatMessage::user(text)],
         },
         modalities,
         sampling: SamplingOverrides::default(),
         voice: None,
+        tools: None,
     }
 }
 
@@ -229,6 +227,7 @@ fn collect(h: &omnistream_stages::engine::RequestHandle) -> (String, usize, Opti
             Ok(Event::Audio { samples: s, .. }) => samples += s.len(),
             Ok(Event::Done { .. }) => return (text, samples, None),
             Ok(Event::Error(e)) => return (text, samples, Some(e)),
+            Ok(Event::ToolCall(c)) => panic!("no tools were offered: {c:?}"),
             Err(e) => panic!("no event for 10 s: {e}"),
         }
     }

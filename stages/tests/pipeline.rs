@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use omnistream_stages::engine::{ChatMessage, Role};
+use omnistream_stages::engine::{ChatMessage, ToolCall, ToolChoice, Tools};
 use omnistream_stages::engine::{
     Event, Modalities, Pipeline, RequestHandle, RequestInput, RequestSpec, SamplingOverrides,
     StageDef, StageRole,
@@ -54,6 +54,7 @@ struct Got {
     order: String,
     error: Option<String>,
     cached_tokens: usize,
+    calls: Vec<ToolCall>,
 }
 
 fn collect(h: &RequestHandle) -> Got {
@@ -67,6 +68,10 @@ fn collect(h: &RequestHandle) -> Got {
             Ok(Event::Audio { samples, .. }) => {
                 g.audio.extend(samples);
                 g.order.push('a');
+            }
+            Ok(Event::ToolCall(c)) => {
+                g.calls.push(c);
+                g.order.push('c');
             }
             Ok(Event::Done { cached_tokens, .. }) => {
                 g.cached_tokens = cached_tokens;
@@ -84,10 +89,7 @@ fn collect(h: &RequestHandle) -> Got {
 fn chat(prompt: &str, max_tokens: usize) -> RequestSpec {
     RequestSpec {
         input: RequestInput::Chat {
-            messages: vec![ChatMessage {
-                role: Role::User,
-                content: prompt.into(),
-            }],
+            messages: vec![ChatMessage::user(prompt)],
         },
         modalities: Modalities::TEXT_AUDIO,
         sampling: SamplingOverrides {
@@ -95,6 +97,7 @@ fn chat(prompt: &str, max_tokens: usize) -> RequestSpec {
             ..Default::default()
         },
         voice: None,
+        tools: None,
     }
 }
 
@@ -107,6 +110,7 @@ fn speech(text: &str) -> RequestSpec {
             ..Default::default()
         },
         voice: None,
+        tools: None,
     }
 }
 
@@ -252,6 +256,31 @@ fn chat_answers_in_text_and_speech() {
     );
     let peak = g.audio.iter().fold(0.0f32, |m, x| m.max(x.abs()));
     assert!(peak > 0.05 && peak <= 1.0, "peak {peak}");
+    wait_idle(&p);
+}
+
+#[test]
+fn a_tool_call_reaches_the_client_and_is_never_spoken() {
+    let p = build_pipeline(&profile()).unwrap();
+    let tools = Arc::new(Tools {
+        functions: vec![serde_json::json!({"type": "function", "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }})],
+        choice: ToolChoice::Function("get_weather".into()),
+    });
+    let mut spec = chat("What is the weather in Paris?", 60);
+    spec.sampling.temperature = Some(0.0);
+    spec.tools = Some(tools);
+    let g = collect(&p.submit(spec).unwrap());
+    assert_eq!(g.error, None);
+    assert_eq!(g.calls.len(), 1, "{:?}", g.order);
+    assert_eq!(g.calls[0].function.name, "get_weather");
+    let args: serde_json::Value = serde_json::from_str(&g.calls[0].function.arguments).unwrap();
+    assert!(args.is_object(), "{args}");
+    // The answer was the call: no words, and nothing for the voice to say.
+    assert_eq!((g.text.as_str(), g.audio.len()), ("", 0), "{:?}", g.order);
     wait_idle(&p);
 }
 

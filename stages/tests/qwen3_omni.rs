@@ -125,6 +125,7 @@ fn submit(p: &Pipeline, c: &Case, modalities: Modalities) -> RequestHandle {
         modalities,
         sampling: SamplingOverrides::default(),
         voice: Some(c.speaker.clone()),
+        tools: None,
     })
     .unwrap()
 }
@@ -157,6 +158,7 @@ fn collect(h: &RequestHandle) -> Got {
                 break;
             }
             Event::Error(e) => panic!("request failed: {e}"),
+            Event::ToolCall(c) => panic!("no tools were offered: {c:?}"),
         }
     }
     g
@@ -246,6 +248,7 @@ fn modalities_voices_and_bad_requests() {
             modalities: Modalities::TEXT_AUDIO,
             sampling: SamplingOverrides::default(),
             voice: None,
+            tools: None,
         })
         .err()
         .unwrap();
@@ -260,6 +263,7 @@ fn modalities_voices_and_bad_requests() {
             modalities: Modalities::TEXT_AUDIO,
             sampling: SamplingOverrides::default(),
             voice: None,
+            tools: None,
         })
         .unwrap();
     let err = loop {
@@ -283,6 +287,7 @@ fn submit_voice(p: &Pipeline, c: &Case, voice: &str) -> RequestHandle {
         modalities: Modalities::TEXT_AUDIO,
         sampling: SamplingOverrides::default(),
         voice: Some(voice.to_string()),
+        tools: None,
     })
     .unwrap()
 }
@@ -361,6 +366,7 @@ fn fixed_length_answers_speak_the_frames_asked_for() {
                     ..Default::default()
                 },
                 voice: Some(c.speaker.clone()),
+                tools: None,
             })
             .unwrap();
         let mut tokens = None;
@@ -375,7 +381,7 @@ fn fixed_length_answers_speak_the_frames_asked_for() {
                     break;
                 }
                 Event::Error(e) => panic!("request failed: {e}"),
-                Event::TextDelta(_) => {}
+                Event::TextDelta(_) | Event::ToolCall(_) => {}
             }
         }
         (tokens, audio)

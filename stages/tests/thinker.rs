@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, ensure, Context, Result};
 use candle_core::{Device, Tensor};
-use omnistream_stages::engine::{ChatMessage, Role};
+use omnistream_stages::engine::ChatMessage;
 use omnistream_stages::models::quantized_llama::{
     KvCache, QuantizedLlama, SeqStep, WeightPrecision,
 };
@@ -77,10 +77,7 @@ fn ids_of(v: &Value) -> Result<Vec<u32>> {
 }
 
 fn user(q: &str) -> Vec<ChatMessage> {
-    vec![ChatMessage {
-        role: Role::User,
-        content: q.into(),
-    }]
+    vec![ChatMessage::user(q)]
 }
 
 fn argmax(v: &[f32]) -> usize {

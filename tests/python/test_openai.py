@@ -436,6 +436,185 @@ def test_transcriptions_hear_wav_and_opus(client, tmp_path):
         assert e.value.body["message"], e.value.body
 
 
+# ---------------------------------------------------------------- tools
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "The city"}},
+            "required": ["city"],
+        },
+    },
+}
+FORCE_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+WEATHER_RESULT = '{"city": "Paris", "sky": "sunny", "temperature_c": 21}'
+
+
+def test_chat_tool_call_round_trip(client):
+    """A forced call (the default Thinker, SmolLM2-135M, rarely calls on its
+    own: docs/api.md), its result back as a `tool` message, then the answer."""
+    question = chat_messages("What is the weather in Paris?")
+    r = client.chat.completions.create(
+        model="omnistream", messages=question, tools=[WEATHER_TOOL], tool_choice=FORCE_WEATHER,
+        temperature=0, max_tokens=60,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert calls and len(calls) == 1, choice.message
+    call = calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("call_")
+    assert isinstance(json.loads(call.function.arguments), dict), call.function.arguments
+    assert choice.message.content is None, "a call is not words"
+    # Streamed: the same call as `delta.tool_calls`.
+    stream = client.chat.completions.create(
+        model="omnistream", messages=question, tools=[WEATHER_TOOL], tool_choice=FORCE_WEATHER,
+        temperature=0, max_tokens=60, stream=True,
+    )
+    streamed, finish, words = {}, None, []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        if d.content:
+            words.append(d.content)
+        for tc in d.tool_calls or []:
+            s = streamed.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            s["id"] = tc.id or s["id"]
+            s["name"] += tc.function.name or ""
+            s["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and not "".join(words).strip(), (finish, words)
+    assert list(streamed) == [0] and streamed[0]["name"] == "get_weather", streamed
+    assert streamed[0]["arguments"] == call.function.arguments, "greedy: the same call"
+    # The result goes back; the model answers in words (tools offered, its choice).
+    r2 = client.chat.completions.create(
+        model="omnistream",
+        messages=question + [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": WEATHER_RESULT},
+        ],
+        tools=[WEATHER_TOOL], tool_choice="none", temperature=0, max_tokens=40,
+    )
+    assert r2.choices[0].finish_reason in ("stop", "length")
+    assert r2.choices[0].message.content.strip() and not r2.choices[0].message.tool_calls
+    # The result reached the prompt: it is longer by the result's tokens.
+    r3 = client.chat.completions.create(
+        model="omnistream",
+        messages=question + [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": WEATHER_RESULT + " " + "Sunny. " * 20},
+        ],
+        temperature=0, max_tokens=1,
+    )
+    assert r3.usage.prompt_tokens > r2.usage.prompt_tokens + 20, (r3.usage, r2.usage)
+
+
+def test_bad_tools_are_clear_errors(client):
+    question = chat_messages("What is the weather in Paris?")
+    for kw, param in [
+        (dict(tools=[{"type": "function"}]), "tools"),
+        (dict(tools=[{"type": "retrieval", "function": {"name": "x"}}]), "tools"),
+        (dict(tools=[{"type": "function", "function": {"name": "no spaces allowed"}}]), "tools"),
+        (dict(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+        (dict(tools=[WEATHER_TOOL], tool_choice="sometimes"), "tool_choice"),
+        (dict(tool_choice="required"), "tool_choice"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="omnistream", messages=question, **kw)
+        assert e.value.body["param"] == param, (kw, e.value.body)
+    for messages in [
+        question + [{"role": "tool", "content": "sunny"}],
+        question + [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}],
+        question + [{"role": "user", "content": "x", "tool_calls": []}],
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="omnistream", messages=messages)
+        assert e.value.body["message"], e.value.body
+    # "required" makes the model call; what it writes may not be a call of
+    # these tools: then a clear server error, never spoken JSON.
+    try:
+        r = client.chat.completions.create(
+            model="omnistream", messages=question, tools=[WEATHER_TOOL], tool_choice="required",
+            temperature=0, max_tokens=40,
+        )
+        assert r.choices[0].message.tool_calls, r
+    except openai.InternalServerError as e:
+        assert e.body["code"] == "invalid_tool_call", e.body
+    # The server is healthy after all of it.
+    r = client.chat.completions.create(model="omnistream", messages=question, max_tokens=5)
+    assert r.choices[0].message.content
+
+
+def test_realtime_tool_round_trip_through_the_sdk(client):
+    """The `openai` SDK's Realtime client: a forced call (its events, never
+    spoken), the result as a `function_call_output` item, then a spoken answer."""
+    tool = {k: v for k, v in WEATHER_TOOL["function"].items()} | {"type": "function"}
+    with client.realtime.connect(model="omnistream") as conn:
+        conn.session.update(session={
+            "type": "realtime", "tools": [tool], "tool_choice": "auto",
+            "instructions": "You are a helpful assistant. Answer in one short sentence.",
+        })
+        conn.conversation.item.create(item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "What is the weather in Paris?"}],
+        })
+        conn.response.create(response={"tool_choice": {"type": "function", "name": "get_weather"}})
+        kinds, audio, done, args_done, session = [], 0, None, None, None
+        for ev in conn:
+            kinds.append(ev.type)
+            if ev.type == "session.updated":
+                session = ev.session
+            elif ev.type == "response.output_audio.delta":
+                audio += len(ev.delta)
+            elif ev.type == "response.function_call_arguments.done":
+                args_done = ev
+            elif ev.type == "error":
+                raise AssertionError(ev)
+            elif ev.type == "response.done":
+                done = ev.response
+                break
+        assert session.tools[0].name == "get_weather", session
+        assert done.status == "completed", done
+        calls = [o for o in done.output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_weather", done.output
+        call = calls[0]
+        assert args_done.call_id == call.call_id and args_done.arguments == call.arguments
+        assert isinstance(json.loads(call.arguments), dict)
+        assert kinds.index("response.output_item.added") < kinds.index("response.function_call_arguments.done")
+        assert audio == 0, "a tool call is never spoken"
+        # An output for a call that was never made is refused, naming the field.
+        conn.conversation.item.create(item={"type": "function_call_output", "call_id": "call_nope", "output": "x"})
+        ev = next(e for e in conn if e.type in ("error", "conversation.item.added"))
+        assert ev.type == "error" and ev.error.param == "item.call_id", ev
+        conn.conversation.item.create(item={
+            "type": "function_call_output", "call_id": call.call_id, "output": WEATHER_RESULT,
+        })
+        conn.response.create(response={"tool_choice": "none"})
+        transcript, audio, done, added = "", 0, None, None
+        for ev in conn:
+            if ev.type == "conversation.item.added" and ev.item.type == "function_call_output":
+                added = ev.item
+            elif ev.type == "response.output_audio_transcript.delta":
+                transcript += ev.delta
+            elif ev.type == "response.output_audio.delta":
+                audio += len(base64.b64decode(ev.delta))
+            elif ev.type == "error":
+                raise AssertionError(ev)
+            elif ev.type == "response.done":
+                done = ev.response
+                break
+        assert added is not None and added.call_id == call.call_id
+        assert done.status in ("completed", "incomplete"), done
+        assert not [o for o in done.output if o.type == "function_call"]
+        assert transcript.strip() and audio > RATE // 2, (transcript, audio)
+
+
 def test_zz_word_error_rate_over_all_clips():
     """Runs last (pytest keeps file order): the aggregate over every clip heard."""
     assert len(HEARD) >= 4, f"only {len(HEARD)} clips were checked"

@@ -6,7 +6,9 @@ use std::time::Instant;
 
 use tokio::sync::watch;
 
-use omnistream_stages::engine::{CancelReason, EngineError, Event, RequestHandle, RequestSpec};
+use omnistream_stages::engine::{
+    CancelReason, EngineError, Event, RequestHandle, RequestSpec, ToolCall,
+};
 
 use super::audio::{AudioEncoder, OutputFormat};
 use super::conversation::{End, Usage};
@@ -19,6 +21,8 @@ use super::state::AppState;
 /// What to send next.
 pub enum Step {
     Text(String),
+    /// A function call of the answer (complete; never spoken).
+    ToolCall(ToolCall),
     /// pcm16 LE at the requested rate.
     Audio(Vec<u8>),
     End(End),
@@ -343,6 +347,7 @@ impl Answer {
                     }
                     return Step::Text(t);
                 }
+                Some(Event::ToolCall(c)) => return Step::ToolCall(c),
                 Some(Event::Audio {
                     samples,
                     sample_rate,

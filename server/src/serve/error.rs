@@ -16,6 +16,8 @@ pub fn failure_code(message: &str) -> &'static str {
         shutdown::CODE
     } else if message.contains(CONTEXT_LENGTH_EXCEEDED) {
         CONTEXT_LENGTH_EXCEEDED
+    } else if message.contains(INVALID_TOOL_CALL) {
+        INVALID_TOOL_CALL
     } else {
         "generation_failed"
     }
@@ -34,6 +36,10 @@ pub fn failure_kind(code: &str) -> &'static str {
 fn failure_param(code: &str) -> Option<&'static str> {
     (code == CONTEXT_LENGTH_EXCEEDED).then_some("messages")
 }
+
+/// The model wrote a tool call that cannot be read (the server's fault: the
+/// model's, with the client's tools).
+const INVALID_TOOL_CALL: &str = omnistream_stages::engine::tools::INVALID_TOOL_CALL;
 
 /// A prompt over the Thinker's context: the client's fault (400), as OpenAI.
 const CONTEXT_LENGTH_EXCEEDED: &str = omnistream_stages::models::CONTEXT_LENGTH_EXCEEDED;
@@ -155,6 +161,10 @@ impl ApiError {
             CONTEXT_LENGTH_EXCEEDED => Self {
                 param: failure_param(CONTEXT_LENGTH_EXCEEDED),
                 ..Self::bad_request(CONTEXT_LENGTH_EXCEEDED, message)
+            },
+            INVALID_TOOL_CALL => Self {
+                code: INVALID_TOOL_CALL,
+                ..Self::internal(message)
             },
             _ => Self::internal(message),
         }

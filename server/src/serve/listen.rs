@@ -39,6 +39,7 @@ pub async fn transcribe(
         modalities: Modalities::TEXT,
         sampling: SamplingOverrides::default(),
         voice: None,
+        tools: None,
     };
     let (handle, _in_flight) = match submit(state, spec).await {
         Ok(h) => h,
@@ -51,7 +52,7 @@ pub async fn transcribe(
             Some(Event::TextDelta(t)) => text.push_str(&t),
             Some(Event::Done { .. }) => break Ok(()),
             Some(Event::Error(e)) => break Err(ClientError::server("transcription_failed", e)),
-            Some(Event::Audio { .. }) => {}
+            Some(Event::Audio { .. } | Event::ToolCall(_)) => {}
             None => {
                 break Err(ClientError::server(
                     "transcription_failed",

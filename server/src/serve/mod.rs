@@ -14,6 +14,7 @@ mod metrics;
 mod sessions;
 mod shutdown;
 mod state;
+mod tools;
 mod transport;
 mod voices;
 mod web;
@@ -81,6 +82,7 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
                     modalities: Modalities::TEXT,
                     sampling: SamplingOverrides::default(),
                     voice: None,
+                    tools: None,
                 };
                 run_request(&p, hear, |_| {}).context("warm-up transcription")?;
             }

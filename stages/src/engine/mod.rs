@@ -12,6 +12,7 @@ pub mod remote;
 mod replica;
 mod request;
 mod stage;
+pub mod tools;
 mod worker;
 
 pub use connector::{in_process, Closed, ConnectorRx, ConnectorTx, InProcessRx, InProcessTx};
@@ -26,6 +27,7 @@ pub use request::{
     RequestId, RequestInput, RequestSpec, Role, SamplingOverrides, Usage, TRANSCRIBE_RATE,
 };
 pub use stage::{StageModel, StepOutput};
+pub use tools::{ToolCall, ToolChoice, ToolParser, Tools};
 
 /// Errors of the engine.
 #[derive(Debug, thiserror::Error)]

@@ -7,6 +7,8 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use super::tools::{ToolCall, Tools};
+
 /// Who speaks a chat turn.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -14,6 +16,8 @@ pub enum Role {
     System,
     User,
     Assistant,
+    /// A tool's result (OpenAI's `tool` role).
+    Tool,
 }
 
 impl Role {
@@ -23,26 +27,32 @@ impl Role {
             Self::System => "system",
             Self::User => "user",
             Self::Assistant => "assistant",
+            Self::Tool => "tool",
         }
     }
 
-    /// `system`, `user` or `assistant`.
+    /// `system`, `user`, `assistant` or `tool`.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "system" => Some(Self::System),
             "user" => Some(Self::User),
             "assistant" => Some(Self::Assistant),
+            "tool" => Some(Self::Tool),
             _ => None,
         }
     }
 }
 
 /// One chat turn, as chat templates expect it (`message['role']`,
-/// `message['content']`).
+/// `message['content']`, `message['tool_calls']`, `message['tool_call_id']`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: Role,
     pub content: String,
+    /// The calls an assistant turn made (empty: none).
+    pub tool_calls: Vec<ToolCall>,
+    /// For a [`Role::Tool`] turn: the call it answers.
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -50,6 +60,15 @@ impl ChatMessage {
         Self {
             role,
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+    /// A tool's result for call `call_id`.
+    pub fn tool(call_id: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            tool_call_id: Some(call_id.into()),
+            ..Self::new(Role::Tool, content)
         }
     }
     pub fn system(content: impl Into<String>) -> Self {
@@ -152,6 +171,9 @@ pub struct RequestSpec {
     pub modalities: Modalities,
     pub sampling: SamplingOverrides,
     pub voice: Option<String>,
+    /// Functions the Thinker may call (`None`: none, and its answer is not
+    /// searched for calls).
+    pub tools: Option<Arc<Tools>>,
 }
 
 /// Why a request stopped early.
@@ -172,6 +194,8 @@ pub enum CancelReason {
 pub enum Event {
     /// Generated text (also the transcript of the audio that follows).
     TextDelta(String),
+    /// A complete function call of the answer (never spoken).
+    ToolCall(ToolCall),
     /// Mono f32 PCM in [-1, 1], as Code2Wav emitted it. `seq` counts chunks.
     Audio {
         samples: Vec<f32>,

@@ -22,7 +22,8 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
 use super::{ModelError, Result};
 
-use crate::engine::ChatMessage;
+use crate::engine::tools::{self, Tools};
+use crate::engine::{ChatMessage, Role};
 
 /// GGUF token types (llama.cpp `llama_token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
@@ -391,6 +392,42 @@ impl ChatTokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render(messages, None, add_generation_prompt)
+    }
+
+    /// The prompt of a request that may offer tools: rendered by the chat
+    /// template where it knows tools (Qwen3's does), else with the tools,
+    /// calls and results written into the messages the Hermes way
+    /// ([`tools::template_messages`]); then the answer's start a forced tool
+    /// choice makes.
+    pub fn chat_prompt(&self, messages: &[ChatMessage], tools: Option<&Tools>) -> Result<String> {
+        let has_tool_turns = messages
+            .iter()
+            .any(|m| m.role == Role::Tool || !m.tool_calls.is_empty());
+        if tools.is_none() && !has_tool_turns {
+            return self.render(messages, None, true);
+        }
+        let knows_tools = self
+            .chat_template
+            .as_deref()
+            .is_some_and(|t| t.contains("tools") && t.contains("tool_call"));
+        let mut prompt = if knows_tools {
+            self.render(messages, tools.map(|t| t.functions.as_slice()), true)?
+        } else {
+            self.render(&tools::template_messages(messages, tools), None, true)?
+        };
+        if let Some(prefix) = tools.and_then(Tools::forced_prefix) {
+            prompt.push_str(&prefix);
+        }
+        Ok(prompt)
+    }
+
+    fn render(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self
             .chat_template
             .as_deref()
@@ -415,6 +452,7 @@ impl ChatTokenizer {
             .map_err(|e| ModelError::Tokenizer(format!("chat template: {e}")))?;
         tmpl.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.as_deref().unwrap_or(""),
             eos_token => self.eos_token.as_deref().unwrap_or(""),

@@ -14,8 +14,10 @@ use std::sync::Arc;
 
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 
+use super::invalid_call;
+use crate::engine::tools::AnswerWords;
 use crate::engine::{
-    Event, Payload, RequestCtx, RequestId, RequestInput, StageModel, StepOutput, TextChunk,
+    Payload, RequestCtx, RequestId, RequestInput, StageModel, StepOutput, TextChunk,
 };
 use crate::models::quantized_llama::{KvCache, QuantizedLlama, SeqStep};
 use crate::models::tokenizer::{ChatTokenizer, IncrementalDecoder};
@@ -46,6 +48,8 @@ struct Seq {
     max_tokens: usize,
     ignore_eos: bool,
     detok: IncrementalDecoder,
+    /// Words and tool calls of the answer.
+    words: AnswerWords,
 }
 
 pub struct LlmThinker {
@@ -221,21 +225,22 @@ impl LlmThinker {
         seq.generated.push(token);
         seq.ctx.add_completion_tokens(1);
         if let Some(text) = seq.detok.push(&self.tokenizer, token)? {
-            if !text.is_empty() {
-                seq.ctx.emit(Event::TextDelta(text.clone()));
-                out.downstream
-                    .push((id, Payload::Text(TextChunk::text(text, vec![token], false))));
+            let (words, _) = seq.words.push(&seq.ctx, text).map_err(invalid_call)?;
+            if !words.is_empty() {
+                out.downstream.push((
+                    id,
+                    Payload::Text(TextChunk::text(words, vec![token], false)),
+                ));
             }
         }
         let ctx_full = seq.cache.len() + 1 >= self.model.config().max_seq_len;
-        Ok(seq.generated.len() >= seq.max_tokens || ctx_full)
+        Ok(seq.generated.len() >= seq.max_tokens || ctx_full || seq.words.ended())
     }
 
     fn finish(&self, id: RequestId, seq: &mut Seq, out: &mut StepOutput) -> Result<()> {
         let tail = seq.detok.flush(&self.tokenizer)?.unwrap_or_default();
-        if !tail.is_empty() {
-            seq.ctx.emit(Event::TextDelta(tail.clone()));
-        }
+        let (mut tail, _) = seq.words.push(&seq.ctx, tail).map_err(invalid_call)?;
+        tail.push_str(&seq.words.finish(&seq.ctx).map_err(invalid_call)?);
         out.downstream
             .push((id, Payload::Text(TextChunk::text(tail, Vec::new(), true))));
         out.finished.push(id);
@@ -250,7 +255,8 @@ impl StageModel for LlmThinker {
                 "the Thinker takes a conversation".into(),
             ));
         };
-        let prompt_text = self.tokenizer.apply_chat_template(messages, true)?;
+        let tools = ctx.spec.tools.as_deref();
+        let prompt_text = self.tokenizer.chat_prompt(messages, tools)?;
         let prompt = self.tokenizer.encode(&prompt_text)?;
         let max_ctx = self.model.config().max_seq_len;
         if prompt.is_empty() {
@@ -283,6 +289,7 @@ impl StageModel for LlmThinker {
             max_tokens,
             ignore_eos: ctx.spec.sampling.ignore_eos,
             detok: IncrementalDecoder::new(),
+            words: AnswerWords::new(ctx.spec.tools.as_deref()),
             ctx,
         };
         let id = seq.ctx.id;

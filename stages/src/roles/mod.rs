@@ -693,3 +693,9 @@ mod listener_tests {
         assert!(speech_filter(&p, &Device::Cpu).unwrap().is_none());
     }
 }
+
+/// A tool call the model wrote that cannot be read fails its request, with
+/// the message the server maps to `invalid_tool_call`.
+pub(crate) fn invalid_call(e: crate::engine::tools::InvalidToolCall) -> ModelError {
+    ModelError::Invalid(e.to_string())
+}

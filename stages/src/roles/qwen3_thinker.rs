@@ -14,10 +14,12 @@ use std::sync::Arc;
 
 use candle_core::{IndexOp, Tensor};
 
+use super::invalid_call;
+use crate::engine::tools::{AnswerWords, Tools};
 use crate::engine::ChatMessage;
 use crate::engine::{
-    Event, Payload, PromptStates, RequestCtx, RequestId, RequestInput, StageModel, StepOutput,
-    TextChunk, ThinkerStates,
+    Payload, PromptStates, RequestCtx, RequestId, RequestInput, StageModel, StepOutput, TextChunk,
+    ThinkerStates,
 };
 use crate::models::qwen3_omni::graphs;
 use crate::models::qwen3_omni::layers::KvSlots;
@@ -62,6 +64,11 @@ struct Seq {
     max_tokens: usize,
     ignore_eos: bool,
     detok: IncrementalDecoder,
+    /// Words and tool calls of the answer.
+    words: AnswerWords,
+    /// The last token was all words: the Talker gets its embedding (a tool
+    /// call's tokens are never spoken).
+    last_was_words: bool,
     /// The request goes on to the Talker: produce its states.
     speak: bool,
 }
@@ -150,14 +157,19 @@ impl Qwen3OmniThinker {
         })
     }
 
-    fn prompt(&self, messages: &[ChatMessage], audio: Option<&[f32]>) -> Result<Vec<u32>> {
+    fn prompt(
+        &self,
+        messages: &[ChatMessage],
+        audio: Option<&[f32]>,
+        tools: Option<&Tools>,
+    ) -> Result<Vec<u32>> {
         let Some(pcm) = audio else {
-            let text = self.tokenizer.apply_chat_template(messages, true)?;
+            let text = self.tokenizer.chat_prompt(messages, tools)?;
             return self.tokenizer.encode(&text);
         };
         let mut all = messages.to_vec();
         all.push(ChatMessage::user(AUDIO_PLACEHOLDER));
-        let text = self.tokenizer.apply_chat_template(&all, true)?;
+        let text = self.tokenizer.chat_prompt(&all, tools)?;
         let pad = self.model.config().thinker.audio_token_id;
         let n = self.model.audio_tokens(pcm.len());
         if n == 0 {
@@ -409,7 +421,13 @@ impl Qwen3OmniThinker {
             }
             Pick::Logits(l) => seq.sampler.sample(&l)?,
         };
-        let states = seq.speak.then_some(states);
+        let mut states = seq.speak.then_some(states);
+        if !seq.last_was_words {
+            // The embedding of the token before this one, a call's.
+            if let Some(s) = &mut states {
+                s.embeds = None;
+            }
+        }
         let eos = self.tokenizer.is_eos(token) && !seq.ignore_eos;
         let at_limit = seq.generated.len() + 1 >= seq.max_tokens;
         let ctx_full = seq.prompt.len() + seq.generated.len() + 1 >= self.max_len;
@@ -427,15 +445,22 @@ impl Qwen3OmniThinker {
                 text.push_str(&t);
             }
         }
-        if !text.is_empty() {
-            seq.ctx.emit(Event::TextDelta(text.clone()));
+        let (mut text, all_words) = seq.words.push(&seq.ctx, text).map_err(invalid_call)?;
+        let finished = finished || seq.words.ended();
+        if finished {
+            text.push_str(&seq.words.finish(&seq.ctx).map_err(invalid_call)?);
         }
+        seq.last_was_words = all_words;
         // (The worker drops it for text-only requests, whose route ends here.)
         out.downstream.push((
             id,
             Payload::Text(TextChunk {
                 text,
-                token_ids: if eos { Vec::new() } else { vec![token] },
+                token_ids: if eos || !all_words {
+                    Vec::new()
+                } else {
+                    vec![token]
+                },
                 finished,
                 states,
             }),
@@ -517,7 +542,7 @@ impl StageModel for Qwen3OmniThinker {
                 ))
             }
         };
-        let prompt = self.prompt(messages, audio.as_deref())?;
+        let prompt = self.prompt(messages, audio.as_deref(), ctx.spec.tools.as_deref())?;
         if prompt.is_empty() {
             return Err(ModelError::Invalid("empty prompt".into()));
         }
@@ -545,6 +570,8 @@ impl StageModel for Qwen3OmniThinker {
             max_tokens,
             ignore_eos: o.ignore_eos,
             detok: IncrementalDecoder::new(),
+            words: AnswerWords::new(ctx.spec.tools.as_deref()),
+            last_was_words: true,
             ctx,
         };
         self.waiting.push_back(seq.ctx.id);

@@ -27,6 +27,13 @@ impl History {
         &self.0
     }
 
+    /// Whether a function call `id` was made (its result may be added).
+    pub fn has_call(&self, id: &str) -> bool {
+        self.0
+            .iter()
+            .any(|m| m.tool_calls.iter().any(|c| c.id == id))
+    }
+
     /// The last message, if it is the assistant's (an answer to cut back).
     pub fn last_assistant_mut(&mut self) -> Option<&mut ChatMessage> {
         self.0.last_mut().filter(|m| m.role == Role::Assistant)

@@ -29,11 +29,12 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use omnistream_stages::engine::{
-    ChatMessage, Modalities, RequestInput, RequestSpec, Role, SamplingOverrides,
+    ChatMessage, Modalities, RequestInput, RequestSpec, Role, SamplingOverrides, ToolCall,
 };
 
 use super::audio::{to_listener_rate, OutputFormat};
 use super::error::ClientError;
+use super::tools::Offer;
 use history::History;
 use playback::Playback;
 pub use turns::{Speech, TurnSettings};
@@ -88,6 +89,8 @@ pub struct Settings {
     /// Input comes from a live microphone (a media track): the buffer keeps
     /// the newest audio and is never full.
     pub mic: bool,
+    /// The functions the model may call, and how.
+    pub tools: Arc<Offer>,
 }
 
 impl Settings {
@@ -102,6 +105,7 @@ impl Settings {
             turns: None,
             buffer_with_vad: true,
             mic: false,
+            tools: Arc::new(Offer::auto()),
         }
     }
 
@@ -128,6 +132,8 @@ pub struct Respond {
     /// The error for an answer asked while one is running (its code is the
     /// transport's protocol's).
     pub busy: fn(&str) -> ClientError,
+    /// Tools for this answer instead of the session's.
+    pub tools: Option<Arc<Offer>>,
 }
 
 impl Respond {
@@ -142,6 +148,7 @@ impl Respond {
             record: true,
             user_text: None,
             busy,
+            tools: None,
         }
     }
 }
@@ -190,6 +197,17 @@ pub enum Input {
         text: String,
         content: Value,
     },
+    /// The result of a function call the model made, from the client.
+    AddToolOutput {
+        item_id: Option<String>,
+        call_id: String,
+        output: String,
+    },
+    /// A function call added by the client (as if the model had made it).
+    AddToolCall {
+        item_id: Option<String>,
+        call: ToolCall,
+    },
     /// The client asks for an answer.
     Respond(Respond),
     /// The client cancels the running answer (`None`: whichever runs).
@@ -220,6 +238,8 @@ pub enum Input {
     },
     /// The answer's words so far grew by `delta`.
     AnswerText { response_id: String, delta: String },
+    /// The answer calls a function.
+    AnswerToolCall { response_id: String, call: ToolCall },
     /// Answer audio in the client's format, `until_s` seconds in all.
     AnswerAudio {
         response_id: String,
@@ -271,6 +291,12 @@ pub enum Output {
         previous: Option<String>,
         seconds: f64,
     },
+    /// A function call or its output was added by the client.
+    ToolItemAdded {
+        item_id: String,
+        previous: Option<String>,
+        item: ToolItem,
+    },
     /// A message item was added (echo of the client's item).
     ItemAdded {
         item_id: String,
@@ -292,6 +318,13 @@ pub enum Output {
         answer: Arc<AnswerInfo>,
         bytes: Vec<u8>,
     },
+    /// The answer called a function: its own item, `index` among the calls.
+    AnswerToolCall {
+        answer: Arc<AnswerInfo>,
+        item_id: String,
+        index: usize,
+        call: ToolCall,
+    },
     AnswerDone {
         answer: Arc<AnswerInfo>,
         end: End,
@@ -300,6 +333,8 @@ pub enum Output {
         audio_seconds: f64,
         /// Characters the answer had before any cut (for the speaking rate).
         generated_chars: usize,
+        /// The functions it called, each with its item id.
+        calls: Vec<(String, ToolCall)>,
     },
     /// An interrupted answer: the conversation keeps `text`, what was heard.
     Truncated {
@@ -371,6 +406,14 @@ struct Answer {
     /// The client event that asked for it (its errors refer to it).
     event_id: Option<String>,
     text: String,
+    calls: Vec<(String, ToolCall)>,
+}
+
+/// A tool item the client added.
+#[derive(Debug, Clone)]
+pub enum ToolItem {
+    Call(ToolCall),
+    Output { call_id: String, output: String },
 }
 
 /// The latest answer's playback, kept after it ended while it may play on.
@@ -495,6 +538,27 @@ impl Conversation {
                     content,
                 });
             }
+            Input::AddToolOutput {
+                item_id,
+                call_id,
+                output,
+            } => {
+                if !self.history.has_call(&call_id) {
+                    return self.fail(ClientError::param(
+                        "item.call_id",
+                        format!("no function call {call_id:?} in this conversation"),
+                    ));
+                }
+                self.history
+                    .remember(ChatMessage::tool(call_id.clone(), output.clone()));
+                self.add_tool_item(item_id, ToolItem::Output { call_id, output });
+            }
+            Input::AddToolCall { item_id, call } => {
+                let mut m = ChatMessage::assistant("");
+                m.tool_calls.push(call.clone());
+                self.history.remember(m);
+                self.add_tool_item(item_id, ToolItem::Call(call));
+            }
             Input::Respond(r) => {
                 if let Err(e) = self.respond(r) {
                     self.fail(e);
@@ -529,6 +593,22 @@ impl Conversation {
                     self.emit(Output::AnswerText { answer, delta });
                 }
             }
+            Input::AnswerToolCall { response_id, call } => {
+                let item_id = new_id("item");
+                let last = self.last_item.replace(item_id.clone());
+                let Some(a) = self.answer_mut(&response_id) else {
+                    self.last_item = last;
+                    return;
+                };
+                a.calls.push((item_id.clone(), call.clone()));
+                let (answer, index) = (a.info.clone(), a.calls.len() - 1);
+                self.emit(Output::AnswerToolCall {
+                    answer,
+                    item_id,
+                    index,
+                    call,
+                });
+            }
             Input::AnswerAudio {
                 response_id,
                 bytes,
@@ -557,6 +637,16 @@ impl Conversation {
 
     fn emit(&mut self, o: Output) {
         self.outputs.push_back(o);
+    }
+
+    fn add_tool_item(&mut self, item_id: Option<String>, item: ToolItem) {
+        let item_id = item_id.unwrap_or_else(|| new_id("item"));
+        let previous = self.last_item.replace(item_id.clone());
+        self.emit(Output::ToolItemAdded {
+            item_id,
+            previous,
+            item,
+        });
     }
 
     fn fail(&mut self, error: ClientError) {
@@ -949,6 +1039,7 @@ impl Conversation {
             },
             sampling,
             voice: r.voice.or(self.settings.voice.clone()),
+            tools: r.tools.as_ref().unwrap_or(&self.settings.tools).tools(),
         };
         let info = Arc::new(AnswerInfo {
             response_id: new_id("resp"),
@@ -969,6 +1060,7 @@ impl Conversation {
             user,
             event_id: self.event_id.clone(),
             text: String::new(),
+            calls: Vec::new(),
         });
         Ok(())
     }
@@ -1090,9 +1182,12 @@ impl Conversation {
                 text: text.clone(),
             });
         }
-        // The conversation learns the answer (even a cancelled one: it was heard).
-        if a.record && !text.trim().is_empty() {
-            self.history.remember(ChatMessage::assistant(text.clone()));
+        // The conversation learns the answer (even a cancelled one: it was
+        // heard), with the calls it made.
+        if a.record && (!text.trim().is_empty() || !a.calls.is_empty()) {
+            let mut m = ChatMessage::assistant(text.clone());
+            m.tool_calls = a.calls.iter().map(|(_, c)| c.clone()).collect();
+            self.history.remember(m);
         }
         self.emit(Output::AnswerDone {
             answer: a.info,
@@ -1100,6 +1195,7 @@ impl Conversation {
             text,
             audio_seconds,
             generated_chars,
+            calls: a.calls,
         });
     }
 }

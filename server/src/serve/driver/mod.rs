@@ -17,6 +17,8 @@ use axum::extract::ws::{close_code, Message};
 use futures_util::{Stream, StreamExt};
 use tokio::sync::{mpsc, watch};
 
+use omnistream_stages::engine::ToolCall;
+
 use super::answer::{Answer, Control, Meter, Step};
 use super::conn::{self, Drain, Outbox, Overflow};
 use super::conversation::{Caps, Conversation, End, Input, Output, Settings, Work};
@@ -109,6 +111,7 @@ pub trait Transport: Send {
 /// What an answer's task reports.
 enum AnswerEvent {
     Text(String),
+    ToolCall(ToolCall),
     Audio { bytes: Vec<u8>, until_s: f64 },
     Ended { end: End, audio_seconds: f64 },
 }
@@ -456,6 +459,7 @@ impl<T: Transport> Driver<T> {
     async fn answer_event(&mut self, response_id: String, ev: AnswerEvent) {
         let input = match ev {
             AnswerEvent::Text(delta) => Input::AnswerText { response_id, delta },
+            AnswerEvent::ToolCall(call) => Input::AnswerToolCall { response_id, call },
             AnswerEvent::Audio { bytes, until_s } => Input::AnswerAudio {
                 response_id,
                 bytes,
@@ -498,6 +502,7 @@ async fn pump(
                 answer.sent_text();
                 AnswerEvent::Text(t)
             }
+            Step::ToolCall(c) => AnswerEvent::ToolCall(c),
             Step::Audio(bytes) => {
                 answer.sent_audio(bytes.len());
                 AnswerEvent::Audio {

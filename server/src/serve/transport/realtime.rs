@@ -20,17 +20,18 @@ use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use omnistream_stages::engine::{Modalities, Role};
+use omnistream_stages::engine::{Modalities, Role, ToolCall};
 
 use crate::serve::audio::OutputFormat;
 use crate::serve::conn::{self, AudioSink, Outbox, Overflow};
 use crate::serve::conversation::{
-    new_id, AnswerInfo, Conversation, End, Input, Output, Respond, Settings, TurnSettings,
+    new_id, AnswerInfo, Conversation, End, Input, Output, Respond, Settings, ToolItem, TurnSettings,
 };
 use crate::serve::driver::{self, Action, Incoming, Transport};
 use crate::serve::error::ClientError;
 use crate::serve::sessions::SessionGuard;
 use crate::serve::state::AppState;
+use crate::serve::tools::{self, Shape};
 
 /// The only output (and input) audio format: pcm16, mono, 24 kHz.
 pub const RATE: u32 = 24_000;
@@ -224,7 +225,8 @@ struct SessionPatch {
     max_output_tokens: Option<Value>,
     max_response_output_tokens: Option<Value>,
     temperature: Option<f64>,
-    tools: Option<Vec<Value>>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -249,6 +251,11 @@ struct ItemIn {
     role: Option<String>,
     #[serde(default)]
     content: Vec<ContentIn>,
+    /// `function_call` and `function_call_output` items.
+    call_id: Option<String>,
+    name: Option<String>,
+    arguments: Option<Value>,
+    output: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -269,6 +276,8 @@ struct ResponseParams {
     temperature: Option<f64>,
     conversation: Option<String>,
     input: Option<Vec<Value>>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
 }
 
 #[derive(Deserialize, Default)]
@@ -297,6 +306,9 @@ struct SessionChange {
     max_tokens: Option<Option<usize>>,
     temperature: Option<f64>,
     speed: Option<f32>,
+    /// Checked in `session_update` against the session's tools.
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
 }
 
 impl SessionPatch {
@@ -324,12 +336,6 @@ impl SessionPatch {
                     "the recognizer (Whisper tiny.en) hears English only: use \"en\"",
                 ));
             }
-        }
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(ClientError::param(
-                "session.tools",
-                "tools are not supported",
-            ));
         }
         for (f, p) in [
             (&output.format, "session.audio.output.format"),
@@ -370,6 +376,8 @@ impl SessionPatch {
             max_tokens,
             temperature,
             speed,
+            tools: self.tools,
+            tool_choice: self.tool_choice,
         })
     }
 }
@@ -383,6 +391,9 @@ struct ResponseOptions {
     voice: Option<String>,
     max_tokens: Option<Option<usize>>,
     temperature: Option<f64>,
+    /// Checked in `on_event` against the session's tools.
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
 }
 
 impl ResponseParams {
@@ -426,6 +437,8 @@ impl ResponseParams {
                 .map(|v| parse_max_tokens(&v, "max_output_tokens"))
                 .transpose()?,
             temperature: self.temperature.map(check_temperature).transpose()?,
+            tools: self.tools,
+            tool_choice: self.tool_choice,
         })
     }
 }
@@ -476,8 +489,8 @@ impl Realtime {
             },
             "max_output_tokens": s.sampling.max_tokens.map_or_else(|| json!("inf"), |n| json!(n)),
             "temperature": s.sampling.temperature,
-            "tools": [],
-            "tool_choice": "auto",
+            "tools": s.tools.functions_json(Shape::Realtime),
+            "tool_choice": s.tools.choice_json(Shape::Realtime),
             "tracing": null,
         })
     }
@@ -509,6 +522,16 @@ impl Realtime {
                     .unwrap_or_default()
                     .validate(conv.settings().audio_out)?;
                 let voice = o.voice.map(|v| check_voice(&self.state, &v)).transpose()?;
+                let tools = match (&o.tools, &o.tool_choice) {
+                    (None, None) => None,
+                    (t, c) => Some(Arc::new(tools::parse(
+                        t.as_ref(),
+                        c.as_ref(),
+                        &conv.settings().tools,
+                        Shape::Realtime,
+                        ("response.tools", "response.tool_choice"),
+                    )?)),
+                };
                 let respond = Respond {
                     audio_out: Some(o.audio_out),
                     instructions: o.instructions,
@@ -518,6 +541,7 @@ impl Realtime {
                     record: o.record,
                     user_text: None,
                     busy,
+                    tools,
                 };
                 input(event_id, Input::Respond(respond))
             }
@@ -591,6 +615,15 @@ impl Realtime {
         if let Some(sp) = change.speed {
             s.sampling.speed = Some(sp);
         }
+        if change.tools.is_some() || change.tool_choice.is_some() {
+            s.tools = Arc::new(tools::parse(
+                change.tools.as_ref(),
+                change.tool_choice.as_ref(),
+                &s.tools,
+                Shape::Realtime,
+                ("session.tools", "session.tool_choice"),
+            )?);
+        }
         Ok(s)
     }
 
@@ -655,7 +688,13 @@ impl Realtime {
         })
     }
 
-    fn answer_closing(&self, a: &AnswerInfo, end: &End, text: &str) -> Vec<Message> {
+    fn answer_closing(
+        &self,
+        a: &AnswerInfo,
+        end: &End,
+        text: &str,
+        calls: &[(String, ToolCall)],
+    ) -> Vec<Message> {
         let (status, details, usage) = match end {
             End::Completed(u) => {
                 let incomplete = a.max_out.is_some_and(|m| u.completion_tokens >= m);
@@ -727,9 +766,11 @@ impl Realtime {
             "conversation.item.done",
             json!({"previous_item_id": a.previous, "item": item}),
         ));
+        let mut output = vec![item];
+        output.extend(calls.iter().map(|(id, c)| call_item(id, c, "completed")));
         closing.push(event(
             "response.done",
-            json!({"response": self.response(a, status, details, json!([item]), usage)}),
+            json!({"response": self.response(a, status, details, Value::Array(output), usage)}),
         ));
         closing
     }
@@ -740,6 +781,72 @@ fn answer_item(a: &AnswerInfo, status: &str, content: Value) -> Value {
         "id": a.item_id, "object": "realtime.item", "type": "message",
         "status": status, "role": "assistant", "content": content,
     })
+}
+
+/// A function call the model made, as a Realtime item.
+fn call_item(item_id: &str, c: &ToolCall, status: &str) -> Value {
+    json!({
+        "id": item_id, "object": "realtime.item", "type": "function_call",
+        "status": status, "call_id": c.id, "name": c.function.name,
+        "arguments": if status == "completed" { c.function.arguments.as_str() } else { "" },
+    })
+}
+
+/// A tool item the client added, as a Realtime item.
+fn tool_item(item_id: &str, item: &ToolItem) -> Value {
+    match item {
+        ToolItem::Call(c) => call_item(item_id, c, "completed"),
+        ToolItem::Output { call_id, output } => json!({
+            "id": item_id, "object": "realtime.item", "type": "function_call_output",
+            "call_id": call_id, "output": output,
+        }),
+    }
+}
+
+/// The events of one function call of an answer: its own output item after
+/// the message (index 0), its arguments (whole: the parser has them only
+/// once the call is complete), done. The call is never spoken.
+fn call_events(a: &AnswerInfo, item_id: &str, index: usize, c: &ToolCall) -> Vec<Message> {
+    let output_index = index + 1;
+    let head = json!({
+        "response_id": a.response_id, "item_id": item_id,
+        "output_index": output_index, "call_id": c.id,
+    });
+    let with = |extra: Value| {
+        let mut b = head.clone();
+        if let (Value::Object(b), Value::Object(e)) = (&mut b, extra) {
+            b.extend(e);
+        }
+        b
+    };
+    let started = call_item(item_id, c, "in_progress");
+    let done = call_item(item_id, c, "completed");
+    vec![
+        event(
+            "response.output_item.added",
+            json!({"response_id": a.response_id, "output_index": output_index, "item": started}),
+        ),
+        event(
+            "conversation.item.added",
+            json!({"previous_item_id": a.item_id, "item": started}),
+        ),
+        event(
+            "response.function_call_arguments.delta",
+            with(json!({"delta": c.function.arguments})),
+        ),
+        event(
+            "response.function_call_arguments.done",
+            with(json!({"name": c.function.name, "arguments": c.function.arguments})),
+        ),
+        event(
+            "response.output_item.done",
+            json!({"response_id": a.response_id, "output_index": output_index, "item": done}),
+        ),
+        event(
+            "conversation.item.done",
+            json!({"previous_item_id": a.item_id, "item": done}),
+        ),
+    ]
 }
 
 fn part(a: &AnswerInfo, text: &str) -> Value {
@@ -765,14 +872,39 @@ fn delta(a: &AnswerInfo, kind: &str, extra: Value) -> Message {
 /// `conversation.item.create`, validated: a message with text.
 fn item_create(v: Value) -> Result<Input, ClientError> {
     let ItemCreate { item } = fields(v, "conversation.item.create")?;
-    if item.kind != "message" {
-        return Err(ClientError::param(
-            "item.type",
-            format!(
-                "item type {:?} is not supported: only \"message\" items",
-                item.kind
-            ),
-        ));
+    let item_id = item.id.clone().filter(|i| !i.is_empty() && i.len() <= 64);
+    match item.kind.as_str() {
+        "message" => {}
+        "function_call_output" => {
+            let call_id = item.call_id.filter(|c| !c.is_empty()).ok_or_else(|| {
+                ClientError::param("item.call_id", "a function_call_output needs its call_id")
+            })?;
+            let output = item.output.ok_or_else(|| {
+                ClientError::param("item.output", "a function_call_output needs its output (a string)")
+            })?;
+            return Ok(Input::AddToolOutput {
+                item_id,
+                call_id,
+                output,
+            });
+        }
+        "function_call" => {
+            let call = tools::client_call(
+                item.call_id.as_deref(),
+                item.name.as_deref(),
+                item.arguments.as_ref(),
+                "item",
+            )?;
+            return Ok(Input::AddToolCall { item_id, call });
+        }
+        other => {
+            return Err(ClientError::param(
+                "item.type",
+                format!(
+                    "item type {other:?} is not supported: \"message\", \"function_call\" or \"function_call_output\""
+                ),
+            ))
+        }
     }
     let name = item.role.unwrap_or_default();
     let Some(role) = Role::parse(&name) else {
@@ -817,7 +949,7 @@ fn item_create(v: Value) -> Result<Input, ClientError> {
         ));
     }
     Ok(Input::AddMessage {
-        item_id: item.id.filter(|i| !i.is_empty() && i.len() <= 64),
+        item_id,
         role,
         text,
         content: Value::Array(content),
@@ -922,6 +1054,20 @@ impl Transport for Realtime {
                 });
                 Self::announce_item(&item, &previous, &mut frames);
             }
+            Output::ToolItemAdded {
+                item_id,
+                previous,
+                item,
+            } => {
+                let item = tool_item(&item_id, &item);
+                Self::announce_item(&item, &previous, &mut frames);
+            }
+            Output::AnswerToolCall {
+                answer,
+                item_id,
+                index,
+                call,
+            } => frames.extend(call_events(&answer, &item_id, index, &call)),
             Output::Transcribed { item_id, result } => frames.push(match result {
                 Ok(transcript) => event(
                     "conversation.item.input_audio_transcription.completed",
@@ -953,12 +1099,16 @@ impl Transport for Realtime {
                 )),
             },
             Output::AnswerDone {
-                answer, end, text, ..
+                answer,
+                end,
+                text,
+                calls,
+                ..
             } => {
                 if let Some(sp) = &self.speaker {
                     sp.end(&answer.response_id);
                 }
-                frames.extend(self.answer_closing(&answer, &end, &text));
+                frames.extend(self.answer_closing(&answer, &end, &text, &calls));
             }
             Output::Truncated {
                 item_id,

@@ -468,9 +468,12 @@ impl Transport for PcmStream {
             Output::AudioReceived { seconds } => {
                 msg(json!({"type": "audio_received", "seconds": seconds}))
             }
-            Output::InputCleared | Output::Committed { .. } | Output::ItemAdded { .. } => {
-                return Ok(Vec::new())
-            }
+            // The stream offers no tools: no calls, no tool items.
+            Output::InputCleared
+            | Output::Committed { .. }
+            | Output::ItemAdded { .. }
+            | Output::ToolItemAdded { .. }
+            | Output::AnswerToolCall { .. } => return Ok(Vec::new()),
             Output::Transcribed { result, .. } => match result {
                 Ok(text) => msg(json!({"type": "input_transcript", "text": text})),
                 Err(e) => error_msg(&e),

@@ -12,17 +12,19 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use crate::engine::payload::{FrameChunk, Payload, PromptStates, TextChunk, ThinkerStates};
 use crate::engine::pipeline::StageStats;
-use crate::engine::request::{ChatMessage, Role};
+use crate::engine::request::ChatMessage;
 use crate::engine::request::{
     Event, Modalities, RequestCtx, RequestId, RequestInput, RequestSpec, SamplingOverrides, Usage,
 };
+use crate::engine::tools::{ToolCall, ToolChoice, Tools};
 
 /// Bumped on every change of a message's layout: peers of another version are
 /// refused, never misread.
-pub const WIRE_VERSION: u16 = 2; // 2: stage stats carry cache_bytes
+pub const WIRE_VERSION: u16 = 3; // 2: stage stats carry cache_bytes; 3: tools
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum WireError {
@@ -174,13 +176,13 @@ fn f32_from(b: &[u8]) -> Result<Vec<f32>, WireError> {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum WireInput {
     Chat {
-        messages: Vec<(String, String)>,
+        messages: Vec<ChatMessage>,
     },
     Speech {
         text: String,
     },
     Heard {
-        messages: Vec<(String, String)>,
+        messages: Vec<ChatMessage>,
         #[serde(with = "serde_bytes")]
         audio: Vec<u8>,
     },
@@ -198,6 +200,8 @@ pub struct WireStart {
     pub audio: bool,
     pub sampling: SamplingOverrides,
     pub voice: Option<String>,
+    /// The tools' JSON (postcard cannot carry a JSON value) and the choice.
+    pub tools: Option<(String, ToolChoice)>,
     pub first_stage: u32,
     pub last_stage: u32,
     pub route: Vec<u64>,
@@ -230,32 +234,16 @@ pub enum StageMsg {
     },
 }
 
-fn messages_to_wire(m: &[ChatMessage]) -> Vec<(String, String)> {
-    m.iter()
-        .map(|m| (m.role.as_str().to_string(), m.content.clone()))
-        .collect()
-}
-
-fn messages_from_wire(m: Vec<(String, String)>) -> Result<Vec<ChatMessage>, WireError> {
-    m.into_iter()
-        .map(|(r, c)| {
-            let role = Role::parse(&r)
-                .ok_or_else(|| WireError::Decode(format!("unknown chat role {r:?}")))?;
-            Ok(ChatMessage::new(role, c))
-        })
-        .collect()
-}
-
 impl WireStart {
     pub fn from_ctx(ctx: &RequestCtx) -> Self {
         let s = &ctx.spec;
         let input = match &s.input {
             RequestInput::Chat { messages } => WireInput::Chat {
-                messages: messages_to_wire(messages),
+                messages: messages.clone(),
             },
             RequestInput::Speech { text } => WireInput::Speech { text: text.clone() },
             RequestInput::Heard { messages, audio } => WireInput::Heard {
-                messages: messages_to_wire(messages),
+                messages: messages.clone(),
                 audio: f32_bytes(audio),
             },
             RequestInput::Transcribe { audio } => WireInput::Transcribe {
@@ -268,6 +256,12 @@ impl WireStart {
             audio: s.modalities.audio,
             sampling: s.sampling.clone(),
             voice: s.voice.clone(),
+            tools: s.tools.as_ref().map(|t| {
+                (
+                    Value::Array(t.functions.clone()).to_string(),
+                    t.choice.clone(),
+                )
+            }),
             first_stage: ctx.first_stage as u32,
             last_stage: ctx.last_stage as u32,
             route: ctx.route.clone(),
@@ -276,12 +270,10 @@ impl WireStart {
 
     pub fn spec(&self) -> Result<RequestSpec, WireError> {
         let input = match self.input.clone() {
-            WireInput::Chat { messages } => RequestInput::Chat {
-                messages: messages_from_wire(messages)?,
-            },
+            WireInput::Chat { messages } => RequestInput::Chat { messages },
             WireInput::Speech { text } => RequestInput::Speech { text },
             WireInput::Heard { messages, audio } => RequestInput::Heard {
-                messages: messages_from_wire(messages)?,
+                messages,
                 audio: f32_from(&audio)?.into(),
             },
             WireInput::Transcribe { audio } => RequestInput::Transcribe {
@@ -296,6 +288,18 @@ impl WireStart {
             },
             sampling: self.sampling.clone(),
             voice: self.voice.clone(),
+            tools: match &self.tools {
+                None => None,
+                Some((json, choice)) => {
+                    let Ok(Value::Array(functions)) = serde_json::from_str(json) else {
+                        return Err(WireError::Decode("tools: not a JSON array".into()));
+                    };
+                    Some(Arc::new(Tools {
+                        functions,
+                        choice: choice.clone(),
+                    }))
+                }
+            },
         })
     }
 }
@@ -381,6 +385,7 @@ impl StageMsg {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum OwnerMsg {
     Text(String),
+    ToolCall(ToolCall),
     Audio {
         #[serde(with = "serde_bytes")]
         samples: Vec<u8>,
@@ -401,6 +406,7 @@ impl OwnerMsg {
     pub fn from_event(e: Event) -> Option<Self> {
         Some(match e {
             Event::TextDelta(t) => Self::Text(t),
+            Event::ToolCall(c) => Self::ToolCall(c),
             Event::Audio {
                 samples,
                 sample_rate,
@@ -419,6 +425,7 @@ impl OwnerMsg {
     pub fn event(&self) -> Result<Option<Event>, WireError> {
         Ok(match self {
             Self::Text(t) => Some(Event::TextDelta(t.clone())),
+            Self::ToolCall(c) => Some(Event::ToolCall(c.clone())),
             Self::Audio {
                 samples,
                 sample_rate,

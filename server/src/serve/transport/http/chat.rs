@@ -9,6 +9,7 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use omnistream_codecs::pcm::pcm16_le_to_f32;
+use omnistream_stages::engine::ToolCall;
 
 use super::requests::{internal, read_json, AudioStore, ChatPlan, AUDIO_TTL};
 use super::{answer_body, b64, refuse, sample_rate, sse, sse_end_error, sse_response, start};
@@ -53,6 +54,7 @@ pub(super) async fn handle(
         started: false,
         max_tokens,
         store: store.clone(),
+        calls: 0,
     };
     let task = TaskGuard::new(&state.metrics);
     Ok(sse_response(answer_body(answer, first, codec, task)))
@@ -68,6 +70,7 @@ async fn collect(
     store: &AudioStore,
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
+    let mut calls = Vec::new();
     let mut pcm = Vec::new();
     let mut next = Some(first);
     let usage = loop {
@@ -77,13 +80,14 @@ async fn collect(
         };
         match step {
             Step::Text(s) => text.push_str(&s),
+            Step::ToolCall(c) => calls.push(c),
             Step::Audio(bytes) => pcm.extend(bytes),
             Step::End(End::Completed(usage)) => break usage,
             Step::End(end) => return Err(ApiError::failed(super::cut(&end))),
         }
     };
-    let finish = finish_reason(usage.completion_tokens, max_tokens);
-    let message = match audio {
+    let finish = finish_reason(usage.completion_tokens, max_tokens, !calls.is_empty());
+    let mut message = match audio {
         Some((format, rate)) => {
             // A whole file (WAV with its real sizes), encoded off the async workers.
             let encoded = tokio::task::spawn_blocking(move || {
@@ -117,6 +121,12 @@ async fn collect(
         }
         None => json!({"role": "assistant", "content": text, "refusal": null}),
     };
+    if !calls.is_empty() {
+        message["tool_calls"] = json!(calls);
+        if text.is_empty() {
+            message["content"] = Value::Null;
+        }
+    }
     Ok(Json(json!({
         "id": meta.id,
         "object": "chat.completion",
@@ -134,9 +144,14 @@ async fn collect(
     .into_response())
 }
 
-fn finish_reason(completion_tokens: usize, max_tokens: Option<usize>) -> &'static str {
+fn finish_reason(
+    completion_tokens: usize,
+    max_tokens: Option<usize>,
+    called: bool,
+) -> &'static str {
     match max_tokens {
         Some(m) if completion_tokens >= m => "length",
+        _ if called => "tool_calls",
         _ => "stop",
     }
 }
@@ -225,6 +240,8 @@ struct ChatSse {
     started: bool,
     max_tokens: Option<usize>,
     store: Arc<AudioStore>,
+    /// Function calls sent so far.
+    calls: usize,
 }
 
 impl ChatSse {
@@ -269,6 +286,17 @@ impl Codec for ChatSse {
         out
     }
 
+    /// A whole call in one delta (OpenAI may split its arguments over
+    /// several; clients join them by `index`).
+    fn tool_call(&mut self, call: &ToolCall) -> Vec<u8> {
+        let mut out = self.open();
+        let mut c = json!(call);
+        c["index"] = json!(self.calls);
+        self.calls += 1;
+        out.extend(self.meta.delta(json!({ "tool_calls": [c] }), None));
+        out
+    }
+
     fn end(&mut self, end: End) -> Result<Vec<u8>, String> {
         let mut out = self.open();
         let End::Completed(usage) = end else {
@@ -282,7 +310,7 @@ impl Codec for ChatSse {
                 None,
             ));
         }
-        let finish = finish_reason(usage.completion_tokens, self.max_tokens);
+        let finish = finish_reason(usage.completion_tokens, self.max_tokens, self.calls > 0);
         out.extend(self.meta.delta(json!({}), Some(finish)));
         if self.meta.include_usage {
             out.extend(self.meta.chunk(json!([]), usage_json(&usage)));
@@ -298,8 +326,9 @@ mod tests {
 
     #[test]
     fn finish_reason_reports_the_token_limit() {
-        assert_eq!(finish_reason(10, Some(10)), "length");
-        assert_eq!(finish_reason(3, Some(10)), "stop");
-        assert_eq!(finish_reason(3, None), "stop");
+        assert_eq!(finish_reason(10, Some(10), true), "length");
+        assert_eq!(finish_reason(3, Some(10), false), "stop");
+        assert_eq!(finish_reason(3, None, false), "stop");
+        assert_eq!(finish_reason(3, None, true), "tool_calls");
     }
 }

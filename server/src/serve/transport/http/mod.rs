@@ -28,6 +28,8 @@ use axum::{Extension, Router};
 use base64::Engine as _;
 use serde_json::Value;
 
+use omnistream_stages::engine::ToolCall;
+
 use crate::serve::answer::{Answer, Meter, Step};
 use crate::serve::audio::OutputFormat;
 use crate::serve::conversation::End;
@@ -112,6 +114,10 @@ trait Codec: Send + 'static {
     fn text(&mut self, text: &str) -> Vec<u8>;
     /// Audio bytes in the client's format.
     fn audio(&mut self, bytes: &[u8]) -> Vec<u8>;
+    /// A function call of the answer (nothing where the format has none).
+    fn tool_call(&mut self, _call: &ToolCall) -> Vec<u8> {
+        Vec::new()
+    }
     /// The last bytes; `Err` breaks the body off (the status line is gone,
     /// so the client sees it cut).
     fn end(&mut self, end: End) -> Result<Vec<u8>, String>;
@@ -148,6 +154,7 @@ fn answer_body<C: Codec>(answer: Answer, first: Step, codec: C, task: TaskGuard)
                     }
                     b
                 }
+                Step::ToolCall(c) => st.codec.tool_call(&c),
                 Step::Audio(a) => {
                     let b = st.codec.audio(&a);
                     if !b.is_empty() {

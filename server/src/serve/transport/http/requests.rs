@@ -21,6 +21,7 @@ use super::unix_now;
 use crate::serve::audio::OutputFormat;
 use crate::serve::connections::read_body;
 use crate::serve::error::ApiError;
+use crate::serve::tools;
 use crate::serve::voices::Voices;
 
 /// Largest request body; more is a 413.
@@ -60,6 +61,10 @@ pub struct ChatRequest {
     /// vLLM's extension: generate exactly `max_tokens` (benchmarks' equal work).
     #[serde(default)]
     ignore_eos: Option<bool>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -70,6 +75,12 @@ struct InMessage {
     /// An earlier answer's audio (`{"id": ...}`), for an assistant turn.
     #[serde(default)]
     audio: Option<AudioRef>,
+    /// An assistant turn's function calls.
+    #[serde(default)]
+    tool_calls: Option<Vec<Value>>,
+    /// A `tool` turn's call.
+    #[serde(default)]
+    tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -139,6 +150,15 @@ impl ChatPlan {
             .map(|(i, m)| to_chat_message(i, m, store))
             .collect::<Result<Vec<_>, _>>()?;
         let sampling = chat_sampling(&r)?;
+        let tools = tools::parse(
+            r.tools.as_ref(),
+            r.tool_choice.as_ref(),
+            &tools::Offer::auto(),
+            tools::Shape::Chat,
+            ("tools", "tool_choice"),
+        )
+        .map_err(|e| e.to_api())?
+        .tools();
         let names = r.modalities.unwrap_or_else(|| vec!["text".into()]);
         let modalities =
             Modalities::from_names(&names).map_err(|e| invalid(format!("`modalities`: {e}")))?;
@@ -171,6 +191,7 @@ impl ChatPlan {
                 modalities,
                 sampling,
                 voice,
+                tools,
             },
             audio,
             stream,
@@ -233,18 +254,49 @@ fn to_chat_message(i: usize, m: &InMessage, store: &AudioStore) -> Result<ChatMe
         "system" | "developer" => Role::System,
         "user" => Role::User,
         "assistant" => Role::Assistant,
-        "tool" | "function" => {
-            return Err(invalid(format!(
-                "messages[{i}]: role {:?} is not supported (no tools)",
-                m.role
-            )))
+        "tool" => {
+            let id = m.tool_call_id.as_deref().filter(|id| !id.is_empty());
+            let id = id.ok_or_else(|| {
+                invalid(format!("messages[{i}]: a tool message needs `tool_call_id`"))
+            })?;
+            let content = match &m.content {
+                Some(c) if !c.is_null() => content_text(i, c)?,
+                _ => return Err(invalid(format!("messages[{i}]: `content` is required"))),
+            };
+            return Ok(ChatMessage::tool(id, content));
         }
         other => {
             return Err(invalid(format!(
-            "messages[{i}]: invalid role {other:?}; expected system, developer, user or assistant"
+            "messages[{i}]: invalid role {other:?}; expected system, developer, user, assistant or tool"
         )))
         }
     };
+    let calls = match (&m.tool_calls, role) {
+        (Some(calls), Role::Assistant) => calls
+            .iter()
+            .map(|c| {
+                let f = c.get("function");
+                tools::client_call(
+                    c.get("id").and_then(Value::as_str),
+                    f.and_then(|f| f.get("name")).and_then(Value::as_str),
+                    f.and_then(|f| f.get("arguments")),
+                    "messages",
+                )
+                .map_err(|e| invalid(format!("messages[{i}].tool_calls: {}", e.message)))
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        (Some(_), _) => {
+            return Err(invalid(format!(
+                "messages[{i}]: only an assistant message has `tool_calls`"
+            )))
+        }
+        (None, _) => Vec::new(),
+    };
+    if !calls.is_empty() && m.content.as_ref().is_none_or(Value::is_null) {
+        let mut msg = ChatMessage::assistant("");
+        msg.tool_calls = calls;
+        return Ok(msg);
+    }
     let content = match (&m.content, &m.audio) {
         (Some(c), _) if !c.is_null() => content_text(i, c)?,
         (_, Some(a)) if role == Role::Assistant => store.get(&a.id).ok_or_else(|| {
@@ -255,7 +307,9 @@ fn to_chat_message(i: usize, m: &InMessage, store: &AudioStore) -> Result<ChatMe
         })?,
         _ => return Err(invalid(format!("messages[{i}]: `content` is required"))),
     };
-    Ok(ChatMessage::new(role, content))
+    let mut msg = ChatMessage::new(role, content);
+    msg.tool_calls = calls;
+    Ok(msg)
 }
 
 /// Takes the `{"type": "input_audio", "input_audio": {"data", "format"}}` parts
@@ -413,6 +467,7 @@ impl SpeechPlan {
                     ..Default::default()
                 },
                 voice,
+                tools: None,
             },
             format,
             sse,
@@ -616,6 +671,8 @@ mod tests {
             role: "assistant".into(),
             content: None,
             audio: Some(AudioRef { id: id.into() }),
+            tool_calls: None,
+            tool_call_id: None,
         };
         assert_eq!(
             to_chat_message(0, &m("audio_1"), &store).unwrap().content,

@@ -50,8 +50,10 @@ pub struct ChatMessage {
     pub role: Role,
     pub content: String,
     /// The calls an assistant turn made (empty: none).
+    #[serde(default)]
     pub tool_calls: Vec<ToolCall>,
     /// For a [`Role::Tool`] turn: the call it answers.
+    #[serde(default)]
     pub tool_call_id: Option<String>,
 }
 

@@ -27,7 +27,7 @@ pub use request::{
     RequestId, RequestInput, RequestSpec, Role, SamplingOverrides, Usage, TRANSCRIBE_RATE,
 };
 pub use stage::{StageModel, StepOutput};
-pub use tools::{ToolCall, ToolChoice, ToolParser, Tools};
+pub use tools::{ToolCall, ToolChoice, Tools};
 
 /// Errors of the engine.
 #[derive(Debug, thiserror::Error)]

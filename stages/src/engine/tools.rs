@@ -390,11 +390,10 @@ impl AnswerWords {
         };
         let was_in_call = p.in_call();
         let parsed = p.feed(&text)?;
-        let all_words = !was_in_call
-            && !p.in_call()
-            && !p.ended()
-            && parsed.iter().all(|x| matches!(x, Parsed::Text(_)));
-        Ok((send(ctx, parsed), all_words))
+        let words = send(ctx, parsed);
+        // Not held back, not dropped after a call, not part of one.
+        let all_words = !was_in_call && !p.in_call() && words == text;
+        Ok((words, all_words))
     }
 
     /// The answer is over before the model ended it ([`ToolParser::ended`]).
@@ -504,7 +503,7 @@ mod tests {
     }
 
     #[test]
-    fn a_call_left_open_at_the_end_is_read_and_words_after_a_call_go_on() {
+    fn a_call_left_open_at_the_end_is_read_and_words_after_calls_end_the_answer() {
         let tools = weather(ToolChoice::Auto);
         let (words, calls) = run(
             &tools,

@@ -322,6 +322,8 @@ pub enum Output {
     AnswerToolCall {
         answer: Arc<AnswerInfo>,
         item_id: String,
+        /// The item before it (the message, or the previous call).
+        previous: Option<String>,
         index: usize,
         call: ToolCall,
     },
@@ -605,6 +607,7 @@ impl Conversation {
                 self.emit(Output::AnswerToolCall {
                     answer,
                     item_id,
+                    previous: last,
                     index,
                     call,
                 });

@@ -806,7 +806,13 @@ fn tool_item(item_id: &str, item: &ToolItem) -> Value {
 /// The events of one function call of an answer: its own output item after
 /// the message (index 0), its arguments (whole: the parser has them only
 /// once the call is complete), done. The call is never spoken.
-fn call_events(a: &AnswerInfo, item_id: &str, index: usize, c: &ToolCall) -> Vec<Message> {
+fn call_events(
+    a: &AnswerInfo,
+    item_id: &str,
+    previous: &Option<String>,
+    index: usize,
+    c: &ToolCall,
+) -> Vec<Message> {
     let output_index = index + 1;
     let head = json!({
         "response_id": a.response_id, "item_id": item_id,
@@ -819,34 +825,31 @@ fn call_events(a: &AnswerInfo, item_id: &str, index: usize, c: &ToolCall) -> Vec
         }
         b
     };
-    let started = call_item(item_id, c, "in_progress");
-    let done = call_item(item_id, c, "completed");
-    vec![
-        event(
-            "response.output_item.added",
-            json!({"response_id": a.response_id, "output_index": output_index, "item": started}),
-        ),
-        event(
-            "conversation.item.added",
-            json!({"previous_item_id": a.item_id, "item": started}),
-        ),
-        event(
-            "response.function_call_arguments.delta",
-            with(json!({"delta": c.function.arguments})),
-        ),
-        event(
-            "response.function_call_arguments.done",
-            with(json!({"name": c.function.name, "arguments": c.function.arguments})),
-        ),
-        event(
-            "response.output_item.done",
-            json!({"response_id": a.response_id, "output_index": output_index, "item": done}),
-        ),
-        event(
-            "conversation.item.done",
-            json!({"previous_item_id": a.item_id, "item": done}),
-        ),
-    ]
+    // The item's `response.output_item.<stage>` and `conversation.item.<stage>`.
+    let item_events = |stage: &str, status: &str| {
+        let item = call_item(item_id, c, status);
+        [
+            event(
+                &format!("response.output_item.{stage}"),
+                json!({"response_id": a.response_id, "output_index": output_index, "item": item}),
+            ),
+            event(
+                &format!("conversation.item.{stage}"),
+                json!({"previous_item_id": previous, "item": item}),
+            ),
+        ]
+    };
+    let mut events = Vec::from(item_events("added", "in_progress"));
+    events.push(event(
+        "response.function_call_arguments.delta",
+        with(json!({"delta": c.function.arguments})),
+    ));
+    events.push(event(
+        "response.function_call_arguments.done",
+        with(json!({"name": c.function.name, "arguments": c.function.arguments})),
+    ));
+    events.extend(item_events("done", "completed"));
+    events
 }
 
 fn part(a: &AnswerInfo, text: &str) -> Value {
@@ -1065,9 +1068,10 @@ impl Transport for Realtime {
             Output::AnswerToolCall {
                 answer,
                 item_id,
+                previous,
                 index,
                 call,
-            } => frames.extend(call_events(&answer, &item_id, index, &call)),
+            } => frames.extend(call_events(&answer, &item_id, &previous, index, &call)),
             Output::Transcribed { item_id, result } => frames.push(match result {
                 Ok(transcript) => event(
                     "conversation.item.input_audio_transcription.completed",

@@ -459,16 +459,7 @@ impl SpeechPlan {
             }
         };
         Ok(Self {
-            spec: RequestSpec {
-                input: RequestInput::Speech { text: r.input },
-                modalities: Modalities::TEXT_AUDIO,
-                sampling: SamplingOverrides {
-                    speed,
-                    ..Default::default()
-                },
-                voice,
-                tools: None,
-            },
+            spec: crate::run::speech_spec(&r.input, voice, speed),
             format,
             sse,
         })

@@ -586,9 +586,12 @@ pub fn curl(url: &str, body: Option<&std::path::Path>, headers: &[&str]) -> Resp
 
 /// Every sample of `/metrics`: (name, labels) -> value.
 pub fn samples(server: &Server) -> Vec<(String, BTreeMap<String, String>, f64)> {
-    server
-        .metrics()
-        .lines()
+    parse_samples(&server.metrics())
+}
+
+/// Every sample of a Prometheus text exposition.
+pub fn parse_samples(text: &str) -> Vec<(String, BTreeMap<String, String>, f64)> {
+    text.lines()
         .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
         .filter_map(|l| {
             let (key, value) = l.rsplit_once(' ')?;
@@ -614,7 +617,20 @@ pub fn samples(server: &Server) -> Vec<(String, BTreeMap<String, String>, f64)> 
 
 /// The sum of `name` samples carrying all of `labels`.
 pub fn metric(server: &Server, name: &str, labels: &[(&str, &str)]) -> f64 {
-    samples(server)
+    metric_in(&server.metrics(), name, labels)
+}
+
+/// [`metric`] of a server that wants `key` for `/metrics`.
+pub fn metric_keyed(server: &Server, key: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let auth = format!("Authorization: Bearer {key}");
+    let r = curl(&format!("{}/metrics", server.url), None, &[&auth]);
+    assert_eq!(r.status, 200, "/metrics: {}", r.body);
+    metric_in(&r.body, name, labels)
+}
+
+/// The sum of `name` samples carrying all of `labels`, in `text`.
+pub fn metric_in(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    parse_samples(text)
         .into_iter()
         .filter(|(n, l, _)| {
             n == name

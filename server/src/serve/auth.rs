@@ -32,6 +32,13 @@ pub fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
         .any(|k| key_matches(keys, k))
 }
 
+/// Whether `key`, given in a protocol's own message (a phone stream's
+/// `start`), is accepted (always true when none are set).
+pub fn key_accepted(state: &AppState, key: &str) -> bool {
+    let keys = &state.config.api_keys;
+    keys.is_empty() || key_matches(keys, key)
+}
+
 /// The credentials of `Authorization: Bearer …` (the scheme is case-insensitive,
 /// RFC 9110 §11.1).
 fn bearer(headers: &HeaderMap) -> Option<&str> {

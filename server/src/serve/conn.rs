@@ -284,14 +284,22 @@ impl Outbox {
     /// Ends the connection after everything queued, `last` included, is
     /// written (or `within` passes): the graceful [`Self::close`].
     pub async fn finish(&self, last: Message, code: u16, within: Duration) {
+        // A close frame (a protocol with no error event) goes last, as the close.
+        let (queued, close) = match last {
+            m @ Message::Close(_) => (None, Some(m)),
+            m => (Some(m), None),
+        };
         let _ = tokio::time::timeout(within, async {
-            if self.send(last).await.is_ok() {
-                // Every permit back: the writer has written it all.
-                let _ = self.0.budget.acquire_many(QUEUE_KIB).await;
+            if let Some(m) = queued {
+                if self.send(m).await.is_err() {
+                    return;
+                }
             }
+            // Every permit back: the writer has written it all.
+            let _ = self.0.budget.acquire_many(QUEUE_KIB).await;
         })
         .await;
-        self.close(None, code);
+        self.close(close, code);
     }
 
     /// Waits until the queue has room for more output (a producer that
@@ -517,16 +525,18 @@ async fn write_loop<K: Sink<Message> + Unpin>(
     let Some(Ending { last, code }) = ending else {
         return;
     };
-    let told = last.is_some();
+    // A last message that is itself a close frame gives the close its reason.
+    let (last, reason) = match last {
+        Some(Message::Close(f)) => (None, f.map(|f| f.reason).unwrap_or_default()),
+        m => (m, "".into()),
+    };
+    let told = last.is_some() || !reason.is_empty();
     let _ = tokio::time::timeout(within, async {
         if let Some(m) = last {
             sink.send(m).await?;
         }
-        sink.send(Message::Close(Some(CloseFrame {
-            code,
-            reason: "".into(),
-        })))
-        .await
+        sink.send(Message::Close(Some(CloseFrame { code, reason })))
+            .await
     })
     .await;
     if told {

@@ -36,6 +36,8 @@ pub struct Metrics {
     pub http_connections: IntGauge,
     /// HTTP connections the server closed or refused, by reason.
     pub http_connections_closed: IntCounterVec,
+    /// Errors on phone media streams, which have no error event, by code.
+    pub phone_errors: IntCounterVec,
     stage: GaugeVec,
     replica: GaugeVec,
 }
@@ -137,6 +139,14 @@ impl Metrics {
             &["reason"],
         )?;
         registry.register(Box::new(http_connections_closed.clone()))?;
+        let phone_errors = IntCounterVec::new(
+            Opts::new(
+                "phone_errors_total",
+                "Errors on phone media streams (logged; the protocol has no error event), by code",
+            ),
+            &["code"],
+        )?;
+        registry.register(Box::new(phone_errors.clone()))?;
         Ok(Self {
             registry,
             sessions_open,
@@ -153,6 +163,7 @@ impl Metrics {
             slow_clients,
             http_connections,
             http_connections_closed,
+            phone_errors,
             stage,
             replica,
         })

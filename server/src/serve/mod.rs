@@ -239,6 +239,8 @@ pub fn router(state: Arc<AppState>, rtc: Option<Arc<transport::webrtc::WebRtc>>)
     Router::new()
         .route("/health", get(health))
         .merge(web::routes())
+        // Twilio cannot send a key header: the stream checks its `start`.
+        .merge(transport::twilio::routes())
         .merge(api)
         // Every answer in the JSON error shape, a wrong path or method too.
         .fallback(|uri: axum::http::Uri| async move {

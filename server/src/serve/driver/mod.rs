@@ -78,6 +78,8 @@ pub enum Action {
     /// The client's audio ended: the turn detector's utterance (if any) ends
     /// here, then [`Input::EndOfAudio`].
     EndOfAudio,
+    /// The connection ends: the error goes out last, then a close with `code`.
+    Close(ClientError, u16),
 }
 
 /// A wire protocol over a connection: a codec between its messages and the
@@ -94,8 +96,19 @@ pub trait Transport: Send {
     fn message(&mut self, m: Incoming<'_>, conv: &Conversation) -> Vec<Action>;
     /// An output, translated; `Err` when a media track cannot take more.
     fn output(&mut self, o: Output, conv: &Conversation) -> Result<Vec<Message>, Overflow>;
-    /// An error event in this protocol.
+    /// An error event in this protocol (the last message of a connection
+    /// it ends, too).
     fn error(&self, e: &ClientError) -> Message;
+    /// An error that does not end the connection, as the client is told it
+    /// (`None` where the protocol has no way to).
+    fn notice(&self, e: &ClientError) -> Option<Message> {
+        Some(self.error(e))
+    }
+    /// Whether the connection has outstayed what it may do without doing
+    /// it (checked every second): the error it is closed with.
+    fn overdue(&self, _now: Instant) -> Option<ClientError> {
+        None
+    }
     /// Answer audio a media track still has queued, in seconds.
     fn queued_seconds(&self) -> f64 {
         0.0
@@ -200,6 +213,10 @@ pub async fn run<T, St>(
                     out.close(Some(d.transport.error(&ClientError::expired())), close_code::POLICY);
                     break;
                 }
+                if let Some(e) = d.transport.overdue(Instant::now()) {
+                    out.close(Some(d.transport.error(&e)), close_code::POLICY);
+                    break;
+                }
                 d.conv.set_chars_per_second(d.state.speech_rate.chars_per_second());
             }
             Some(h) = channels.heard.recv() => d.heard(h).await,
@@ -283,6 +300,10 @@ impl<T: Transport> Driver<T> {
                     Some(d) => d.finish().await,
                     None => self.handle(None, Input::EndOfAudio { ended: None }).await,
                 },
+                Action::Close(e, code) => {
+                    self.out.close(Some(self.transport.error(&e)), code);
+                    return;
+                }
             }
         }
     }
@@ -294,10 +315,7 @@ impl<T: Transport> Driver<T> {
                 self.handle(None, Input::Speech { speech, queued_s }).await;
             }
             Heard::Finished(ended) => self.handle(None, Input::EndOfAudio { ended }).await,
-            Heard::Error(e) => {
-                let m = self.transport.error(&e);
-                self.send(m);
-            }
+            Heard::Error(e) => self.notice(&e),
         }
     }
 
@@ -334,10 +352,14 @@ impl<T: Transport> Driver<T> {
             self.heard_tx.clone(),
         ) {
             Ok(d) => self.detector = Some(d),
-            Err(e) => {
-                let m = self.transport.error(&e);
-                self.send(m);
-            }
+            Err(e) => self.notice(&e),
+        }
+    }
+
+    /// An error the connection outlives.
+    fn notice(&self, e: &ClientError) {
+        if let Some(m) = self.transport.notice(e) {
+            self.send(m);
         }
     }
 

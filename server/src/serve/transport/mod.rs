@@ -7,4 +7,5 @@
 pub mod http;
 pub mod realtime;
 pub mod stream;
+pub mod twilio;
 pub mod webrtc;

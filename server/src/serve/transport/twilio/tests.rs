@@ -1,0 +1,68 @@
+use super::*;
+
+#[test]
+fn marks_say_what_was_heard() {
+    let mut p = Played::default();
+    let a = p.send("resp_1", 1600);
+    let b = p.send("resp_1", 1600);
+    assert_eq!((a.as_str(), b.as_str()), ("resp_1:1600", "resp_1:3200"));
+    // No echo yet: taken to play as it receives.
+    assert_eq!(p.queued(), 0);
+    p.echo(&a);
+    assert_eq!(p.queued(), 1600);
+    // Echoes out of order, foreign names and marks past what was sent
+    // change nothing they should not.
+    p.echo("greeting");
+    p.echo("resp_0:800");
+    assert_eq!(p.queued(), 1600);
+    p.echo("resp_9:99999");
+    assert_eq!(p.queued(), 0);
+    p.send("resp_2", 800);
+    assert_eq!(p.queued(), 800);
+    p.clear();
+    assert_eq!(p.queued(), 0);
+}
+
+#[test]
+fn g711_both_laws_and_their_names() {
+    assert_eq!(Law::from_encoding("audio/x-mulaw"), Some(Law::Ulaw));
+    assert_eq!(Law::from_encoding("PCMU"), Some(Law::Ulaw));
+    assert_eq!(Law::from_encoding("audio/x-alaw"), Some(Law::Alaw));
+    assert_eq!(Law::from_encoding("audio/l16"), None);
+    let pcm: Vec<i16> = (0..160)
+        .map(|i| ((i * 397) % 20_000 - 10_000) as i16)
+        .collect();
+    for law in [Law::Ulaw, Law::Alaw] {
+        let back = law.decode(&law.encode(&pcm));
+        for (x, y) in pcm.iter().zip(&back) {
+            // G.711 keeps about 13 bits: within 3% of the sample, or 32.
+            let tol = (i32::from(*x).abs() / 32).max(32);
+            assert!(
+                (i32::from(*x) - i32::from(*y)).abs() <= tol,
+                "{law:?} {x} {y}"
+            );
+        }
+    }
+}
+
+#[test]
+fn close_reasons_fit_a_close_frame() {
+    let short = ClientError::invalid("invalid_api_key", "no key");
+    assert_eq!(close_reason(&short), "invalid_api_key: no key");
+    let long = ClientError::invalid("unsupported_media_format", "é".repeat(200));
+    let r = close_reason(&long);
+    assert!(r.len() <= 123 && r.ends_with("..."), "{}", r.len());
+}
+
+#[test]
+fn parameters_are_strings_of_numbers() {
+    let p: HashMap<String, Value> = serde_json::from_value(json!({
+        "silence_duration_ms": "400", "threshold": 0.6, "bad": "soon",
+    }))
+    .unwrap();
+    assert_eq!(number::<u32>(&p, "silence_duration_ms").unwrap(), Some(400));
+    assert_eq!(number::<f32>(&p, "threshold").unwrap(), Some(0.6));
+    assert_eq!(number::<u32>(&p, "prefix_padding_ms").unwrap(), None);
+    let e = number::<u32>(&p, "bad").unwrap_err();
+    assert_eq!(e.param, Some("bad"));
+}

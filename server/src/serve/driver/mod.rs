@@ -109,6 +109,14 @@ pub trait Transport: Send {
     fn overdue(&self, _now: Instant) -> Option<ClientError> {
         None
     }
+    /// When the transport wants [`Self::wake`] called (audio it holds back).
+    fn wake_at(&self) -> Option<Instant> {
+        None
+    }
+    /// Its time came: what it sends now.
+    fn wake(&mut self, _now: Instant) -> Vec<Message> {
+        Vec::new()
+    }
     /// Answer audio a media track still has queued, in seconds.
     fn queued_seconds(&self) -> f64 {
         0.0
@@ -190,9 +198,20 @@ pub async fn run<T, St>(
     let mut drain = Drain::new(&d.state);
     let out = d.out.clone();
     loop {
+        let wake = d.transport.wake_at();
         tokio::select! {
             biased;
             _ = out.closed() => break,
+            _ = async {
+                match wake {
+                    Some(t) => tokio::time::sleep_until(t.into()).await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                for m in d.transport.wake(Instant::now()) {
+                    d.send(m);
+                }
+            }
             _ = drain.next() => {
                 let closing = drain.closing();
                 // On a media track the answer is done when the track played it.

@@ -65,6 +65,8 @@ pub const START_WITHIN: Duration = Duration::from_secs(10);
 /// followed by a mark: the marks' echoes say what the caller heard to
 /// within one frame.
 const FRAME_SAMPLES: usize = 1_600;
+/// The longest playout lead a call may ask for.
+const MAX_LEAD_MS: u64 = 5_000;
 /// The longest `instructions` `<Parameter>`, in characters.
 const MAX_INSTRUCTIONS_CHARS: usize = 16_384;
 
@@ -231,6 +233,82 @@ impl Played {
     }
 }
 
+/// Each answer's audio is held this long after its first arrived before any
+/// goes out: the carrier plays what it gets at once, and the pipeline
+/// delivers an answer in bursts (see `PlayoutLead`).
+pub const PLAYOUT_LEAD: Duration = Duration::from_millis(1000);
+
+/// A jitter buffer at the start of each answer: its audio is held until
+/// `lead` after the first of it arrived (or until it ended), then passes
+/// through. Without it a carrier that plays as it receives runs dry between
+/// the answer's first span and the next (docs/bench/phone.md). Time is an
+/// input.
+#[derive(Debug)]
+struct PlayoutLead {
+    lead: Duration,
+    /// The answer being held: until when, and its audio so far.
+    held: Option<(String, Instant, Vec<u8>)>,
+    /// The answer whose hold ended: its audio passes through.
+    open: Option<String>,
+}
+
+impl PlayoutLead {
+    fn new(lead: Duration) -> Self {
+        Self {
+            lead,
+            held: None,
+            open: None,
+        }
+    }
+
+    /// Audio of `response_id` arrived at `now`: what may go out now.
+    fn push(&mut self, response_id: &str, bytes: &[u8], now: Instant) -> Vec<u8> {
+        if self.open.as_deref() == Some(response_id) {
+            return bytes.to_vec();
+        }
+        match &mut self.held {
+            Some((r, _, buf)) if r == response_id => buf.extend_from_slice(bytes),
+            _ if self.lead.is_zero() => {
+                self.open = Some(response_id.to_string());
+                return bytes.to_vec();
+            }
+            _ => self.held = Some((response_id.to_string(), now + self.lead, bytes.to_vec())),
+        }
+        self.release(now).map(|(_, b)| b).unwrap_or_default()
+    }
+
+    /// When the held audio is due.
+    fn due(&self) -> Option<Instant> {
+        self.held.as_ref().map(|(_, t, _)| *t)
+    }
+
+    /// The held answer's audio, once due at `now`; it passes through after.
+    fn release(&mut self, now: Instant) -> Option<(String, Vec<u8>)> {
+        if self.due().is_some_and(|t| t <= now) {
+            let (r, _, buf) = self.held.take()?;
+            self.open = Some(r.clone());
+            return Some((r, buf));
+        }
+        None
+    }
+
+    /// `response_id` ended: whatever of it is held goes out now.
+    fn finish(&mut self, response_id: &str) -> Vec<u8> {
+        match self.held.take() {
+            Some((r, _, buf)) if r == response_id => buf,
+            other => {
+                self.held = other;
+                Vec::new()
+            }
+        }
+    }
+
+    /// The caller interrupted: nothing held is played.
+    fn drop_held(&mut self) {
+        self.held = None;
+    }
+}
+
 /// The Media Streams protocol's codec.
 pub struct MediaStream {
     state: Arc<AppState>,
@@ -241,6 +319,7 @@ pub struct MediaStream {
     /// `stop` came: the call is over, later frames are ignored.
     stopped: bool,
     played: Played,
+    lead: PlayoutLead,
 }
 
 fn param<'a>(p: &'a HashMap<String, Value>, name: &str) -> Option<&'a str> {
@@ -303,6 +382,7 @@ impl MediaStream {
             started: None,
             stopped: false,
             played: Played::default(),
+            lead: PlayoutLead::new(PLAYOUT_LEAD),
         }
     }
 
@@ -391,8 +471,20 @@ impl MediaStream {
                 "the stream carries no inbound track: use a bidirectional <Connect><Stream>",
             )));
         }
+        let lead = match number::<u64>(p, "playout_lead_ms") {
+            Ok(None) => PLAYOUT_LEAD,
+            Ok(Some(ms)) if ms <= MAX_LEAD_MS => Duration::from_millis(ms),
+            Ok(Some(_)) => {
+                return Ok(fatal(ClientError::param(
+                    "playout_lead_ms",
+                    format!("playout_lead_ms is at most {MAX_LEAD_MS}"),
+                )))
+            }
+            Err(e) => return Ok(fatal(e)),
+        };
         match self.settings_from(p, conv) {
             Ok(settings) => {
+                self.lead = PlayoutLead::new(lead);
                 tracing::info!(
                     stream = %s.stream_sid, call = %s.call_sid,
                     "phone call started ({law:?}, 8 kHz)"
@@ -412,8 +504,8 @@ impl MediaStream {
     }
 
     /// The conversation's settings from the `<Parameter>`s: `voice`,
-    /// `instructions`, and the server VAD's `threshold`,
-    /// `prefix_padding_ms`, `silence_duration_ms`.
+    /// `instructions`, `max_output_tokens`, `temperature`, and the server
+    /// VAD's `threshold`, `prefix_padding_ms`, `silence_duration_ms`.
     fn settings_from(
         &self,
         p: &HashMap<String, Value>,
@@ -443,6 +535,24 @@ impl MediaStream {
                     .voice(v)
                     .map_err(|m| refused("unsupported_voice", "voice", m))?,
             );
+        }
+        if let Some(n) = number::<usize>(p, "max_output_tokens")? {
+            if n == 0 {
+                return Err(ClientError::param(
+                    "max_output_tokens",
+                    "max_output_tokens must be at least 1",
+                ));
+            }
+            settings.sampling.max_tokens = Some(n);
+        }
+        if let Some(t) = number::<f64>(p, "temperature")? {
+            if !(0.0..=2.0).contains(&t) {
+                return Err(ClientError::param(
+                    "temperature",
+                    "temperature must be between 0 and 2",
+                ));
+            }
+            settings.sampling.temperature = Some(t);
         }
         if let Some(i) = param(p, "instructions").filter(|i| !i.is_empty()) {
             if i.chars().count() > MAX_INSTRUCTIONS_CHARS {
@@ -528,7 +638,7 @@ impl MediaStream {
 
     /// One answer's audio (pcm16 LE, 8 kHz) as media frames, each with its mark.
     fn audio(&mut self, response_id: &str, pcm16: &[u8]) -> Vec<Message> {
-        let Some(s) = &self.started else {
+        let Some(s) = self.started.as_ref().filter(|_| !pcm16.is_empty()) else {
             return Vec::new();
         };
         if self.played.cleared.as_deref() == Some(response_id) {
@@ -636,15 +746,19 @@ impl Transport for MediaStream {
                 self.report(&e);
                 Vec::new()
             }
-            Output::AnswerAudio { answer, bytes } => self.audio(&answer.response_id, &bytes),
-            Output::AnswerDone {
-                end: End::Failed(m),
-                ..
-            } => {
-                self.report(&ClientError::failed(m));
-                Vec::new()
+            Output::AnswerAudio { answer, bytes } => {
+                let now = self.lead.push(&answer.response_id, &bytes, Instant::now());
+                self.audio(&answer.response_id, &now)
+            }
+            Output::AnswerDone { answer, end, .. } => {
+                if let End::Failed(m) = end {
+                    self.report(&ClientError::failed(m));
+                }
+                let held = self.lead.finish(&answer.response_id);
+                self.audio(&answer.response_id, &held)
             }
             Output::PlaybackCleared { response_id } => {
+                self.lead.drop_held();
                 self.played.cleared = Some(response_id);
                 match &self.started {
                     Some(s) => vec![text(json!({"event": "clear", "streamSid": s.stream_sid}))],
@@ -674,6 +788,17 @@ impl Transport for MediaStream {
 
     fn clear_player(&mut self) {
         self.played.clear();
+    }
+
+    fn wake_at(&self) -> Option<Instant> {
+        self.lead.due()
+    }
+
+    fn wake(&mut self, now: Instant) -> Vec<Message> {
+        match self.lead.release(now) {
+            Some((response_id, pcm)) => self.audio(&response_id, &pcm),
+            None => Vec::new(),
+        }
     }
 
     fn overdue(&self, now: Instant) -> Option<ClientError> {

@@ -1,4 +1,5 @@
 use super::*;
+use std::time::{Duration, Instant};
 
 #[test]
 fn marks_say_what_was_heard() {
@@ -65,4 +66,34 @@ fn parameters_are_strings_of_numbers() {
     assert_eq!(number::<u32>(&p, "prefix_padding_ms").unwrap(), None);
     let e = number::<u32>(&p, "bad").unwrap_err();
     assert_eq!(e.param, Some("bad"));
+}
+
+#[test]
+fn the_lead_holds_each_answer_then_lets_it_through() {
+    let t0 = Instant::now();
+    let ms = |n: u64| t0 + Duration::from_millis(n);
+    let mut l = PlayoutLead::new(Duration::from_millis(1000));
+    assert!(l.push("a", &[1, 2], ms(0)).is_empty());
+    assert_eq!(l.due(), Some(ms(1000)));
+    assert!(l.push("a", &[3, 4], ms(500)).is_empty());
+    assert_eq!(l.release(ms(999)), None);
+    assert_eq!(l.release(ms(1000)), Some(("a".into(), vec![1, 2, 3, 4])));
+    // Open now: its audio passes straight through.
+    assert_eq!(l.push("a", &[5, 6], ms(1100)), vec![5, 6]);
+    assert_eq!(l.due(), None);
+    // A short answer ends inside its lead: all of it goes out at its end.
+    assert!(l.push("b", &[7, 8], ms(2000)).is_empty());
+    assert!(l.finish("a").is_empty());
+    assert_eq!(l.finish("b"), vec![7, 8]);
+    // Audio that arrives after the lead passed goes out with it.
+    assert!(l.push("c", &[1, 1], ms(3000)).is_empty());
+    assert_eq!(l.push("c", &[2, 2], ms(4200)), vec![1, 1, 2, 2]);
+    // A barge-in drops what is held.
+    assert!(l.push("d", &[9, 9], ms(5000)).is_empty());
+    l.drop_held();
+    assert_eq!(l.due(), None);
+    assert!(l.finish("d").is_empty());
+    // No lead: nothing is held.
+    let mut l = PlayoutLead::new(Duration::ZERO);
+    assert_eq!(l.push("e", &[1, 2], ms(0)), vec![1, 2]);
 }

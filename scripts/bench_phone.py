@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""Concurrent phone calls over Twilio Media Streams (/v1/phone/twilio).
+
+    python3 scripts/bench_phone.py --url ws://127.0.0.1:8097 --wav q.wav \
+        --concurrent 1 2 4 [--lead-ms 0 1000] [--max-tokens 40] [--api-key KEY]
+
+Each call is a carrier that behaves as Twilio's does: it sends the caller's
+voice as 20 ms μ-law frames paced in real time (0.3 s of silence, the
+question from --wav with its trailing silence cut, then silence), plays the
+answer's audio in real time from its first frame, echoes each mark when the
+audio before it has played, and hangs up (`stop`) once the answer has
+played out. Per call, from the moment the last speech sample was sent (the
+end of speech):
+  first_audio_ms  the first answer frame received (VAD silence wait included)
+  holes           20 ms ticks, between the answer's first and last frame,
+                  where the carrier had nothing to play: count, total and
+                  worst run in ms; gap_free: no hole over 100 ms
+  answer_s        answer audio received, in seconds
+Each level runs once per --lead-ms (the call's `playout_lead_ms` parameter:
+how long the server holds each answer's first audio). Prints one JSON object
+per lead and concurrency level; exits 1 if a call got no answer.
+Requirements: tests/python/requirements.txt (websockets, numpy).
+"""
+
+import argparse
+import asyncio
+import base64
+import json
+import sys
+import time
+import wave
+
+import numpy as np
+import websockets
+
+RATE = 8000
+FRAME = 160  # 20 ms
+
+# G.711 μ-law (ITU-T G.711), as the carrier encodes and decodes it.
+BIAS, CLIP = 0x84, 32635
+
+
+def ulaw_encode(x):
+    s = np.clip(np.round(x * 32767), -32768, 32767).astype(np.int32)
+    sign = np.where(s < 0, 0x80, 0)
+    s = np.minimum(np.abs(s), CLIP) + BIAS
+    exp = np.floor(np.log2(s)).astype(np.int32) - 7
+    exp = np.clip(exp, 0, 7)
+    mant = (s >> (exp + 3)) & 0x0F
+    return (~(sign | (exp << 4) | mant) & 0xFF).astype(np.uint8)
+
+
+def ulaw_decode(b):
+    u = ~np.frombuffer(b, np.uint8).astype(np.int32) & 0xFF
+    sign, exp, mant = u & 0x80, (u >> 4) & 0x07, u & 0x0F
+    s = (((mant << 3) + BIAS) << exp) - BIAS
+    return np.where(sign != 0, -s, s).astype(np.float32) / 32768
+
+
+def load(path):
+    with wave.open(path) as w:
+        rate = w.getframerate()
+        x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
+    loud = np.flatnonzero(np.abs(x) > 0.01)
+    x = x[: loud[-1] + 1] if len(loud) else x
+    n = int(len(x) * RATE / rate)
+    return np.interp(np.arange(n) * rate / RATE, np.arange(len(x)), x).astype(np.float32)
+
+
+async def call(url, speech, params, quiet_s=3.0, limit_s=180.0):
+    sid = "MZ" + format(int(time.time() * 1e6) & 0xFFFFFFFF, "032x")
+    seq = 0
+
+    def ev(kind, body):
+        nonlocal seq
+        seq += 1
+        return json.dumps({"event": kind, "sequenceNumber": str(seq), "streamSid": sid, kind: body})
+
+    async with websockets.connect(f"{url}/v1/phone/twilio", max_size=None) as ws:
+        await ws.send(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
+        await ws.send(ev("start", {
+            "streamSid": sid, "callSid": "CA" + sid[2:], "accountSid": "AC0",
+            "tracks": ["inbound"], "customParameters": params,
+            "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": RATE, "channels": 1},
+        }))
+        lead = RATE * 3 // 10
+        mic = np.concatenate([np.zeros(lead, np.float32), speech])
+        speech_end_frame = len(mic) // FRAME
+        state = {"received": 0, "played": 0, "pending": [], "first": None, "last": None}
+
+        async def reader():
+            async for m in ws:
+                v = json.loads(m)
+                e = v.get("event")
+                if e == "media":
+                    n = len(base64.b64decode(v["media"]["payload"]))
+                    now = time.monotonic()
+                    state["first"] = state["first"] or now
+                    state["last"] = now
+                    state["received"] += n
+                elif e == "mark":
+                    state["pending"].append((v["mark"]["name"], state["received"]))
+                elif e == "clear":
+                    state["played"] = state["received"]
+
+        task = asyncio.create_task(reader())
+        start = time.monotonic()
+        speech_end = None
+        dry = []  # (time, nothing to play) per tick once the answer began
+        i = 0
+        try:
+            while True:
+                tick_at = start + i * 0.02
+                await asyncio.sleep(max(0.0, tick_at - time.monotonic()))
+                frame = mic[i * FRAME:(i + 1) * FRAME]
+                if len(frame) < FRAME:
+                    frame = np.concatenate([frame, np.zeros(FRAME - len(frame), np.float32)])
+                payload = base64.b64encode(ulaw_encode(frame).tobytes()).decode()
+                await ws.send(ev("media", {"track": "inbound", "payload": payload}))
+                if i + 1 == speech_end_frame:
+                    speech_end = time.monotonic()
+                i += 1
+                if state["first"] is not None:
+                    dry.append((time.monotonic(), state["played"] >= state["received"]))
+                state["played"] = min(state["played"] + FRAME, state["received"])
+                while state["pending"] and state["pending"][0][1] <= state["played"]:
+                    name, _ = state["pending"].pop(0)
+                    await ws.send(ev("mark", {"name": name}))
+                now = time.monotonic()
+                if (state["last"] is not None and now - state["last"] > quiet_s
+                        and state["played"] >= state["received"]):
+                    break
+                if now - start > limit_s or task.done():
+                    break
+            await ws.send(ev("stop", {"callSid": "CA" + sid[2:]}))
+        finally:
+            task.cancel()
+    if state["first"] is None:
+        return {"error": "no answer"}
+    # Holes: dry ticks between the answer's first and last frame.
+    runs, run = [], 0
+    for t, empty in dry:
+        if t > state["last"]:
+            break
+        if empty:
+            run += 1
+        elif run:
+            runs.append(run)
+            run = 0
+    if run:
+        runs.append(run)
+    return {
+        "first_audio_ms": round((state["first"] - speech_end) * 1000),
+        "holes": len(runs),
+        "hole_ms": 20 * sum(runs),
+        "worst_hole_ms": 20 * max(runs, default=0),
+        "gap_free": all(r * 20 <= 100 for r in runs),
+        "answer_s": round(state["received"] / RATE, 2),
+    }
+
+
+def pct(xs, q):
+    return float(np.percentile(xs, q)) if xs else None
+
+
+async def level(args, speech, n, lead_ms):
+    params = {"max_output_tokens": str(args.max_tokens),
+              "silence_duration_ms": str(args.silence_ms)}
+    if lead_ms is not None:
+        params["playout_lead_ms"] = str(lead_ms)
+    if args.api_key:
+        params["api_key"] = args.api_key
+    calls = await asyncio.gather(*(call(args.url, speech, params) for _ in range(n)),
+                                 return_exceptions=True)
+    calls = [c if isinstance(c, dict) else {"error": f"{type(c).__name__}: {c}"} for c in calls]
+    ok = [c for c in calls if "error" not in c]
+    fa = [c["first_audio_ms"] for c in ok]
+    return {
+        "lead_ms": lead_ms, "concurrent": n, "answered": len(ok),
+        "first_audio_ms": {"p50": pct(fa, 50), "max": max(fa, default=None)},
+        "gap_free_share": round(sum(c["gap_free"] for c in ok) / len(ok), 2) if ok else 0,
+        "hole_ms_per_call": [c["hole_ms"] for c in ok],
+        "calls": calls,
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--url", required=True, help="ws://host:port")
+    p.add_argument("--wav", required=True)
+    p.add_argument("--concurrent", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--silence-ms", type=int, default=500)
+    p.add_argument("--lead-ms", type=int, nargs="+", default=[None],
+                   help="playout_lead_ms per call (default: the server's)")
+    p.add_argument("--api-key")
+    args = p.parse_args()
+    speech = load(args.wav)
+    failed = False
+    for lead in args.lead_ms:
+        for n in args.concurrent:
+            r = asyncio.run(level(args, speech, n, lead))
+            print(json.dumps(r), flush=True)
+            failed |= r["answered"] < n
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

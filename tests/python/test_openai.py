@@ -615,6 +615,85 @@ def test_realtime_tool_round_trip_through_the_sdk(client):
         assert transcript.strip() and audio > RATE // 2, (transcript, audio)
 
 
+def next_of(conn, *kinds):
+    """The next event of one of `kinds` (an `error` is one too)."""
+    return next(e for e in conn if e.type in kinds + ("error",))
+
+
+def test_realtime_items_and_out_of_band_answers_through_the_sdk(client):
+    """The `openai` SDK's Realtime client: items retrieved, truncated where
+    the client stopped playing, deleted; an out-of-band answer with its own
+    input that the conversation does not keep; refusals naming the field."""
+    with client.realtime.connect(model="omnistream") as conn:
+        conn.session.update(session={
+            "type": "realtime", "instructions": "Answer in one short sentence.",
+        })
+        conn.conversation.item.create(item={
+            "id": "item_question", "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "Tell me about the sea."}],
+        })
+        conn.response.create()
+        done = next_of(conn, "response.done")
+        assert done.type == "response.done" and done.response.status == "completed", done
+        answer = done.response.output[0]
+        said = answer.content[0].transcript
+        assert said and said.strip(), answer
+
+        conn.conversation.item.retrieve(item_id=answer.id)
+        got = next_of(conn, "conversation.item.retrieved")
+        assert got.type == "conversation.item.retrieved", got
+        assert got.item.role == "assistant" and got.item.content[0].transcript == said, got
+        conn.conversation.item.retrieve(item_id="item_question")
+        got = next_of(conn, "conversation.item.retrieved")
+        assert got.item.content[0].text == "Tell me about the sea.", got
+
+        # The client played 300 ms of the answer: the words of 300 ms stay.
+        conn.conversation.item.truncate(item_id=answer.id, content_index=0, audio_end_ms=300)
+        cut = next_of(conn, "conversation.item.truncated")
+        assert cut.type == "conversation.item.truncated" and cut.audio_end_ms == 300, cut
+        conn.conversation.item.retrieve(item_id=answer.id)
+        kept = next_of(conn, "conversation.item.retrieved").item.content[0].transcript
+        assert said.startswith(kept) and len(kept) < len(said), (kept, said)
+        # Past the answer's audio: refused, naming the field.
+        conn.conversation.item.truncate(item_id=answer.id, content_index=0, audio_end_ms=3_600_000)
+        ev = next_of(conn, "conversation.item.truncated")
+        assert ev.type == "error" and ev.error.param == "audio_end_ms", ev
+
+        conn.conversation.item.delete(item_id="item_question")
+        ev = next_of(conn, "conversation.item.deleted")
+        assert ev.type == "conversation.item.deleted" and ev.item_id == "item_question", ev
+        conn.conversation.item.retrieve(item_id="item_question")
+        ev = next_of(conn, "conversation.item.retrieved")
+        assert ev.type == "error" and ev.error.code == "item_not_found", ev
+        assert ev.error.param == "item_id", ev
+
+        # Out of band: its own input, text only, not kept.
+        conn.response.create(response={
+            "conversation": "none", "output_modalities": ["text"],
+            "instructions": "Answer yes or no.",
+            "input": [
+                {"type": "item_reference", "id": answer.id},
+                {"type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": "Was that about water?"}]},
+            ],
+        })
+        done = next_of(conn, "response.done")
+        assert done.type == "response.done" and done.response.status == "completed", done
+        side = done.response.output[0]
+        assert side.content[0].text.strip(), side
+        conn.conversation.item.retrieve(item_id=side.id)
+        ev = next_of(conn, "conversation.item.retrieved")
+        assert ev.type == "error" and ev.error.code == "item_not_found", ev
+        conn.response.create(response={"input": [{"type": "item_reference", "id": "item_gone"}]})
+        ev = next_of(conn, "response.created")
+        assert ev.type == "error" and ev.error.param == "response.input", ev
+
+        # Over a WebSocket the client holds the audio: no server buffer to clear.
+        conn.output_audio_buffer.clear()
+        ev = next_of(conn, "output_audio_buffer.cleared")
+        assert ev.type == "error" and "WebRTC" in ev.error.message, ev
+
+
 def test_zz_word_error_rate_over_all_clips():
     """Runs last (pytest keeps file order): the aggregate over every clip heard."""
     assert len(HEARD) >= 4, f"only {len(HEARD)} clips were checked"

@@ -35,7 +35,8 @@ use omnistream_stages::engine::{
 use super::audio::{to_listener_rate, OutputFormat};
 use super::error::ClientError;
 use super::tools::Offer;
-use history::History;
+pub use history::Item;
+use history::{History, Origin};
 use playback::Playback;
 pub use turns::{Speech, TurnSettings};
 
@@ -134,6 +135,16 @@ pub struct Respond {
     pub busy: fn(&str) -> ClientError,
     /// Tools for this answer instead of the session's.
     pub tools: Option<Arc<Offer>>,
+    /// This answer's own context instead of the conversation (`input`).
+    pub input: Option<Vec<Context>>,
+}
+
+/// One item of an answer's own context.
+#[derive(Debug, Clone)]
+pub enum Context {
+    Message(ChatMessage),
+    /// One of the conversation's items, by id.
+    Reference(String),
 }
 
 impl Respond {
@@ -149,6 +160,7 @@ impl Respond {
             user_text: None,
             busy,
             tools: None,
+            input: None,
         }
     }
 }
@@ -207,6 +219,16 @@ pub enum Input {
     AddToolCall {
         item_id: Option<String>,
         call: ToolCall,
+    },
+    /// The client asks for an item as the conversation has it.
+    RetrieveItem { item_id: String },
+    /// The client forgets an item.
+    DeleteItem { item_id: String },
+    /// The client played an answer only up to `audio_end_ms`.
+    TruncateItem {
+        item_id: String,
+        content_index: usize,
+        audio_end_ms: u64,
     },
     /// The client asks for an answer.
     Respond(Respond),
@@ -348,6 +370,12 @@ pub enum Output {
     /// The client should drop the answer audio it has queued.
     PlaybackCleared {
         response_id: String,
+    },
+    /// An item, as the client asked for it.
+    ItemRetrieved(Item),
+    /// An item the client deleted.
+    ItemDeleted {
+        item_id: String,
     },
 }
 
@@ -492,7 +520,7 @@ impl Conversation {
     }
 
     #[cfg(test)]
-    pub fn history(&self) -> &[ChatMessage] {
+    pub fn history(&self) -> Vec<ChatMessage> {
         self.history.messages()
     }
 
@@ -531,7 +559,11 @@ impl Conversation {
                 content,
             } => {
                 let item_id = item_id.unwrap_or_else(|| new_id("item"));
-                self.history.remember(ChatMessage::new(role, text));
+                self.history.remember(
+                    item_id.clone(),
+                    ChatMessage::new(role, text),
+                    Origin::Client(content.clone()),
+                );
                 let previous = self.last_item.replace(item_id.clone());
                 self.emit(Output::ItemAdded {
                     item_id,
@@ -551,16 +583,33 @@ impl Conversation {
                         format!("no function call {call_id:?} in this conversation"),
                     ));
                 }
-                self.history
-                    .remember(ChatMessage::tool(call_id.clone(), output.clone()));
+                let item_id = item_id.unwrap_or_else(|| new_id("item"));
+                self.history.remember(
+                    item_id.clone(),
+                    ChatMessage::tool(call_id.clone(), output.clone()),
+                    Origin::Output,
+                );
                 self.add_tool_item(item_id, ToolItem::Output { call_id, output });
             }
             Input::AddToolCall { item_id, call } => {
-                let mut m = ChatMessage::assistant("");
-                m.tool_calls.push(call.clone());
-                self.history.remember(m);
+                let item_id = item_id.unwrap_or_else(|| new_id("item"));
+                self.history
+                    .remember(item_id.clone(), call_message(&call), Origin::Call);
                 self.add_tool_item(item_id, ToolItem::Call(call));
             }
+            Input::RetrieveItem { item_id } => match self.history.get(&item_id) {
+                Some(item) => {
+                    let item = item.clone();
+                    self.emit(Output::ItemRetrieved(item));
+                }
+                None => self.fail(not_found(&item_id)),
+            },
+            Input::DeleteItem { item_id } => self.delete_item(item_id),
+            Input::TruncateItem {
+                item_id,
+                content_index,
+                audio_end_ms,
+            } => self.truncate_item(item_id, content_index, audio_end_ms),
             Input::Respond(r) => {
                 if let Err(e) = self.respond(r) {
                     self.fail(e);
@@ -642,8 +691,7 @@ impl Conversation {
         self.outputs.push_back(o);
     }
 
-    fn add_tool_item(&mut self, item_id: Option<String>, item: ToolItem) {
-        let item_id = item_id.unwrap_or_else(|| new_id("item"));
+    fn add_tool_item(&mut self, item_id: String, item: ToolItem) {
         let previous = self.last_item.replace(item_id.clone());
         self.emit(Output::ToolItemAdded {
             item_id,
@@ -967,14 +1015,15 @@ impl Conversation {
                 Heard::Words(result) => {
                     let words = result.as_ref().ok().cloned().unwrap_or_default();
                     self.emit(Output::Transcribed {
-                        item_id: t.item_id,
+                        item_id: t.item_id.clone(),
                         result,
                     });
                     // A blank transcript (noise, a cough) adds no turn.
                     if words.is_empty() {
                         continue;
                     }
-                    self.history.remember(ChatMessage::user(words));
+                    self.history
+                        .remember(t.item_id, ChatMessage::user(words), Origin::Spoken);
                     if respond {
                         self.respond_auto();
                     }
@@ -1013,9 +1062,20 @@ impl Conversation {
         }
         let user = r.user_text.map(ChatMessage::user);
         let instructions = r.instructions.or(self.settings.instructions.clone());
-        let messages = self.history.prompt(instructions.as_deref(), user.as_ref());
-        let spoken = self.spoken.take();
-        if spoken.is_none() && messages.iter().all(|m| m.role == Role::System) {
+        let (messages, spoken) = match &r.input {
+            Some(input) => (self.own_context(instructions.as_deref(), input)?, None),
+            None => (
+                self.history.prompt(instructions.as_deref(), user.as_ref()),
+                self.spoken.take(),
+            ),
+        };
+        // A context of its own may be instructions alone; the conversation
+        // needs a message to answer.
+        let nothing = match &r.input {
+            Some(_) => messages.is_empty(),
+            None => messages.iter().all(|m| m.role == Role::System),
+        };
+        if spoken.is_none() && nothing {
             return Err(ClientError::invalid(
                 "conversation_empty",
                 "the conversation has no message to answer: add an item first",
@@ -1068,6 +1128,36 @@ impl Conversation {
         Ok(())
     }
 
+    /// An answer's own context: `instructions`, then `input`, its
+    /// references resolved against the conversation.
+    fn own_context(
+        &self,
+        instructions: Option<&str>,
+        input: &[Context],
+    ) -> Result<Vec<ChatMessage>, ClientError> {
+        let mut out = Vec::with_capacity(input.len() + 1);
+        if let Some(i) = instructions.filter(|i| !i.trim().is_empty()) {
+            out.push(ChatMessage::system(i));
+        }
+        let mut items = Vec::with_capacity(input.len());
+        for c in input {
+            items.push(match c {
+                Context::Message(m) => m.clone(),
+                Context::Reference(id) => match self.history.get(id) {
+                    Some(item) => item.message.clone(),
+                    None => {
+                        return Err(ClientError {
+                            param: Some("response.input"),
+                            ..not_found(id)
+                        })
+                    }
+                },
+            });
+        }
+        out.extend(history::merge_calls(&items));
+        Ok(out)
+    }
+
     fn is_answer(&self, response_id: &str) -> bool {
         self.answering() == Some(response_id)
     }
@@ -1090,7 +1180,7 @@ impl Conversation {
         a.info = Arc::new(info);
         let info = a.info.clone();
         if let Some(u) = user {
-            self.history.remember(u);
+            self.history.remember(new_id("item"), u, Origin::Typed);
         }
         self.last_item = Some(info.item_id.clone());
         self.played = Some(Played {
@@ -1146,10 +1236,13 @@ impl Conversation {
             self.work.push_back(Work::Cancel {
                 response_id: response_id.clone(),
             });
-        } else if let Some(m) = self.history.last_assistant_mut() {
+        } else if let Some(item) = self.history.last_answer_mut() {
             // Generated whole, still playing: cut the conversation's copy.
-            m.content = heard_text(&m.content);
-            let text = m.content.clone();
+            item.message.content = heard_text(&item.message.content);
+            item.origin = Origin::Answer {
+                audio_ms: Some(heard_ms),
+            };
+            let text = item.message.content.clone();
             self.emit(Output::Truncated {
                 response_id: response_id.clone(),
                 item_id,
@@ -1158,6 +1251,91 @@ impl Conversation {
             });
         }
         self.emit(Output::PlaybackCleared { response_id });
+    }
+
+    /// The client forgets an item: it no longer reaches the model.
+    fn delete_item(&mut self, item_id: String) {
+        if self.answer.as_ref().is_some_and(|a| {
+            a.info.item_id == item_id || a.calls.iter().any(|(id, _)| *id == item_id)
+        }) {
+            return self.fail(ClientError {
+                param: Some("item_id"),
+                ..ClientError::invalid(
+                    "item_in_progress",
+                    format!("item {item_id:?} is being generated: cancel the response first"),
+                )
+            });
+        }
+        if !self.history.delete(&item_id) {
+            return self.fail(not_found(&item_id));
+        }
+        if self.last_item.as_deref() == Some(item_id.as_str()) {
+            self.last_item = self.history.last_id().map(str::to_owned);
+        }
+        self.emit(Output::ItemDeleted { item_id });
+    }
+
+    /// The client played an answer only up to `audio_end_ms`: the
+    /// conversation keeps the words heard by then. The running answer is
+    /// cut when it ends (its `truncated` comes then).
+    fn truncate_item(&mut self, item_id: String, content_index: usize, audio_end_ms: u64) {
+        if content_index != 0 {
+            return self.fail(ClientError::param(
+                "content_index",
+                "an answer has one content part: content_index 0",
+            ));
+        }
+        if let Some(p) = self.played.as_mut().filter(|p| {
+            p.item_id == item_id
+                && self
+                    .answer
+                    .as_ref()
+                    .is_some_and(|a| a.info.item_id == item_id)
+        }) {
+            p.playback.truncate(audio_end_ms);
+            return;
+        }
+        let cps = self.caps.chars_per_second;
+        let Some(item) = self.history.get_mut(&item_id) else {
+            return self.fail(not_found(&item_id));
+        };
+        let Origin::Answer { audio_ms } = item.origin else {
+            return self.fail(ClientError::param(
+                "item_id",
+                format!("item {item_id:?} is not an answer: only an answer's audio is truncated"),
+            ));
+        };
+        let Some(audio_ms) = audio_ms else {
+            return self.fail(ClientError::param(
+                "item_id",
+                format!("answer {item_id:?} has no audio to truncate"),
+            ));
+        };
+        if audio_end_ms > audio_ms {
+            return self.fail(ClientError::param(
+                "audio_end_ms",
+                format!("audio_end_ms {audio_end_ms} is past the answer's {audio_ms} ms of audio"),
+            ));
+        }
+        let text =
+            playback::spoken_prefix(&item.message.content, audio_end_ms as f64 / 1000.0, cps)
+                .to_string();
+        item.message.content = text.clone();
+        item.origin = Origin::Answer {
+            audio_ms: Some(audio_end_ms),
+        };
+        let response_id = self
+            .played
+            .as_ref()
+            .filter(|p| p.item_id == item_id)
+            .map(|p| p.response_id.clone())
+            .unwrap_or_default();
+        self.emit(Output::Truncated {
+            response_id,
+            item_id,
+            audio_end_ms,
+            text,
+        });
     }
 
     fn finish_answer(&mut self, response_id: &str, end: End, audio_seconds: f64) {
@@ -1187,10 +1365,27 @@ impl Conversation {
         }
         // The conversation learns the answer (even a cancelled one: it was
         // heard), with the calls it made.
-        if a.record && (!text.trim().is_empty() || !a.calls.is_empty()) {
-            let mut m = ChatMessage::assistant(text.clone());
-            m.tool_calls = a.calls.iter().map(|(_, c)| c.clone()).collect();
-            self.history.remember(m);
+        if a.record && !text.trim().is_empty() {
+            let heard_ms = self
+                .played
+                .as_ref()
+                .filter(|p| p.response_id == response_id && p.playback.interrupted())
+                .map(|p| p.playback.heard_ms());
+            let audio_ms = a
+                .info
+                .audio
+                .then(|| heard_ms.unwrap_or((audio_seconds * 1000.0).round() as u64));
+            self.history.remember(
+                a.info.item_id.clone(),
+                ChatMessage::assistant(text.clone()),
+                Origin::Answer { audio_ms },
+            );
+        }
+        if a.record {
+            for (item_id, call) in &a.calls {
+                self.history
+                    .remember(item_id.clone(), call_message(call), Origin::Call);
+            }
         }
         self.emit(Output::AnswerDone {
             answer: a.info,
@@ -1200,6 +1395,24 @@ impl Conversation {
             generated_chars,
             calls: a.calls,
         });
+    }
+}
+
+/// A call as the assistant message that makes it (its own item).
+fn call_message(call: &ToolCall) -> ChatMessage {
+    let mut m = ChatMessage::assistant("");
+    m.tool_calls.push(call.clone());
+    m
+}
+
+/// No item `id` in the conversation.
+fn not_found(id: &str) -> ClientError {
+    ClientError {
+        param: Some("item_id"),
+        ..ClientError::invalid(
+            "item_not_found",
+            format!("no item {id:?} in this conversation"),
+        )
     }
 }
 

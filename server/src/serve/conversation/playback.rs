@@ -44,6 +44,12 @@ impl Playback {
         self.interrupted = true;
     }
 
+    /// The client says it played `audio_end_ms` of it, and no more.
+    pub fn truncate(&mut self, audio_end_ms: u64) {
+        self.heard_ms = audio_end_ms;
+        self.interrupted = true;
+    }
+
     /// Whether a client that plays as it receives is still playing it at
     /// `now` (more audio went out than real time since the first).
     pub fn playing(&self, now: Instant) -> bool {

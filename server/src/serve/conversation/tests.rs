@@ -165,8 +165,8 @@ fn typed_turn_is_answered_and_both_sides_remembered() {
         matches!(&o[..], [Output::AnswerDone { text, end: End::Completed(_), .. }] if text == "Hi!")
     );
     assert_eq!(c.answering(), None);
-    let h: Vec<_> = c
-        .history()
+    let history = c.history();
+    let h: Vec<_> = history
         .iter()
         .map(|m| (m.role.as_str(), m.content.as_str()))
         .collect();
@@ -703,4 +703,220 @@ fn speech_during_a_transcription_barges_in_at_once_and_reports_in_turn_order() {
     let w = work(&mut c);
     assert!(w.iter().all(|w| !matches!(w, Work::Submit { .. })), "{w:?}");
     assert_eq!(transcribe_ids(&w).len(), 1);
+}
+
+/// The answer's item id, from its `AnswerStarted`... or `AnswerDone`.
+fn answer_item(o: &[Output]) -> String {
+    o.iter()
+        .find_map(|o| match o {
+            Output::AnswerDone { answer, .. } => Some(answer.item_id.clone()),
+            _ => None,
+        })
+        .expect("an answer ended")
+}
+
+fn add_user(c: &mut Conversation, id: &str, text: &str, t: Instant) {
+    c.handle(
+        Input::AddMessage {
+            item_id: Some(id.into()),
+            role: Role::User,
+            text: text.into(),
+            content: serde_json::json!([{"type": "input_text", "text": text}]),
+        },
+        t,
+    );
+}
+
+fn error_code(o: &[Output]) -> Option<(&'static str, Option<&'static str>)> {
+    o.iter().find_map(|o| match o {
+        Output::Error { error, .. } => Some((error.code, error.param)),
+        _ => None,
+    })
+}
+
+#[test]
+fn items_are_retrieved_deleted_and_truncated_by_id() {
+    let t0 = Instant::now();
+    let mut c = typed();
+    add_user(&mut c, "item_q", "Tell me about bees", t0);
+    let mut r = Respond::auto(busy);
+    r.record = true;
+    c.handle(Input::Respond(r), t0);
+    let (id, _) = submitted(&work(&mut c));
+    play(&mut c, &id, "Bees make honey from nectar", 3.0, t0);
+    end(&mut c, &id, End::Completed(Usage::default()), t0);
+    let answer = answer_item(&outputs(&mut c));
+
+    // Retrieved as the conversation has it.
+    c.handle(
+        Input::RetrieveItem {
+            item_id: answer.clone(),
+        },
+        t0,
+    );
+    let o = outputs(&mut c);
+    let [Output::ItemRetrieved(item)] = &o[..] else {
+        panic!("{o:?}");
+    };
+    assert_eq!(item.message.content, "Bees make honey from nectar");
+    assert_eq!(
+        item.origin,
+        Origin::Answer {
+            audio_ms: Some(3000)
+        }
+    );
+
+    // The client played one second of it: the words of that second stay.
+    c.handle(
+        Input::TruncateItem {
+            item_id: answer.clone(),
+            content_index: 0,
+            audio_end_ms: 1000,
+        },
+        t0,
+    );
+    let o = outputs(&mut c);
+    assert!(
+        matches!(&o[..], [Output::Truncated { audio_end_ms: 1000, text, .. }] if text == "Bees make"),
+        "{o:?}"
+    );
+    // Past its audio, another content part, not an answer, unknown: refused.
+    for (input, code) in [
+        (
+            Input::TruncateItem {
+                item_id: answer.clone(),
+                content_index: 0,
+                audio_end_ms: 5000,
+            },
+            ("invalid_value", Some("audio_end_ms")),
+        ),
+        (
+            Input::TruncateItem {
+                item_id: answer.clone(),
+                content_index: 1,
+                audio_end_ms: 10,
+            },
+            ("invalid_value", Some("content_index")),
+        ),
+        (
+            Input::TruncateItem {
+                item_id: "item_q".into(),
+                content_index: 0,
+                audio_end_ms: 10,
+            },
+            ("invalid_value", Some("item_id")),
+        ),
+        (
+            Input::RetrieveItem {
+                item_id: "item_nope".into(),
+            },
+            ("item_not_found", Some("item_id")),
+        ),
+        (
+            Input::DeleteItem {
+                item_id: "item_nope".into(),
+            },
+            ("item_not_found", Some("item_id")),
+        ),
+    ] {
+        c.handle(input, t0);
+        assert_eq!(error_code(&outputs(&mut c)), Some(code));
+    }
+
+    // Deleted: the next answer's prompt no longer has it.
+    c.handle(
+        Input::DeleteItem {
+            item_id: "item_q".into(),
+        },
+        t0,
+    );
+    let o = outputs(&mut c);
+    assert!(
+        matches!(&o[..], [Output::ItemDeleted { item_id }] if item_id == "item_q"),
+        "{o:?}"
+    );
+    add_user(&mut c, "item_q2", "And wasps?", t0);
+    c.handle(text_turn("Go on"), t0);
+    let (_, prompt) = submitted(&work(&mut c));
+    let texts: Vec<_> = prompt.iter().map(|m| m.content.as_str()).collect();
+    assert_eq!(texts, ["Bees make", "And wasps?", "Go on"]);
+}
+
+#[test]
+fn an_answer_of_its_own_context_leaves_the_conversation_alone() {
+    let t0 = Instant::now();
+    let mut c = typed();
+    add_user(&mut c, "item_a", "My name is Ada", t0);
+    add_user(&mut c, "item_b", "I like tea", t0);
+    let mut r = Respond::auto(busy);
+    r.record = false;
+    r.instructions = Some("Classify".into());
+    r.input = Some(vec![
+        Context::Reference("item_b".into()),
+        Context::Message(ChatMessage::user("Is this about drinks?")),
+    ]);
+    c.handle(Input::Respond(r), t0);
+    let (id, prompt) = submitted(&work(&mut c));
+    let texts: Vec<_> = prompt.iter().map(|m| m.content.as_str()).collect();
+    assert_eq!(texts, ["Classify", "I like tea", "Is this about drinks?"]);
+    play(&mut c, &id, "Yes", 0.5, t0);
+    end(&mut c, &id, End::Completed(Usage::default()), t0);
+    outputs(&mut c);
+    assert_eq!(
+        c.history().len(),
+        2,
+        "an out-of-band answer is not remembered"
+    );
+    // A reference to nothing is the request's error.
+    let mut r = Respond::auto(busy);
+    r.input = Some(vec![Context::Reference("item_zz".into())]);
+    c.handle(Input::Respond(r), t0);
+    assert_eq!(
+        error_code(&outputs(&mut c)),
+        Some(("item_not_found", Some("response.input")))
+    );
+    assert!(work(&mut c).is_empty());
+}
+
+#[test]
+fn the_running_answer_is_cut_where_the_client_stopped_playing_it() {
+    let t0 = Instant::now();
+    let mut c = typed();
+    c.handle(text_turn("Tell me about bees"), t0);
+    let (id, _) = submitted(&work(&mut c));
+    play(&mut c, &id, "Bees make honey from nectar", 3.0, t0);
+    let item = outputs(&mut c)
+        .iter()
+        .find_map(|o| match o {
+            Output::AnswerStarted(a) => Some(a.item_id.clone()),
+            _ => None,
+        })
+        .expect("started");
+    // Deleting it while it runs is refused.
+    c.handle(
+        Input::DeleteItem {
+            item_id: item.clone(),
+        },
+        t0,
+    );
+    assert_eq!(
+        error_code(&outputs(&mut c)),
+        Some(("item_in_progress", Some("item_id")))
+    );
+    c.handle(
+        Input::TruncateItem {
+            item_id: item,
+            content_index: 0,
+            audio_end_ms: 1000,
+        },
+        t0,
+    );
+    c.handle(Input::Cancel { response_id: None }, t0);
+    end(&mut c, &id, End::Cancelled, t0);
+    let o = outputs(&mut c);
+    assert!(
+        o.iter().any(|o| matches!(o, Output::Truncated { audio_end_ms: 1000, text, .. } if text == "Bees make")),
+        "{o:?}"
+    );
+    assert_eq!(c.history().last().unwrap().content, "Bees make");
 }

@@ -20,12 +20,14 @@ use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use omnistream_stages::engine::{Modalities, Role, ToolCall};
+use omnistream_stages::engine::{ChatMessage, Modalities, Role, ToolCall};
 
 use crate::serve::audio::OutputFormat;
 use crate::serve::conn::{self, AudioSink, Outbox, Overflow};
+use crate::serve::conversation::history::Origin;
 use crate::serve::conversation::{
-    new_id, AnswerInfo, Conversation, End, Input, Output, Respond, Settings, ToolItem, TurnSettings,
+    new_id, AnswerInfo, Context, Conversation, End, Input, Item, Output, Respond, Settings,
+    ToolItem, TurnSettings,
 };
 use crate::serve::driver::{self, Action, Incoming, Transport};
 use crate::serve::error::ClientError;
@@ -286,6 +288,18 @@ struct ResponseCreate {
     response: Option<ResponseParams>,
 }
 
+#[derive(Deserialize)]
+struct ItemRef {
+    item_id: String,
+}
+
+#[derive(Deserialize)]
+struct ItemTruncate {
+    item_id: String,
+    content_index: usize,
+    audio_end_ms: u64,
+}
+
 #[derive(Deserialize, Default)]
 struct ResponseCancel {
     response_id: Option<String>,
@@ -394,16 +408,66 @@ struct ResponseOptions {
     /// Checked in `on_event` against the session's tools.
     tools: Option<Value>,
     tool_choice: Option<Value>,
+    /// `input`: this answer's own context instead of the conversation.
+    input: Option<Vec<Context>>,
+}
+
+/// Most items a response's own `input` may hold.
+const MAX_RESPONSE_INPUT: usize = 256;
+
+/// One item of a response's `input`: an item written out, or a reference
+/// to one of the conversation's.
+fn context_item(v: Value, i: usize) -> Result<Context, ClientError> {
+    let at = |e: ClientError| ClientError {
+        param: Some("response.input"),
+        message: format!("response.input[{i}]: {}", e.message),
+        ..e
+    };
+    if v.get("type").and_then(Value::as_str) == Some("item_reference") {
+        let id = v.get("id").and_then(Value::as_str).unwrap_or_default();
+        if id.is_empty() {
+            return Err(at(ClientError::invalid(
+                "invalid_value",
+                "an item_reference needs its id",
+            )));
+        }
+        return Ok(Context::Reference(id.to_string()));
+    }
+    let item: ItemIn = serde_json::from_value(v)
+        .map_err(|e| at(ClientError::invalid("invalid_value", e.to_string())))?;
+    let message = match item_input(item).map_err(at)? {
+        Input::AddMessage { role, text, .. } => ChatMessage::new(role, text),
+        Input::AddToolOutput {
+            call_id, output, ..
+        } => ChatMessage::tool(call_id, output),
+        Input::AddToolCall { call, .. } => {
+            let mut m = ChatMessage::assistant("");
+            m.tool_calls.push(call);
+            m
+        }
+        _ => unreachable!("item_input makes items only"),
+    };
+    Ok(Context::Message(message))
 }
 
 impl ResponseParams {
     fn validate(self, session_audio: bool) -> Result<ResponseOptions, ClientError> {
-        if self.input.as_ref().is_some_and(|i| !i.is_empty()) {
-            return Err(ClientError::param(
-                "response.input",
-                "custom response input is not supported: add conversation items instead",
-            ));
-        }
+        let input = match self.input {
+            Some(items) if items.len() > MAX_RESPONSE_INPUT => {
+                return Err(ClientError::param(
+                    "response.input",
+                    format!("response.input holds at most {MAX_RESPONSE_INPUT} items"),
+                ))
+            }
+            Some(items) => Some(
+                items
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, v)| context_item(v, i))
+                    .collect::<Result<Vec<_>, _>>()?,
+            ),
+            None => None,
+        };
         let record = match self.conversation.as_deref() {
             None | Some("auto") => true,
             Some("none") => false,
@@ -439,6 +503,7 @@ impl ResponseParams {
             temperature: self.temperature.map(check_temperature).transpose()?,
             tools: self.tools,
             tool_choice: self.tool_choice,
+            input,
         })
     }
 }
@@ -542,6 +607,7 @@ impl Realtime {
                     user_text: None,
                     busy,
                     tools,
+                    input: o.input,
                 };
                 input(event_id, Input::Respond(respond))
             }
@@ -563,11 +629,32 @@ impl Realtime {
                     json!({}),
                 ))]
             }
-            "conversation.item.delete"
-            | "conversation.item.truncate"
-            | "conversation.item.retrieve"
-            | "output_audio_buffer.clear"
-            | "transcription_session.update" => {
+            "output_audio_buffer.clear" => {
+                return Err(ClientError::invalid(
+                    "unsupported_event",
+                    "output_audio_buffer.clear applies to WebRTC calls, where the server plays the audio; over a WebSocket the client holds it (stop playing, then conversation.item.truncate)",
+                ))
+            }
+            "conversation.item.retrieve" => {
+                let ItemRef { item_id } = fields(v, "conversation.item.retrieve")?;
+                input(event_id, Input::RetrieveItem { item_id })
+            }
+            "conversation.item.delete" => {
+                let ItemRef { item_id } = fields(v, "conversation.item.delete")?;
+                input(event_id, Input::DeleteItem { item_id })
+            }
+            "conversation.item.truncate" => {
+                let t: ItemTruncate = fields(v, "conversation.item.truncate")?;
+                input(
+                    event_id,
+                    Input::TruncateItem {
+                        item_id: t.item_id,
+                        content_index: t.content_index,
+                        audio_end_ms: t.audio_end_ms,
+                    },
+                )
+            }
+            "transcription_session.update" => {
                 return Err(ClientError::invalid(
                     "unsupported_event",
                     format!("{kind} is not supported by this server"),
@@ -792,6 +879,45 @@ fn call_item(item_id: &str, c: &ToolCall, status: &str) -> Value {
     })
 }
 
+/// A remembered item, as the conversation has it now (an answer cut back
+/// to what was heard, a user turn with its transcript).
+fn history_item(item: &Item) -> Value {
+    let m = &item.message;
+    let message = |role: &str, content: Value| {
+        json!({
+            "id": item.id, "object": "realtime.item", "type": "message",
+            "status": "completed", "role": role, "content": content,
+        })
+    };
+    match &item.origin {
+        Origin::Client(content) => message(m.role.as_str(), content.clone()),
+        Origin::Typed => message("user", json!([{"type": "input_text", "text": m.content}])),
+        Origin::Spoken => message(
+            "user",
+            json!([{"type": "input_audio", "transcript": m.content}]),
+        ),
+        Origin::Answer { audio_ms: Some(_) } => message(
+            "assistant",
+            json!([{"type": "output_audio", "transcript": m.content}]),
+        ),
+        Origin::Answer { audio_ms: None } => message(
+            "assistant",
+            json!([{"type": "output_text", "text": m.content}]),
+        ),
+        Origin::Call => match m.tool_calls.first() {
+            Some(c) => call_item(&item.id, c, "completed"),
+            None => message("assistant", json!([])),
+        },
+        Origin::Output => tool_item(
+            &item.id,
+            &ToolItem::Output {
+                call_id: m.tool_call_id.clone().unwrap_or_default(),
+                output: m.content.clone(),
+            },
+        ),
+    }
+}
+
 /// A tool item the client added, as a Realtime item.
 fn tool_item(item_id: &str, item: &ToolItem) -> Value {
     match item {
@@ -875,6 +1001,11 @@ fn delta(a: &AnswerInfo, kind: &str, extra: Value) -> Message {
 /// `conversation.item.create`, validated: a message with text.
 fn item_create(v: Value) -> Result<Input, ClientError> {
     let ItemCreate { item } = fields(v, "conversation.item.create")?;
+    item_input(item)
+}
+
+/// A message, function call or function call output item, checked.
+fn item_input(item: ItemIn) -> Result<Input, ClientError> {
     let item_id = item.id.clone().filter(|i| !i.is_empty() && i.len() <= 64);
     match item.kind.as_str() {
         "message" => {}
@@ -1125,6 +1256,14 @@ impl Transport for Realtime {
             Output::PlaybackCleared { response_id } => frames.push(event(
                 "output_audio_buffer.cleared",
                 json!({"response_id": response_id}),
+            )),
+            Output::ItemRetrieved(item) => frames.push(event(
+                "conversation.item.retrieved",
+                json!({"item": history_item(&item)}),
+            )),
+            Output::ItemDeleted { item_id } => frames.push(event(
+                "conversation.item.deleted",
+                json!({"item_id": item_id}),
             )),
         }
         Ok(frames)

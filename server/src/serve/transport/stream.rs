@@ -473,7 +473,9 @@ impl Transport for PcmStream {
             | Output::Committed { .. }
             | Output::ItemAdded { .. }
             | Output::ToolItemAdded { .. }
-            | Output::AnswerToolCall { .. } => return Ok(Vec::new()),
+            | Output::AnswerToolCall { .. }
+            | Output::ItemRetrieved(_)
+            | Output::ItemDeleted { .. } => return Ok(Vec::new()),
             Output::Transcribed { result, .. } => match result {
                 Ok(text) => msg(json!({"type": "input_transcript", "text": text})),
                 Err(e) => error_msg(&e),

@@ -36,10 +36,21 @@ fn run_page_test(browser: &str, url: &str, limit: Duration) -> Value {
 
 /// [`run_page_test`] with extra environment (`MIC_WAV`: hands-free).
 fn run_page_test_with(browser: &str, url: &str, limit: Duration, env: &[(&str, &str)]) -> Value {
+    run_script("page_test.mjs", &[url], browser, limit, env)
+}
+
+/// Runs `node tests/web/SCRIPT ARGS…`, killing it past `limit`; its JSON.
+fn run_script(
+    script: &str,
+    args: &[&str],
+    browser: &str,
+    limit: Duration,
+    env: &[(&str, &str)],
+) -> Value {
     let web = root().join("tests/web");
     let mut child = Command::new("node")
-        .arg(web.join("page_test.mjs"))
-        .arg(url)
+        .arg(web.join(script))
+        .args(args)
         .envs(env.iter().copied())
         .env("BROWSER", browser)
         .current_dir(&web)
@@ -54,7 +65,7 @@ fn run_page_test_with(browser: &str, url: &str, limit: Duration, env: &[(&str, &
             Ok(None) if start.elapsed() > limit => {
                 let _ = child.kill();
                 let _ = child.wait();
-                panic!("page_test.mjs ran past {limit:?}");
+                panic!("{script} ran past {limit:?}");
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(200)),
             Err(e) => panic!("waiting for node: {e}"),
@@ -67,13 +78,11 @@ fn run_page_test_with(browser: &str, url: &str, limit: Duration, env: &[(&str, &
         .lines()
         .rev()
         .find(|l| l.starts_with('{'))
-        .unwrap_or_else(|| {
-            panic!("no JSON from page_test.mjs\nstdout:\n{stdout}\nstderr:\n{stderr}")
-        });
-    let v: Value = serde_json::from_str(line).expect("page_test.mjs JSON");
+        .unwrap_or_else(|| panic!("no JSON from {script}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
+    let v: Value = serde_json::from_str(line).expect("the script's JSON");
     assert!(
         out.status.success() && v.get("error").is_none(),
-        "page test failed: {}\nstderr:\n{stderr}",
+        "{script} failed: {}\nstderr:\n{stderr}",
         serde_json::to_string_pretty(&v).unwrap_or_default()
     );
     v
@@ -362,4 +371,69 @@ fn check_received_audio(v: &Value, strict: bool) {
         unplayed_s <= MAX_UNPLAYED_S,
         "{unplayed_s:.2} s of the audio received was never played\n{context}"
     );
+}
+
+/// OpenAI's WebRTC call flow, as OpenAI's guide writes it, in Chromium
+/// (`tests/web/openai_call.mjs`): an ephemeral key with a session, the offer
+/// POSTed to `/v1/realtime/calls` with it, a turn answered in audio on the
+/// track, the app server's sideband on the call, the multipart form with
+/// the API key, hang-up; a reused, forged or misapplied key is refused.
+#[test]
+fn openai_call_flow_in_chromium() {
+    require_tools(CHROMIUM);
+    let _shared = shared();
+    const KEY: &str = "call-flow-key";
+    let server = spawn_server(&["--api-key", KEY]);
+    let v = run_script(
+        "openai_call.mjs",
+        &[&server.url, KEY],
+        "chromium",
+        Duration::from_secs(300),
+        &[],
+    );
+    let call = &v["call"];
+    assert_eq!(call["status"], 201, "{v}");
+    assert_eq!(call["contentType"], "application/sdp", "{v}");
+    assert!(
+        call["location"]
+            .as_str()
+            .is_some_and(|l| l.starts_with("/v1/realtime/calls/")),
+        "{v}"
+    );
+    assert_eq!(
+        call["instructions"], v["secret"]["session"],
+        "the key's session applies: {v}"
+    );
+    assert_eq!(call["status_done"], "completed", "{v}");
+    assert!(
+        call["transcript"]
+            .as_str()
+            .is_some_and(|t| !t.trim().is_empty()),
+        "{v}"
+    );
+    // 20 ms packets: at least two seconds of the answer reached the browser.
+    assert!(call["packetsReceived"].as_u64().unwrap_or(0) >= 100, "{v}");
+    assert_eq!(call["sidebandTranscript"], call["transcript"], "{v}");
+    assert_eq!(call["pageSawSideband"], true, "{v}");
+    assert_eq!(call["formStatus"], 201, "{v}");
+    assert_eq!(call["formInstructions"], "Form session.", "{v}");
+    // Refusals: a used key, a forged one, one shown to another endpoint,
+    // no API key, a bad session or lifetime (naming the field).
+    assert_eq!(call["reusedStatus"], 401, "{v}");
+    assert_eq!(v["forged"]["status"], 401, "{v}");
+    assert_eq!(v["ekOnModels"], 401, "{v}");
+    assert_eq!(v["noKeyStatus"], 401, "{v}");
+    assert_eq!(v["badVoice"]["status"], 400, "{v}");
+    assert_eq!(v["badVoice"]["param"], "voice", "{v}");
+    assert_eq!(v["badTtl"]["param"], "expires_after.seconds", "{v}");
+    assert_eq!(v["secret"]["prefix"], "ek_", "{v}");
+    // Hang-up over HTTP ends the call, the sideband with it; then 404.
+    assert_eq!(v["hangupStatus"], 200, "{v}");
+    assert_ne!(v["afterHangup"]["pc"], "connected", "{v}");
+    assert_eq!(v["afterHangup"]["sideband"], 3, "the sideband closed: {v}");
+    assert_eq!(v["hangupAgainStatus"], 404, "{v}");
+    let idle = omnistream_e2e::eventually(15, || {
+        omnistream_e2e::metric_keyed(&server, KEY, "omnistream_sessions_open", &[]) == 0.0
+    });
+    assert!(idle, "the calls' sessions stayed open");
 }

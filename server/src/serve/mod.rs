@@ -229,9 +229,9 @@ pub fn router(state: Arc<AppState>, rtc: Option<Arc<transport::webrtc::WebRtc>>)
             }),
         )
         .merge(transport::http::routes())
-        .merge(transport::realtime::routes())
+        .merge(transport::realtime::routes(rtc.clone()))
         .merge(transport::stream::routes())
-        .merge(transport::webrtc::routes(rtc))
+        .merge(transport::webrtc::routes(rtc.clone()))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_key,
@@ -241,6 +241,8 @@ pub fn router(state: Arc<AppState>, rtc: Option<Arc<transport::webrtc::WebRtc>>)
         .merge(web::routes())
         // Twilio cannot send a key header: the stream checks its `start`.
         .merge(transport::twilio::routes())
+        // An ephemeral key opens a call and nothing else: checked there.
+        .merge(transport::webrtc::call_routes(rtc.clone()))
         .merge(api)
         // Every answer in the JSON error shape, a wrong path or method too.
         .fallback(|uri: axum::http::Uri| async move {

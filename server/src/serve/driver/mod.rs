@@ -129,6 +129,22 @@ pub trait Transport: Send {
     }
 }
 
+/// What the server's pipeline and knobs give a conversation.
+pub fn caps(state: &AppState) -> Caps {
+    Caps {
+        listener: listen::can_hear(state),
+        thinker_hears: state.pipeline.thinker_hears(),
+        echo_guard: Duration::from_millis(
+            state
+                .config
+                .vad
+                .as_ref()
+                .map_or(0, |h| u64::from(h.echo_guard_ms)),
+        ),
+        chars_per_second: state.speech_rate.chars_per_second(),
+    }
+}
+
 /// What an answer's task reports.
 enum AnswerEvent {
     Text(String),
@@ -152,19 +168,7 @@ pub async fn run<T, St>(
     St: Stream<Item = Inbound> + Unpin,
 {
     let _task = TaskGuard::new(&state.metrics);
-    let caps = Caps {
-        listener: listen::can_hear(&state),
-        thinker_hears: state.pipeline.thinker_hears(),
-        echo_guard: Duration::from_millis(
-            state
-                .config
-                .vad
-                .as_ref()
-                .map_or(0, |h| u64::from(h.echo_guard_ms)),
-        ),
-        chars_per_second: state.speech_rate.chars_per_second(),
-    };
-    let conv = Conversation::new(caps, transport.settings());
+    let conv = Conversation::new(caps(&state), transport.settings());
     let (heard_tx, heard_rx) = mpsc::unbounded_channel();
     let (words_tx, words_rx) = mpsc::unbounded_channel();
     let (answers_tx, answers_rx) = mpsc::unbounded_channel();

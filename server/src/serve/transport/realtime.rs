@@ -10,11 +10,11 @@ use std::sync::Arc;
 
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::get;
-use axum::Router;
+use axum::{Extension, Router};
 use base64::Engine as _;
 use futures_util::StreamExt;
 use serde::Deserialize;
@@ -34,21 +34,45 @@ use crate::serve::error::ClientError;
 use crate::serve::sessions::SessionGuard;
 use crate::serve::state::AppState;
 use crate::serve::tools::{self, Shape};
+use crate::serve::transport::webrtc::{calls, WebRtc};
 
 /// The only output (and input) audio format: pcm16, mono, 24 kHz.
 pub const RATE: u32 = 24_000;
 const MAX_OUTPUT_TOKENS: u64 = 4096;
 
-pub fn routes() -> Router<Arc<AppState>> {
-    Router::new().route("/v1/realtime", get(upgrade))
+pub fn routes(rtc: Option<Arc<WebRtc>>) -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/v1/realtime", get(upgrade))
+        .layer(Extension(rtc))
+}
+
+#[derive(Deserialize)]
+struct Connect {
+    /// A WebRTC call's id: this socket is its sideband.
+    call_id: Option<String>,
 }
 
 async fn upgrade(
     State(state): State<Arc<AppState>>,
+    Extension(rtc): Extension<Option<Arc<WebRtc>>>,
+    Query(q): Query<Connect>,
     headers: HeaderMap,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
+    if let Some(call_id) = q.call_id {
+        return calls::sideband(state, rtc, &headers, ws, call_id);
+    }
     conn::accept(state, &headers, ws, "realtime", &["realtime"], serve)
+}
+
+/// Checks a session configuration as `session.update` would on a fresh
+/// session: the effective session, or the error naming the field.
+pub fn check_session(state: &Arc<AppState>, session: &Value) -> Result<Value, ClientError> {
+    let codec = Realtime::new(state.clone(), new_id("sess"), None);
+    let conv = Conversation::new(driver::caps(state), codec.settings());
+    let update = json!({"type": "session.update", "session": session});
+    let settings = codec.session_update(update, &conv)?;
+    Ok(codec.session_json(&settings, &conv))
 }
 
 /// A server event: `type` and a fresh `event_id` added to `body`.

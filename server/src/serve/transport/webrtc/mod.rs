@@ -12,6 +12,7 @@
 //! data channel, ICE failure, `DELETE /v1/webrtc/{session}`) ends the session
 //! and cancels its work in every stage.
 
+pub mod calls;
 pub mod media;
 mod sdp;
 
@@ -77,6 +78,8 @@ pub struct WebRtc {
     playout_lead: Duration,
     ice_servers: Vec<RTCIceServer>,
     peers: dashmap::DashMap<String, Arc<RTCPeerConnection>>,
+    /// OpenAI's call flow: ephemeral keys, and the calls' sideband links.
+    calls: calls::Calls,
 }
 
 impl WebRtc {
@@ -139,6 +142,7 @@ impl WebRtc {
             playout_lead,
             ice_servers,
             peers: dashmap::DashMap::new(),
+            calls: calls::Calls::default(),
         })
     }
 
@@ -152,6 +156,16 @@ pub fn routes(rtc: Option<Arc<WebRtc>>) -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/webrtc", post(offer))
         .route("/v1/webrtc/{session}", delete(hang_up))
+        .route("/v1/realtime/client_secrets", post(calls::client_secrets))
+        .route("/v1/realtime/calls/{call_id}/hangup", post(calls::hangup))
+        .layer(Extension(rtc))
+}
+
+/// `POST /v1/realtime/calls`, which checks its own key: an ephemeral key
+/// opens a call and nothing else.
+pub fn call_routes(rtc: Option<Arc<WebRtc>>) -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/v1/realtime/calls", post(calls::calls))
         .layer(Extension(rtc))
 }
 
@@ -218,6 +232,36 @@ async fn answer(
     let Some(rtc) = rtc else {
         return Err(ApiError::internal("WebRTC is not available on this server"));
     };
+    let (id, sdp) = open_call(&state, &rtc, &offer_sdp, codec, Vec::new()).await?;
+    let location = format!("/v1/webrtc/{id}");
+    Ok(match shape {
+        Shape::Sdp => (
+            StatusCode::CREATED,
+            [
+                (header::CONTENT_TYPE, "application/sdp".to_string()),
+                (header::LOCATION, location),
+            ],
+            sdp,
+        )
+            .into_response(),
+        Shape::Json => (
+            StatusCode::CREATED,
+            [(header::LOCATION, location)],
+            Json(json!({"type": "answer", "sdp": sdp, "session_id": id, "codec": codec.name()})),
+        )
+            .into_response(),
+    })
+}
+
+/// A call from an offer: its session id and the SDP answer. `initial`:
+/// session configurations applied first, as `session.update`s.
+async fn open_call(
+    state: &Arc<AppState>,
+    rtc: &Arc<WebRtc>,
+    offer_sdp: &str,
+    codec: Codec,
+    initial: Vec<serde_json::Value>,
+) -> Result<(String, String), ApiError> {
     // The session first: at the cap, refuse before any network work.
     let session = state.sessions.open("webrtc")?;
     let pc = Arc::new(
@@ -229,7 +273,7 @@ async fn answer(
             .await
             .map_err(|e| ApiError::internal(format!("creating the peer connection: {e}")))?,
     );
-    match connect(&state, &pc, codec, &offer_sdp).await {
+    match connect(state, &pc, codec, offer_sdp).await {
         Ok(local) => {
             let id = session.id.clone();
             rtc.peers.insert(id.clone(), pc.clone());
@@ -240,25 +284,9 @@ async fn answer(
                 codec,
                 session,
                 local.tracks,
+                initial,
             ));
-            let location = format!("/v1/webrtc/{id}");
-            Ok(match shape {
-                Shape::Sdp => (
-                    StatusCode::CREATED,
-                    [
-                        (header::CONTENT_TYPE, "application/sdp".to_string()),
-                        (header::LOCATION, location),
-                    ],
-                    local.sdp,
-                )
-                    .into_response(),
-                Shape::Json => (
-                    StatusCode::CREATED,
-                    [(header::LOCATION, location)],
-                    Json(json!({"type": "answer", "sdp": local.sdp, "session_id": id, "codec": codec.name()})),
-                )
-                    .into_response(),
-            })
+            Ok((id, local.sdp))
         }
         Err(e) => {
             let _ = pc.close().await;
@@ -417,6 +445,7 @@ async fn run_peer(
     codec: Codec,
     session: crate::serve::sessions::SessionGuard,
     tracks: Tracks,
+    initial: Vec<serde_json::Value>,
 ) {
     let _task = TaskGuard::new(&state.metrics);
     let _conn = ConnGauge::new(&state.metrics, "webrtc");
@@ -425,6 +454,14 @@ async fn run_peer(
 
     // Events: data channel messages in, Outbox messages out through a bridge.
     let (in_tx, in_rx) = mpsc::channel::<Inbound>(64);
+    // The call starts with the configuration it was opened with.
+    for s in initial {
+        let update = json!({"type": "session.update", "session": s});
+        let _ = in_tx.try_send(Inbound::Text(update.to_string()));
+    }
+    // A sideband (`GET /v1/realtime?call_id=`) joins through this link.
+    let (link, watchers) = calls::Link::new(in_tx.clone());
+    rtc.calls.links.insert(id.clone(), link);
     // A bounded channel whose sending half is the Outbox writer's sink.
     let (out_tx, out_rx) = futures_channel::mpsc::channel::<Message>(64);
     let out = Outbox::start_on(out_tx, &state.metrics, slow_client_event(), false);
@@ -467,6 +504,7 @@ async fn run_peer(
         in_tx.clone(),
         out_rx,
         hangup_tx.clone(),
+        watchers,
     ));
     tokio::spawn(pace(
         state.clone(),
@@ -518,6 +556,7 @@ async fn run_peer(
     let _ = pc.close().await;
     // Listed until closed: a server shutting down waits for its peers to be
     // hung up (the session itself ended with the driver).
+    rtc.calls.links.remove(&id);
     rtc.peers.remove(&id);
 }
 
@@ -529,6 +568,7 @@ async fn events_bridge(
     input: mpsc::Sender<Inbound>,
     mut output: futures_channel::mpsc::Receiver<Message>,
     hangup: watch::Sender<bool>,
+    watchers: tokio::sync::broadcast::Sender<Message>,
 ) {
     let _task = TaskGuard::new(&state.metrics);
     let mut gone = hangup.subscribe();
@@ -573,6 +613,8 @@ async fn events_bridge(
         }
         match msg {
             Some(Message::Text(t)) => {
+                // A sideband sees every event too (none listening is fine).
+                let _ = watchers.send(Message::Text(t.clone()));
                 if dc.send_text(t.to_string()).await.is_err() {
                     break;
                 }

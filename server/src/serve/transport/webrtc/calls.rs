@@ -1,0 +1,482 @@
+//! OpenAI's WebRTC call flow, so that code written for OpenAI's WebRTC guide
+//! works unchanged (see `docs/webrtc.md`):
+//!
+//! - `POST /v1/realtime/client_secrets` (API key): an ephemeral key (`ek_…`)
+//!   with a time to live and, optionally, the session configuration its call
+//!   starts with. It opens one call and nothing else.
+//! - `POST /v1/realtime/calls` (ephemeral key or API key): the SDP offer as
+//!   `application/sdp`, or the multipart form of `sdp` and `session`; `201`
+//!   with the SDP answer and `Location: /v1/realtime/calls/{call_id}`.
+//! - `POST /v1/realtime/calls/{call_id}/hangup` (API key): ends the call.
+//! - `GET /v1/realtime?call_id=…` (API key): the sideband WebSocket of an app
+//!   server on a call a browser holds: the call's events come to it too, and
+//!   its events go into the call's session as if sent on the data channel.
+//!
+//! The call itself is the one `/v1/webrtc` makes: the same peer, track and
+//! Realtime session.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{FromRequest, Multipart, Path, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use dashmap::DashMap;
+use futures_util::{SinkExt, StreamExt};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::{broadcast, mpsc};
+
+use super::{open_call, WebRtc, MAX_OFFER_BYTES};
+use crate::serve::auth;
+use crate::serve::conn::{self, ConnGauge};
+use crate::serve::connections::read_body;
+use crate::serve::driver::Inbound;
+use crate::serve::error::ApiError;
+use crate::serve::state::AppState;
+use crate::serve::transport::realtime;
+
+/// An ephemeral key lives this long unless asked otherwise.
+const DEFAULT_TTL_S: u64 = 600;
+/// The bounds OpenAI puts on `expires_after.seconds`.
+const TTL_RANGE_S: std::ops::RangeInclusive<u64> = 10..=7200;
+/// Ephemeral keys outstanding at once (expired ones are swept first).
+const MAX_SECRETS: usize = 10_000;
+/// Events a sideband may fall behind by before it is dropped.
+const SIDEBAND_BACKLOG: usize = 1024;
+
+/// An ephemeral key not yet used.
+struct Secret {
+    expires: Instant,
+    /// The session configuration the call starts with (already checked).
+    session: Option<Value>,
+}
+
+/// A live call as its sideband sees it: a way in, and its events.
+pub struct Link {
+    input: mpsc::Sender<Inbound>,
+    events: broadcast::Sender<Message>,
+}
+
+impl Link {
+    pub fn new(input: mpsc::Sender<Inbound>) -> (Self, broadcast::Sender<Message>) {
+        let (events, _) = broadcast::channel(SIDEBAND_BACKLOG);
+        (
+            Self {
+                input,
+                events: events.clone(),
+            },
+            events,
+        )
+    }
+}
+
+/// The call flow's state: keys not yet used, calls with a way in.
+#[derive(Default)]
+pub struct Calls {
+    secrets: DashMap<String, Secret>,
+    pub links: DashMap<String, Link>,
+}
+
+impl Calls {
+    /// Whether the key `value` is live, without taking it. `Err`: why not.
+    fn check(&self, value: &str, now: Instant) -> Result<(), &'static str> {
+        match self.secrets.get(value) {
+            None => Err("unknown or already used ephemeral key"),
+            Some(s) if s.expires <= now => Err("the ephemeral key expired"),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Takes the key `value` if it is live: the session it carries. `Err`:
+    /// why it is refused.
+    fn redeem(&self, value: &str, now: Instant) -> Result<Option<Value>, &'static str> {
+        let Some((_, s)) = self.secrets.remove(value) else {
+            return Err("unknown or already used ephemeral key");
+        };
+        if s.expires <= now {
+            return Err("the ephemeral key expired");
+        }
+        Ok(s.session)
+    }
+
+    fn insert(&self, value: String, secret: Secret, now: Instant) -> Result<(), ApiError> {
+        if self.secrets.len() >= MAX_SECRETS {
+            self.secrets.retain(|_, s| s.expires > now);
+        }
+        if self.secrets.len() >= MAX_SECRETS {
+            return Err(ApiError::overloaded(format!(
+                "too many unused ephemeral keys (limit {MAX_SECRETS}); retry shortly"
+            )));
+        }
+        self.secrets.insert(value, secret);
+        Ok(())
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct SecretRequest {
+    expires_after: Option<ExpiresAfter>,
+    session: Option<Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExpiresAfter {
+    anchor: Option<String>,
+    seconds: Option<u64>,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn no_webrtc() -> ApiError {
+    ApiError::internal("WebRTC is not available on this server")
+}
+
+/// `POST /v1/realtime/client_secrets`.
+pub async fn client_secrets(
+    State(state): State<Arc<AppState>>,
+    Extension(rtc): Extension<Option<Arc<WebRtc>>>,
+    body: Result<Json<Value>, JsonRejection>,
+) -> Response {
+    match make_secret(&state, rtc, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn make_secret(
+    state: &Arc<AppState>,
+    rtc: Option<Arc<WebRtc>>,
+    body: Result<Json<Value>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let rtc = rtc.ok_or_else(no_webrtc)?;
+    let body = match body {
+        Ok(Json(v)) => v,
+        // An empty body asks for the defaults.
+        Err(JsonRejection::MissingJsonContentType(_)) => json!({}),
+        Err(e) => return Err(ApiError::bad_request("invalid_json", e.body_text())),
+    };
+    let req: SecretRequest = serde_json::from_value(body)
+        .map_err(|e| ApiError::bad_request("invalid_request", e.to_string()))?;
+    let ttl = match req.expires_after {
+        None => DEFAULT_TTL_S,
+        Some(e) => {
+            if e.anchor.as_deref().is_some_and(|a| a != "created_at") {
+                return Err(ApiError {
+                    param: Some("expires_after.anchor"),
+                    ..ApiError::bad_request("invalid_value", "the anchor is \"created_at\"")
+                });
+            }
+            let s = e.seconds.unwrap_or(DEFAULT_TTL_S);
+            if !TTL_RANGE_S.contains(&s) {
+                return Err(ApiError {
+                    param: Some("expires_after.seconds"),
+                    ..ApiError::bad_request(
+                        "invalid_value",
+                        format!(
+                            "expires_after.seconds is {}–{}",
+                            TTL_RANGE_S.start(),
+                            TTL_RANGE_S.end()
+                        ),
+                    )
+                });
+            }
+            s
+        }
+    };
+    // Checked now, as a session.update would be: a bad one is this call's 400.
+    let effective = match &req.session {
+        Some(s) => realtime::check_session(state, s).map_err(|e| e.to_api())?,
+        None => realtime::check_session(state, &json!({})).map_err(|e| e.to_api())?,
+    };
+    let value = format!("ek_{}", uuid::Uuid::new_v4().simple());
+    let now = Instant::now();
+    rtc.calls.insert(
+        value.clone(),
+        Secret {
+            expires: now + Duration::from_secs(ttl),
+            session: req.session,
+        },
+        now,
+    )?;
+    Ok(Json(json!({
+        "value": value,
+        "expires_at": unix_now() + ttl,
+        "session": effective,
+    }))
+    .into_response())
+}
+
+/// The caller's credential for a call.
+enum Caller {
+    /// An API key (or none is needed).
+    Keyed,
+    /// A live ephemeral key, taken when the call opens.
+    Ephemeral(String),
+}
+
+/// Who may open a call: an API key (or none needed), or a live ephemeral
+/// key. Nothing is taken yet: a request refused for its offer keeps its key.
+fn authorize(state: &AppState, rtc: &WebRtc, headers: &HeaderMap) -> Result<Caller, ApiError> {
+    let refused = |m: &str| ApiError {
+        message: m.into(),
+        ..ApiError::unauthorized()
+    };
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim());
+    if let Some(key) = bearer.filter(|k| k.starts_with("ek_")) {
+        rtc.calls.check(key, Instant::now()).map_err(refused)?;
+        return Ok(Caller::Ephemeral(key.to_string()));
+    }
+    if auth::authorized(state, headers) {
+        Ok(Caller::Keyed)
+    } else {
+        Err(ApiError::unauthorized())
+    }
+}
+
+/// `POST /v1/realtime/calls`.
+pub async fn calls(
+    State(state): State<Arc<AppState>>,
+    Extension(rtc): Extension<Option<Arc<WebRtc>>>,
+    req: Request,
+) -> Response {
+    match call(state, rtc, req).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn call(
+    state: Arc<AppState>,
+    rtc: Option<Arc<WebRtc>>,
+    req: Request,
+) -> Result<Response, ApiError> {
+    let rtc = rtc.ok_or_else(no_webrtc)?;
+    let caller = authorize(&state, &rtc, req.headers())?;
+    let ctype = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let (sdp, form_session) = if ctype.starts_with("multipart/form-data") {
+        read_form(&state, req).await?
+    } else if ctype.starts_with("application/sdp") {
+        let body = read_body(req, MAX_OFFER_BYTES).await?;
+        let sdp = String::from_utf8(body.to_vec())
+            .map_err(|_| super::bad_offer("the SDP offer is not UTF-8"))?;
+        (sdp, None)
+    } else {
+        return Err(ApiError::unsupported_media_type(format!(
+            "send the offer as application/sdp, or multipart/form-data with `sdp` and `session`, not {ctype:?}"
+        )));
+    };
+    let codec = super::sdp::audio_codec(&sdp).map_err(super::bad_offer)?;
+    // The offer is sound: the key is taken now (once, even if raced).
+    let key_session = match caller {
+        Caller::Keyed => None,
+        Caller::Ephemeral(key) => rtc
+            .calls
+            .redeem(&key, Instant::now())
+            .map_err(|m| ApiError {
+                message: m.into(),
+                ..ApiError::unauthorized()
+            })?,
+    };
+    let initial: Vec<Value> = key_session.into_iter().chain(form_session).collect();
+    let (id, answer) = open_call(&state, &rtc, &sdp, codec, initial).await?;
+    Ok((
+        StatusCode::CREATED,
+        [
+            (header::CONTENT_TYPE, "application/sdp".to_string()),
+            (header::LOCATION, format!("/v1/realtime/calls/{id}")),
+        ],
+        answer,
+    )
+        .into_response())
+}
+
+/// The multipart form: `sdp` (the offer) and an optional `session` (JSON).
+async fn read_form(
+    state: &Arc<AppState>,
+    req: Request,
+) -> Result<(String, Option<Value>), ApiError> {
+    let bad = |m: String| ApiError::bad_request("invalid_request", m);
+    let (parts, body) = req.into_parts();
+    let bytes = read_body(Request::from_parts(parts.clone(), body), MAX_OFFER_BYTES).await?;
+    let req = Request::from_parts(parts, axum::body::Body::from(bytes));
+    let mut form = Multipart::from_request(req, state)
+        .await
+        .map_err(|e| bad(e.body_text()))?;
+    let (mut sdp, mut session) = (None, None);
+    while let Some(field) = form
+        .next_field()
+        .await
+        .map_err(|e| bad(format!("the form cannot be read: {}", e.body_text())))?
+    {
+        let name = field.name().unwrap_or_default().to_string();
+        let text = field
+            .text()
+            .await
+            .map_err(|e| bad(format!("form field {name:?}: {}", e.body_text())))?;
+        match name.as_str() {
+            "sdp" => sdp = Some(text),
+            "session" => {
+                let v: Value = serde_json::from_str(&text).map_err(|e| ApiError {
+                    param: Some("session"),
+                    ..bad(format!("session is not JSON: {e}"))
+                })?;
+                realtime::check_session(state, &v).map_err(|e| e.to_api())?;
+                session = Some(v);
+            }
+            other => {
+                return Err(bad(format!(
+                    "unknown form field {other:?}: use sdp and session"
+                )))
+            }
+        }
+    }
+    let sdp = sdp.ok_or_else(|| ApiError {
+        param: Some("sdp"),
+        ..bad("the form has no sdp field".into())
+    })?;
+    Ok((sdp, session))
+}
+
+/// `POST /v1/realtime/calls/{call_id}/hangup`.
+pub async fn hangup(
+    Extension(rtc): Extension<Option<Arc<WebRtc>>>,
+    Path(call_id): Path<String>,
+) -> Response {
+    let pc = rtc
+        .as_ref()
+        .and_then(|r| r.peers.get(&call_id).map(|p| p.clone()));
+    match pc {
+        Some(pc) => {
+            let _ = pc.close().await;
+            StatusCode::OK.into_response()
+        }
+        None => ApiError::not_found(format!("no call {call_id:?}")).into_response(),
+    }
+}
+
+/// `GET /v1/realtime?call_id=…`: the sideband WebSocket of a live call.
+pub fn sideband(
+    state: Arc<AppState>,
+    rtc: Option<Arc<WebRtc>>,
+    headers: &HeaderMap,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+    call_id: String,
+) -> Response {
+    if !auth::origin_allowed(&state, headers) {
+        return ApiError::forbidden(
+            "origin_not_allowed",
+            "this Origin may not open WebSockets here (server.allowed_origins)",
+        )
+        .into_response();
+    }
+    let ws = match ws {
+        Ok(ws) => ws,
+        Err(e) => return ApiError::upgrade_refused(e.status(), e.body_text()).into_response(),
+    };
+    let link = rtc.as_ref().and_then(|r| {
+        r.calls
+            .links
+            .get(&call_id)
+            .map(|l| (l.input.clone(), l.events.subscribe()))
+    });
+    let Some((input, events)) = link else {
+        return ApiError::not_found(format!("no call {call_id:?}")).into_response();
+    };
+    ws.max_message_size(conn::MAX_MESSAGE_BYTES)
+        .max_frame_size(conn::MAX_MESSAGE_BYTES)
+        .protocols(["realtime"])
+        .on_upgrade(move |socket| run_sideband(state, socket, input, events))
+}
+
+/// Relays both ways until the sideband or the call goes. Closing the
+/// sideband leaves the call as it is.
+async fn run_sideband(
+    state: Arc<AppState>,
+    socket: WebSocket,
+    input: mpsc::Sender<Inbound>,
+    mut events: broadcast::Receiver<Message>,
+) {
+    let _conn = ConnGauge::new(&state.metrics, "sideband");
+    let (mut sink, mut stream) = socket.split();
+    loop {
+        tokio::select! {
+            ev = events.recv() => match ev {
+                Ok(m) => {
+                    if sink.send(m).await.is_err() {
+                        break;
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    let _ = sink.send(realtime::slow_client_event()).await;
+                    break;
+                }
+                // The call ended.
+                Err(broadcast::error::RecvError::Closed) => break,
+            },
+            m = stream.next() => match m {
+                Some(Ok(Message::Text(t))) => {
+                    if input.send(Inbound::Text(t.to_string())).await.is_err() {
+                        break;
+                    }
+                }
+                Some(Ok(Message::Binary(b))) => {
+                    if input.send(Inbound::Binary(b.to_vec())).await.is_err() {
+                        break;
+                    }
+                }
+                Some(Ok(_)) => {}
+                None | Some(Err(_)) => break,
+            },
+        }
+    }
+    let _ = sink.close().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_opens_one_call_before_it_expires() {
+        let calls = Calls::default();
+        let t0 = Instant::now();
+        let secret = |ttl: u64| Secret {
+            expires: t0 + Duration::from_secs(ttl),
+            session: Some(json!({"instructions": "hi"})),
+        };
+        calls.insert("ek_a".into(), secret(60), t0).unwrap();
+        calls.insert("ek_b".into(), secret(10), t0).unwrap();
+        assert_eq!(
+            calls.redeem("ek_a", t0),
+            Ok(Some(json!({"instructions": "hi"})))
+        );
+        // Once only.
+        assert!(calls.redeem("ek_a", t0).is_err());
+        assert_eq!(
+            calls.redeem("ek_b", t0 + Duration::from_secs(11)),
+            Err("the ephemeral key expired")
+        );
+        assert!(calls.redeem("ek_forged", t0).is_err());
+    }
+}

@@ -1,6 +1,7 @@
 //! Audio formats and transforms: PCM sample conversions, WAV, streaming
 //! sample-rate conversion, Ogg Opus, raw Opus packets and G.711 for RTP.
 
+pub mod flac;
 pub mod g711;
 pub mod mp3;
 mod ogg_demux;

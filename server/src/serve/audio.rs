@@ -8,6 +8,7 @@ use omnistream_codecs::pcm::{f32_to_pcm16_le, pcm16_le_to_f32};
 use omnistream_stages::engine::TRANSCRIBE_RATE;
 
 use super::error::ClientError;
+use omnistream_codecs::flac::FlacEncoder;
 use omnistream_codecs::mp3::Mp3Encoder;
 use omnistream_codecs::wav::{streaming_header, wav_bytes};
 use omnistream_codecs::{CodecError, OggOpusEncoder, StreamResampler};
@@ -26,10 +27,12 @@ pub enum OutputFormat {
     OggOpus,
     /// MP3 (LAME), 64 kbit/s mono.
     Mp3 { rate: u32 },
+    /// FLAC, 16-bit mono, lossless.
+    Flac { rate: u32 },
 }
 
 /// The names `from_name` takes, for error messages.
-pub const SUPPORTED_NAMES: &str = "pcm16 (or pcm), wav, mp3, opus";
+pub const SUPPORTED_NAMES: &str = "pcm16 (or pcm), wav, mp3, opus, flac";
 
 impl OutputFormat {
     /// From OpenAI names: "pcm16"/"pcm" (24 kHz), "wav" (24 kHz), "mp3"
@@ -47,6 +50,9 @@ impl OutputFormat {
             "mp3" => Ok(Self::Mp3 {
                 rate: OPENAI_PCM_RATE,
             }),
+            "flac" => Ok(Self::Flac {
+                rate: OPENAI_PCM_RATE,
+            }),
             other => Err(format!(
                 "unsupported audio format {other:?}; supported: {SUPPORTED_NAMES}"
             )),
@@ -59,13 +65,17 @@ impl OutputFormat {
             Self::Wav { .. } => "audio/wav",
             Self::OggOpus => "audio/ogg",
             Self::Mp3 { .. } => "audio/mpeg",
+            Self::Flac { .. } => "audio/flac",
         }
     }
 
     /// The sample rate of the bytes this format produces.
     pub fn rate(&self) -> u32 {
         match *self {
-            Self::Pcm16 { rate } | Self::Wav { rate } | Self::Mp3 { rate } => rate,
+            Self::Pcm16 { rate }
+            | Self::Wav { rate }
+            | Self::Mp3 { rate }
+            | Self::Flac { rate } => rate,
             Self::OggOpus => omnistream_codecs::ogg_opus::OPUS_RATE,
         }
     }
@@ -88,6 +98,10 @@ enum Inner {
         resampler: Box<StreamResampler>,
         enc: Box<Mp3Encoder>,
     },
+    Flac {
+        resampler: Box<StreamResampler>,
+        enc: Box<FlacEncoder>,
+    },
 }
 
 impl AudioEncoder {
@@ -106,6 +120,10 @@ impl AudioEncoder {
                 resampler: Box::new(StreamResampler::new(input_rate, rate)?),
                 enc: Box::new(Mp3Encoder::new(rate)?),
             },
+            OutputFormat::Flac { rate } => Inner::Flac {
+                resampler: Box::new(StreamResampler::new(input_rate, rate)?),
+                enc: Box::new(FlacEncoder::new(rate)?),
+            },
         };
         Ok(Self { inner })
     }
@@ -119,6 +137,7 @@ impl AudioEncoder {
             }
             Inner::Opus(enc) => enc.push(samples),
             Inner::Mp3 { resampler, enc } => enc.push(&resampler.process(samples)?),
+            Inner::Flac { resampler, enc } => enc.push(&resampler.process(samples)?),
         }
     }
 
@@ -131,6 +150,11 @@ impl AudioEncoder {
             }
             Inner::Opus(enc) => enc.finish(),
             Inner::Mp3 { resampler, enc } => {
+                let mut out = enc.push(&resampler.flush()?)?;
+                out.extend(enc.finish()?);
+                Ok(out)
+            }
+            Inner::Flac { resampler, enc } => {
                 let mut out = enc.push(&resampler.flush()?)?;
                 out.extend(enc.finish()?);
                 Ok(out)
@@ -151,7 +175,10 @@ impl AudioEncoder {
                 pcm.extend(r.flush()?);
                 wav_bytes(&pcm, rate)
             }
-            OutputFormat::Pcm16 { .. } | OutputFormat::OggOpus | OutputFormat::Mp3 { .. } => {
+            OutputFormat::Pcm16 { .. }
+            | OutputFormat::OggOpus
+            | OutputFormat::Mp3 { .. }
+            | OutputFormat::Flac { .. } => {
                 let mut enc = Self::new(format, input_rate)?;
                 let mut out = enc.push(samples)?;
                 out.extend(enc.finish()?);
@@ -233,6 +260,28 @@ mod tests {
     }
 
     #[test]
+    fn flac_streams_blocks_as_the_audio_comes() {
+        let f = OutputFormat::from_name("flac").unwrap();
+        assert_eq!(f, OutputFormat::Flac { rate: 24_000 });
+        assert_eq!(f.content_type(), "audio/flac");
+        let x = sine(22_050);
+        let mut e = AudioEncoder::new(f, PIPELINE_RATE).unwrap();
+        let mut streamed = Vec::new();
+        let mut early = 0;
+        for c in x.chunks(2_205) {
+            let b = e.push(c).unwrap();
+            early += usize::from(!b.is_empty());
+            streamed.extend(b);
+        }
+        streamed.extend(e.finish().unwrap());
+        // The header at once, then a 4,096-sample block about every other chunk.
+        assert!(early >= 5, "{early} of 10 chunks gave bytes");
+        assert_eq!(&streamed[..4], b"fLaC");
+        let whole = AudioEncoder::encode_all(f, &x, PIPELINE_RATE).unwrap();
+        assert_eq!(streamed, whole, "however it was fed");
+    }
+
+    #[test]
     fn names_and_content_types() {
         assert_eq!(
             OutputFormat::from_name("pcm16"),
@@ -247,7 +296,7 @@ mod tests {
             Ok(OutputFormat::Wav { rate: 24_000 })
         );
         assert_eq!(OutputFormat::from_name("opus"), Ok(OutputFormat::OggOpus));
-        for bad in ["flac", "aac", "", "PCM16"] {
+        for bad in ["aac", "", "PCM16"] {
             let e = OutputFormat::from_name(bad).unwrap_err();
             assert!(
                 e.contains("pcm16") && e.contains("wav") && e.contains("opus"),

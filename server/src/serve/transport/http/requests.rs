@@ -31,8 +31,8 @@ pub const AUDIO_TTL: Duration = Duration::from_secs(3600);
 /// Answers whose transcript is kept for later turns (oldest dropped first).
 const AUDIO_STORE_CAP: usize = 1024;
 /// Output formats per endpoint (OpenAI's names).
-const CHAT_FORMATS: &[&str] = &["pcm16", "wav", "mp3", "opus"];
-const SPEECH_FORMATS: &[&str] = &["mp3", "wav", "pcm", "opus"];
+const CHAT_FORMATS: &[&str] = &["pcm16", "wav", "mp3", "opus", "flac"];
+const SPEECH_FORMATS: &[&str] = &["mp3", "wav", "pcm", "opus", "flac"];
 
 /// `POST /v1/chat/completions`. Fields not listed are ignored, as OpenAI does.
 #[derive(Debug, Deserialize)]
@@ -594,7 +594,7 @@ mod tests {
             json!({"messages": msgs(), "n": 2}),
             json!({"messages": msgs(), "modalities": ["text", "video"]}),
             json!({"messages": msgs(), "modalities": ["text", "audio"]}),
-            json!({"messages": msgs(), "modalities": ["text", "audio"], "audio": {"voice": "joe", "format": "flac"}}),
+            json!({"messages": msgs(), "modalities": ["text", "audio"], "audio": {"voice": "joe", "format": "aac"}}),
             json!({"messages": msgs(), "modalities": ["text", "audio"], "audio": {"voice": "bob", "format": "wav"}}),
         ] {
             let e = chat_req(bad.clone()).expect_err(&bad.to_string());
@@ -687,7 +687,7 @@ mod tests {
             json!({"input": ""}),
             json!({"input": "x".repeat(MAX_SPEECH_CHARS + 1)}),
             json!({"input": "Hi", "voice": "bob"}),
-            json!({"input": "Hi", "response_format": "flac"}),
+            json!({"input": "Hi", "response_format": "aac"}),
             json!({"input": "Hi", "response_format": "pcm16"}),
             json!({"input": "Hi", "speed": 4.5}),
             json!({"input": "Hi", "speed": 0.1}),

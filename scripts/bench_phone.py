@@ -28,10 +28,11 @@ import base64
 import json
 import sys
 import time
-import wave
 
 import numpy as np
 import websockets
+
+from bench_voice import load  # the same questions, cut the same way
 
 RATE = 8000
 FRAME = 160  # 20 ms
@@ -55,16 +56,6 @@ def ulaw_decode(b):
     sign, exp, mant = u & 0x80, (u >> 4) & 0x07, u & 0x0F
     s = (((mant << 3) + BIAS) << exp) - BIAS
     return np.where(sign != 0, -s, s).astype(np.float32) / 32768
-
-
-def load(path):
-    with wave.open(path) as w:
-        rate = w.getframerate()
-        x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
-    loud = np.flatnonzero(np.abs(x) > 0.01)
-    x = x[: loud[-1] + 1] if len(loud) else x
-    n = int(len(x) * RATE / rate)
-    return np.interp(np.arange(n) * rate / RATE, np.arange(len(x)), x).astype(np.float32)
 
 
 async def call(url, speech, params, quiet_s=3.0, limit_s=180.0):
@@ -195,7 +186,7 @@ def main():
                    help="playout_lead_ms per call (default: the server's)")
     p.add_argument("--api-key")
     args = p.parse_args()
-    speech = load(args.wav)
+    speech = load(args.wav, RATE)
     failed = False
     for lead in args.lead_ms:
         for n in args.concurrent:

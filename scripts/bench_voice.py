@@ -30,7 +30,8 @@ RATE = 24000
 CHUNK = RATE // 50  # 20 ms
 
 
-def load(path):
+def load(path, to_rate=RATE):
+    """A WAV's samples at `to_rate`, its trailing silence cut."""
     with wave.open(path) as w:
         rate = w.getframerate()
         x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
@@ -38,8 +39,8 @@ def load(path):
     # trailing silence would otherwise count as time the server had.
     loud = np.flatnonzero(np.abs(x) > 0.01)
     x = x[: loud[-1] + 1] if len(loud) else x
-    n = int(len(x) * RATE / rate)
-    return np.interp(np.arange(n) * rate / RATE, np.arange(len(x)), x).astype(np.float32)
+    n = int(len(x) * to_rate / rate)
+    return np.interp(np.arange(n) * rate / to_rate, np.arange(len(x)), x).astype(np.float32)
 
 
 def pcm16(x):

@@ -12,7 +12,7 @@
 // up with POST /v1/realtime/calls/{id}/hangup. Along the way, what must be
 // refused is: a reused, a forged or a misapplied ephemeral key, a bad
 // session. Prints one JSON object (exit 1 with {"error": ...}).
-import puppeteer from "puppeteer-core";
+import { launchChromium } from "./chromium.mjs";
 import { mkdtempSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -195,24 +195,7 @@ try {
   result.forged = { status: forged.status, message: forged.json?.error?.message };
 
   const dir = mkdtempSync(join(tmpdir(), "omnistream-call-"));
-  browser = await puppeteer.launch({
-    browser: "chrome",
-    executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
-    headless: true,
-    userDataDir: join(dir, "profile"),
-    args: [
-      "--no-sandbox",
-      "--disable-gpu",
-      "--disable-quic",
-      "--no-first-run",
-      "--disable-background-networking",
-      "--disable-component-update",
-      "--disable-sync",
-      "--autoplay-policy=no-user-gesture-required",
-      "--use-fake-ui-for-media-stream",
-      "--use-fake-device-for-media-stream",
-    ],
-  });
+  browser = await launchChromium(dir);
   const page = await browser.newPage();
   // Any page of the server's own origin (the guide's code runs on the app's page).
   await page.goto(url + "/health");

@@ -11,6 +11,7 @@
 // counters). Writes a screenshot and the WAV to a temp folder and prints one
 // JSON object on stdout (exit 1 with {"error": ...} when a step fails).
 import puppeteer from "puppeteer-core";
+import { launchChromium } from "./chromium.mjs";
 import { mkdtempSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -31,29 +32,11 @@ const result = { url, browser: browserName, screenshot };
 
 const launch = {
   chromium: () =>
-    puppeteer.launch({
-      browser: "chrome",
-      executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
-      headless: true,
-      userDataDir: join(dir, "profile"),
-      // The machine has no network beyond loopback: keep Chromium off it.
-      args: [
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--autoplay-policy=no-user-gesture-required",
-        // The WebRTC call asks for the microphone: a fake device, no prompt.
-        "--use-fake-ui-for-media-stream",
-        "--use-fake-device-for-media-stream",
-        // MIC_WAV: the fake microphone says this file once (hands-free mode).
-        ...(process.env.MIC_WAV ? [`--use-file-for-fake-audio-capture=${process.env.MIC_WAV}%noloop`] : []),
-      ],
-      defaultViewport: { width: 900, height: 760 },
-    }),
+    launchChromium(
+      dir,
+      // MIC_WAV: the fake microphone says this file once (hands-free mode).
+      process.env.MIC_WAV ? [`--use-file-for-fake-audio-capture=${process.env.MIC_WAV}%noloop`] : [],
+    ),
   firefox: () =>
     puppeteer.launch({
       browser: "firefox",

@@ -363,16 +363,7 @@ pub async fn hangup(
     Extension(rtc): Extension<Option<Arc<WebRtc>>>,
     Path(call_id): Path<String>,
 ) -> Response {
-    let pc = rtc
-        .as_ref()
-        .and_then(|r| r.peers.get(&call_id).map(|p| p.clone()));
-    match pc {
-        Some(pc) => {
-            let _ = pc.close().await;
-            StatusCode::OK.into_response()
-        }
-        None => ApiError::not_found(format!("no call {call_id:?}")).into_response(),
-    }
+    super::close_peer(rtc, &call_id, "call").await
 }
 
 /// `GET /v1/realtime?call_id=…`: the sideband WebSocket of a live call.

@@ -768,14 +768,19 @@ async fn hang_up(
     Extension(rtc): Extension<Option<Arc<WebRtc>>>,
     Path(session): Path<String>,
 ) -> Response {
+    close_peer(rtc, &session, "WebRTC session").await
+}
+
+/// Closes peer `id` (its session ends with it): 200, or 404 naming `what`.
+async fn close_peer(rtc: Option<Arc<WebRtc>>, id: &str, what: &str) -> Response {
     let pc = rtc
         .as_ref()
-        .and_then(|r| r.peers.get(&session).map(|p| p.clone()));
+        .and_then(|r| r.peers.get(id).map(|p| p.clone()));
     match pc {
         Some(pc) => {
             let _ = pc.close().await;
             StatusCode::OK.into_response()
         }
-        None => ApiError::not_found(format!("no WebRTC session {session:?}")).into_response(),
+        None => ApiError::not_found(format!("no {what} {id:?}")).into_response(),
     }
 }

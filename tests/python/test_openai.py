@@ -371,6 +371,29 @@ def test_speech_mp3_is_the_default_and_heard(client, whisper, tmp_path):
     assert_mp3_frames(short_spoken_answer(client, "joe", "mp3"))
 
 
+def test_speech_flac_streams_and_decodes(client, whisper, tmp_path):
+    """`response_format: flac`: audio/flac, the header first, and what a
+    decoder (FFmpeg's, through PyAV) makes of it is the sentence, as long
+    as the WAV of the same request."""
+    import av
+
+    r = client.audio.speech.create(model="tts-1", voice="alloy", input=SENTENCE, response_format="flac")
+    assert r.response.headers["content-type"] == "audio/flac"
+    flac = r.content
+    assert flac[:4] == b"fLaC", flac[:8]
+    path = tmp_path / "speech.flac"
+    path.write_bytes(flac)
+    with av.open(str(path)) as f:
+        samples = sum(frame.samples for frame in f.decode(audio=0))
+    wav = client.audio.speech.create(model="tts-1", voice="alloy", input=SENTENCE, response_format="wav").content
+    wav_samples = (len(wav) - 44) // 2
+    # (The voice draws its timing: the two takes differ a little.)
+    assert abs(samples - wav_samples) <= 0.15 * wav_samples, (samples, wav_samples)
+    assert_intelligible(whisper, path, SENTENCE)
+    # The chat answer's audio as FLAC too.
+    assert short_spoken_answer(client, "joe", "flac")[:4] == b"fLaC"
+
+
 def test_openai_voice_names_speak_in_the_pipeline_voice(client):
     """Apps hard-code OpenAI's voice names: each speaks in one of the
     pipeline's voices (server.voice_aliases; by default the default voice),
@@ -692,6 +715,39 @@ def test_realtime_items_and_out_of_band_answers_through_the_sdk(client):
         conn.output_audio_buffer.clear()
         ev = next_of(conn, "output_audio_buffer.cleared")
         assert ev.type == "error" and "WebRTC" in ev.error.message, ev
+
+
+def test_realtime_idle_timeout_prompts_a_silent_user(client):
+    """`idle_timeout_ms`: after the answer has played, silence that long
+    makes the server say `input_audio_buffer.timeout_triggered` and answer
+    again on the conversation so far."""
+    with client.realtime.connect(model="omnistream") as conn:
+        conn.session.update(session={
+            "type": "realtime", "max_output_tokens": 8,
+            "audio": {"input": {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 5000}}},
+        })
+        ev = next_of(conn, "session.updated")
+        assert ev.type == "session.updated", ev
+        assert ev.session.audio.input.turn_detection.idle_timeout_ms == 5000, ev.session
+        conn.conversation.item.create(item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "Hello!"}],
+        })
+        conn.response.create()
+        first = next_of(conn, "response.done")
+        assert first.type == "response.done", first
+        answered = time.monotonic()
+        ev = next_of(conn, "input_audio_buffer.timeout_triggered")
+        waited = time.monotonic() - answered
+        assert ev.type == "input_audio_buffer.timeout_triggered", ev
+        assert waited >= 4.5, f"triggered after {waited:.1f} s of silence"
+        again = next_of(conn, "response.done")
+        assert again.type == "response.done" and again.response.id != first.response.id, again
+        # Out of bounds: refused, naming the field.
+        conn.session.update(session={"type": "realtime", "audio": {"input": {
+            "turn_detection": {"type": "server_vad", "idle_timeout_ms": 100}}}})
+        ev = next_of(conn, "session.updated")
+        assert ev.type == "error" and "turn_detection" in ev.error.param, ev
 
 
 def test_zz_word_error_rate_over_all_clips():

@@ -230,6 +230,8 @@ pub enum Input {
         content_index: usize,
         audio_end_ms: u64,
     },
+    /// Time passed (the driver wakes the conversation at its deadline).
+    Tick,
     /// The client asks for an answer.
     Respond(Respond),
     /// The client cancels the running answer (`None`: whichever runs).
@@ -377,6 +379,12 @@ pub enum Output {
     ItemDeleted {
         item_id: String,
     },
+    /// The user stayed silent past the idle timeout: an answer follows.
+    TimeoutTriggered {
+        item_id: String,
+        audio_start_ms: u64,
+        audio_end_ms: u64,
+    },
 }
 
 /// What the driver must do.
@@ -481,6 +489,10 @@ pub struct Conversation {
     event_id: Option<String>,
     outputs: VecDeque<Output>,
     work: VecDeque<Work>,
+    /// When the user's silence after the last answer makes the model speak.
+    idle_at: Option<Instant>,
+    /// Input audio received in all, in samples at the input rate.
+    input_samples: u64,
 }
 
 impl Conversation {
@@ -503,7 +515,14 @@ impl Conversation {
             event_id: None,
             outputs: VecDeque::new(),
             work: VecDeque::new(),
+            idle_at: None,
+            input_samples: 0,
         }
+    }
+
+    /// When the conversation wants [`Input::Tick`] (the idle timeout).
+    pub fn deadline(&self) -> Option<Instant> {
+        self.idle_at
     }
 
     pub fn settings(&self) -> &Settings {
@@ -683,7 +702,8 @@ impl Conversation {
                 response_id,
                 end,
                 audio_seconds,
-            } => self.finish_answer(&response_id, end, audio_seconds),
+            } => self.finish_answer(&response_id, end, audio_seconds, now),
+            Input::Tick => self.tick(now),
         }
     }
 
@@ -711,6 +731,9 @@ impl Conversation {
     }
 
     fn configure(&mut self, s: Settings) {
+        if s.turns.as_ref().and_then(|t| t.idle_timeout).is_none() {
+            self.idle_at = None;
+        }
         if s.turns.is_none() && self.settings.turns.is_some() {
             // Turn detection off: an utterance under way is forgotten.
             self.abandon_early();
@@ -729,6 +752,7 @@ impl Conversation {
                 "pcm16 audio needs an even number of bytes",
             ));
         }
+        self.input_samples += (pcm.len() / 2) as u64;
         let cap = self.settings.input_cap();
         if self.settings.turns.is_some() || self.settings.mic {
             if self.settings.turns.is_some() && !self.settings.buffer_with_vad {
@@ -862,6 +886,7 @@ impl Conversation {
                     self.ignoring = true;
                     return;
                 }
+                self.idle_at = None;
                 let item_id = new_id("item");
                 self.speech_item = Some(item_id.clone());
                 self.emit(Output::SpeechStarted {
@@ -1060,6 +1085,7 @@ impl Conversation {
         if let Some(id) = self.answering() {
             return Err((r.busy)(id));
         }
+        self.idle_at = None;
         let user = r.user_text.map(ChatMessage::user);
         let instructions = r.instructions.or(self.settings.instructions.clone());
         let (messages, spoken) = match &r.input {
@@ -1253,6 +1279,32 @@ impl Conversation {
         self.emit(Output::PlaybackCleared { response_id });
     }
 
+    /// Time passed: past the idle timeout, with the user silent and nothing
+    /// running, the model speaks again on the conversation so far.
+    fn tick(&mut self, now: Instant) {
+        let Some(at) = self.idle_at.filter(|t| *t <= now) else {
+            return;
+        };
+        self.idle_at = None;
+        let Some(idle) = self.settings.turns.as_ref().and_then(|t| t.idle_timeout) else {
+            return;
+        };
+        let busy = self.answer.is_some() || !self.pending.is_empty() || self.speech_item.is_some();
+        if busy {
+            return;
+        }
+        let rate = u64::from(self.settings.input_rate.max(1));
+        let audio_end_ms = self.input_samples * 1000 / rate;
+        // The silence since the answer played (it began `idle` before `at`).
+        let silent_ms = (idle + now.saturating_duration_since(at)).as_millis() as u64;
+        self.emit(Output::TimeoutTriggered {
+            item_id: new_id("item"),
+            audio_start_ms: audio_end_ms.saturating_sub(silent_ms),
+            audio_end_ms,
+        });
+        self.respond_auto();
+    }
+
     /// The client forgets an item: it no longer reaches the model.
     fn delete_item(&mut self, item_id: String) {
         if self.answer.as_ref().is_some_and(|a| {
@@ -1338,9 +1390,20 @@ impl Conversation {
         });
     }
 
-    fn finish_answer(&mut self, response_id: &str, end: End, audio_seconds: f64) {
+    fn finish_answer(&mut self, response_id: &str, end: End, audio_seconds: f64, now: Instant) {
         if !self.is_answer(response_id) {
             return;
+        }
+        // The user's silence counts from when the answer has played (a
+        // client plays from its first audio, in real time).
+        if let Some(idle) = self.settings.turns.as_ref().and_then(|t| t.idle_timeout) {
+            let played = self
+                .played
+                .as_ref()
+                .filter(|p| p.response_id == response_id)
+                .and_then(|p| p.playback.started())
+                .map(|t| t + Duration::from_secs_f64(audio_seconds.max(0.0)));
+            self.idle_at = Some(played.map_or(now, |t| t.max(now)) + idle);
         }
         let Some(a) = self.answer.take() else {
             return;

@@ -19,6 +19,7 @@ fn vad() -> TurnSettings {
         vad: VadConfig::default(),
         create_response: true,
         interrupt_response: true,
+        idle_timeout: None,
     }
 }
 
@@ -919,4 +920,48 @@ fn the_running_answer_is_cut_where_the_client_stopped_playing_it() {
         "{o:?}"
     );
     assert_eq!(c.history().last().unwrap().content, "Bees make");
+}
+
+#[test]
+fn silence_past_the_idle_timeout_makes_the_model_speak_again() {
+    let t0 = Instant::now();
+    let s = |n: u64| t0 + Duration::from_secs(n);
+    let mut c = spoken();
+    let mut turns = vad();
+    turns.idle_timeout = Some(Duration::from_secs(5));
+    let mut settings = c.settings().clone();
+    settings.turns = Some(turns);
+    c.handle(Input::Configure(settings), t0);
+    c.handle(text_turn("Hello there"), t0);
+    let (id, _) = submitted(&work(&mut c));
+    // Three seconds of answer, played from t0: the silence counts from 3 s.
+    play(&mut c, &id, "Hi!", 3.0, t0);
+    end(&mut c, &id, End::Completed(Usage::default()), s(1));
+    outputs(&mut c);
+    assert_eq!(c.deadline(), Some(s(8)));
+    c.handle(Input::Tick, s(7));
+    assert!(outputs(&mut c).is_empty() && work(&mut c).is_empty());
+    c.handle(Input::Tick, s(8));
+    let o = outputs(&mut c);
+    assert!(matches!(&o[..], [Output::TimeoutTriggered { .. }]), "{o:?}");
+    let (id, prompt) = submitted(&work(&mut c));
+    assert_eq!(
+        prompt.last().unwrap().content,
+        "Hi!",
+        "on the conversation so far"
+    );
+    assert_eq!(c.deadline(), None, "not again until this answer has played");
+    // (`end` reports three seconds of audio.)
+    play(&mut c, &id, "Still there?", 3.0, s(9));
+    end(&mut c, &id, End::Completed(Usage::default()), s(9));
+    outputs(&mut c);
+    assert_eq!(c.deadline(), Some(s(17)));
+    // The user speaks first: no prompt.
+    c.handle(speech(Speech::Started { audio_start_ms: 0 }), s(12));
+    assert_eq!(c.deadline(), None);
+    // Turned off: none.
+    let mut settings = c.settings().clone();
+    settings.turns = Some(vad());
+    c.handle(Input::Configure(settings), s(13));
+    assert_eq!(c.deadline(), None);
 }

@@ -1,6 +1,8 @@
 //! `server_vad` turn detection as a session configures it, and what the
 //! detector reports (the detector itself runs in the driver: it is a model).
 
+use std::time::Duration;
+
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -20,9 +22,12 @@ pub struct ServerVad {
     pub silence_duration_ms: Option<u32>,
     pub create_response: Option<bool>,
     pub interrupt_response: Option<bool>,
-    /// Accepted when null: no idle prompts.
+    /// Silence after an answer played that makes the model speak again.
     pub idle_timeout_ms: Option<Value>,
 }
+
+/// The bounds OpenAI puts on `idle_timeout_ms`.
+pub const IDLE_TIMEOUT_MS: std::ops::RangeInclusive<u64> = 5_000..=30_000;
 
 /// Validated `server_vad` settings of a session.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,6 +35,9 @@ pub struct TurnSettings {
     pub vad: VadConfig,
     pub create_response: bool,
     pub interrupt_response: bool,
+    /// After an answer has played, this long without the user speaking
+    /// makes the model answer again (`idle_timeout_ms`).
+    pub idle_timeout: Option<Duration>,
 }
 
 impl TurnSettings {
@@ -65,12 +73,22 @@ impl TurnSettings {
                 "this server has no VAD model (profile `server.vad`): set turn_detection to null and commit the input audio buffer yourself".into(),
             ));
         };
-        if td.idle_timeout_ms.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(bad(
-                "unsupported_turn_detection",
-                "idle_timeout_ms is not supported: leave it out or null".into(),
-            ));
-        }
+        let idle_timeout = match &td.idle_timeout_ms {
+            None | Some(Value::Null) => None,
+            Some(v) => match v.as_u64().filter(|ms| IDLE_TIMEOUT_MS.contains(ms)) {
+                Some(ms) => Some(Duration::from_millis(ms)),
+                None => {
+                    return Err(bad(
+                        "invalid_value",
+                        format!(
+                            "idle_timeout_ms is null or {}–{} ms, not {v}",
+                            IDLE_TIMEOUT_MS.start(),
+                            IDLE_TIMEOUT_MS.end()
+                        ),
+                    ))
+                }
+            },
+        };
         let d = VadConfig::default();
         let vad = VadConfig {
             threshold: td.threshold.unwrap_or(d.threshold),
@@ -85,6 +103,7 @@ impl TurnSettings {
             vad,
             create_response: td.create_response.unwrap_or(true),
             interrupt_response: td.interrupt_response.unwrap_or(true),
+            idle_timeout,
         }))
     }
 
@@ -97,7 +116,7 @@ impl TurnSettings {
             "silence_duration_ms": self.vad.silence_duration_ms,
             "create_response": self.create_response,
             "interrupt_response": self.interrupt_response,
-            "idle_timeout_ms": null,
+            "idle_timeout_ms": self.idle_timeout.map(|d| d.as_millis() as u64),
         })
     }
 }
@@ -116,4 +135,29 @@ pub enum Speech {
     /// The user stopped: their utterance (16 kHz, prefix padding included,
     /// trailing silence past its pause trimmed).
     Stopped { audio_end_ms: u64, audio: Vec<f32> },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_timeout_is_null_or_within_openais_bounds() {
+        let parse = |v: Value| TurnSettings::parse(&v, Some(250), "turn_detection");
+        let t = parse(json!({"type": "server_vad"})).unwrap().unwrap();
+        assert_eq!(t.idle_timeout, None);
+        let t = parse(json!({"type": "server_vad", "idle_timeout_ms": null}))
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.idle_timeout, None);
+        let t = parse(json!({"type": "server_vad", "idle_timeout_ms": 8000}))
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.idle_timeout, Some(Duration::from_secs(8)));
+        assert_eq!(t.to_json()["idle_timeout_ms"], 8000);
+        for bad in [json!(1000), json!(60_000), json!("soon"), json!(-5)] {
+            let e = parse(json!({"type": "server_vad", "idle_timeout_ms": bad})).unwrap_err();
+            assert_eq!((e.code, e.param), ("invalid_value", Some("turn_detection")));
+        }
+    }
 }

@@ -202,7 +202,11 @@ pub async fn run<T, St>(
     let mut drain = Drain::new(&d.state);
     let out = d.out.clone();
     loop {
-        let wake = d.transport.wake_at();
+        // The earliest of what the transport and the conversation wait for.
+        let wake = match (d.transport.wake_at(), d.conv.deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         tokio::select! {
             biased;
             _ = out.closed() => break,
@@ -212,8 +216,12 @@ pub async fn run<T, St>(
                     None => std::future::pending().await,
                 }
             } => {
-                for m in d.transport.wake(Instant::now()) {
+                let now = Instant::now();
+                for m in d.transport.wake(now) {
                     d.send(m);
+                }
+                if d.conv.deadline().is_some_and(|t| t <= now) {
+                    d.handle(None, Input::Tick).await;
                 }
             }
             _ = drain.next() => {

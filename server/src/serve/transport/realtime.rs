@@ -1289,6 +1289,14 @@ impl Transport for Realtime {
                 "conversation.item.deleted",
                 json!({"item_id": item_id}),
             )),
+            Output::TimeoutTriggered {
+                item_id,
+                audio_start_ms,
+                audio_end_ms,
+            } => frames.push(event(
+                "input_audio_buffer.timeout_triggered",
+                json!({"item_id": item_id, "audio_start_ms": audio_start_ms, "audio_end_ms": audio_end_ms}),
+            )),
         }
         Ok(frames)
     }

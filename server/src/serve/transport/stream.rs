@@ -521,6 +521,9 @@ impl Transport for PcmStream {
             Output::PlaybackCleared { response_id } => msg(json!({
                 "type": "output_cleared", "response_id": response_id,
             })),
+            Output::TimeoutTriggered { audio_end_ms, .. } => msg(json!({
+                "type": "timeout_triggered", "audio_end_ms": audio_end_ms,
+            })),
         };
         Ok(vec![m])
     }

@@ -505,7 +505,8 @@ impl MediaStream {
 
     /// The conversation's settings from the `<Parameter>`s: `voice`,
     /// `instructions`, `max_output_tokens`, `temperature`, and the server
-    /// VAD's `threshold`, `prefix_padding_ms`, `silence_duration_ms`.
+    /// VAD's `threshold`, `prefix_padding_ms`, `silence_duration_ms`,
+    /// `idle_timeout_ms`.
     fn settings_from(
         &self,
         p: &HashMap<String, Value>,
@@ -523,6 +524,9 @@ impl MediaStream {
         }
         if let Some(ms) = number::<u32>(p, "silence_duration_ms")? {
             vad["silence_duration_ms"] = ms.into();
+        }
+        if let Some(ms) = number::<u64>(p, "idle_timeout_ms")? {
+            vad["idle_timeout_ms"] = ms.into();
         }
         let hub = self.state.config.vad.as_ref().map(|h| h.min_speech_ms);
         let turns = TurnSettings::parse(&vad, hub, "customParameters")?;

@@ -415,7 +415,7 @@ def test_openai_voice_names_speak_in_the_pipeline_voice(client):
 def test_invalid_requests_are_openai_errors(client):
     bad_chat = [
         dict(messages=chat_messages("Hi"), modalities=["text", "audio"], audio={"voice": "bob", "format": "wav"}),
-        dict(messages=chat_messages("Hi"), modalities=["text", "audio"], audio={"voice": "joe", "format": "flac"}),
+        dict(messages=chat_messages("Hi"), modalities=["text", "audio"], audio={"voice": "joe", "format": "aac"}),
         dict(messages=chat_messages("Hi"), temperature=3),
         dict(messages=chat_messages("Hi"), max_tokens=-5),
         dict(messages=[]),
@@ -430,7 +430,7 @@ def test_invalid_requests_are_openai_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.audio.speech.create(model="tts-1", voice="bob", input="Hi")
     assert "joe" in e.value.body["message"] and "alloy" in e.value.body["message"]
-    for kw in [dict(response_format="flac"), dict(speed=5.0), dict(stream_format="ws")]:
+    for kw in [dict(response_format="aac"), dict(speed=5.0), dict(stream_format="ws")]:
         with pytest.raises(openai.BadRequestError):
             client.audio.speech.create(model="tts-1", voice="joe", input="Hi", **kw)
     with pytest.raises(openai.BadRequestError):

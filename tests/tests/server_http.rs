@@ -143,7 +143,7 @@ fn bad_requests_keys_and_body_limit_are_openai_errors() {
         ),
         (
             chat,
-            r#"{"messages":[{"role":"user","content":"x"}],"modalities":["text","audio"],"audio":{"voice":"joe","format":"flac"}}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"modalities":["text","audio"],"audio":{"voice":"joe","format":"aac"}}"#,
             "chat format",
         ),
         (
@@ -153,7 +153,7 @@ fn bad_requests_keys_and_body_limit_are_openai_errors() {
         ),
         (
             speech,
-            r#"{"input":"Hi","voice":"joe","response_format":"flac"}"#,
+            r#"{"input":"Hi","voice":"joe","response_format":"aac"}"#,
             "speech format",
         ),
         (speech, r#"{"input":"Hi","voice":"joe","speed":9}"#, "speed"),

@@ -87,13 +87,6 @@ impl History {
             .any(|i| i.message.tool_calls.iter().any(|c| c.id == id))
     }
 
-    /// The last item, if it is an answer (an answer to cut back).
-    pub fn last_answer_mut(&mut self) -> Option<&mut Item> {
-        self.0
-            .last_mut()
-            .filter(|i| matches!(i.origin, Origin::Answer { .. }))
-    }
-
     /// The Thinker's messages: instructions, then the newest history that
     /// fits, then `extra` (a turn not yet remembered).
     pub fn prompt(

@@ -1262,7 +1262,11 @@ impl Conversation {
             self.work.push_back(Work::Cancel {
                 response_id: response_id.clone(),
             });
-        } else if let Some(item) = self.history.last_answer_mut() {
+        } else if let Some(item) = self
+            .history
+            .get_mut(&item_id)
+            .filter(|i| matches!(i.origin, Origin::Answer { .. }))
+        {
             // Generated whole, still playing: cut the conversation's copy.
             item.message.content = heard_text(&item.message.content);
             item.origin = Origin::Answer {

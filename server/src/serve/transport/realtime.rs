@@ -469,7 +469,12 @@ fn context_item(v: Value, i: usize) -> Result<Context, ClientError> {
             m.tool_calls.push(call);
             m
         }
-        _ => unreachable!("item_input makes items only"),
+        _ => {
+            return Err(at(ClientError::invalid(
+                "invalid_value",
+                "not a message, function_call or function_call_output item",
+            )))
+        }
     };
     Ok(Context::Message(message))
 }

@@ -417,6 +417,8 @@ fn openai_call_flow_in_chromium() {
     assert_eq!(call["pageSawSideband"], true, "{v}");
     assert_eq!(call["formStatus"], 201, "{v}");
     assert_eq!(call["formInstructions"], "Form session.", "{v}");
+    assert_eq!(call["formWithEphemeralStatus"], 400, "{v}");
+    assert_eq!(call["formWithEphemeralParam"], "session", "{v}");
     // Refusals: a used key, a forged one, one shown to another endpoint,
     // no API key, a bad session or lifetime (naming the field).
     assert_eq!(call["reusedStatus"], 401, "{v}");

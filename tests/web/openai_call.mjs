@@ -47,7 +47,7 @@ async function secret(body) {
 }
 
 // The browser's part: OpenAI's guide, with this server as the base URL.
-async function browserCall({ ek, apiKey }) {
+async function browserCall({ ek, ek2, apiKey }) {
   const out = { events: [] };
   const pc = new RTCPeerConnection();
   const audio = document.createElement("audio");
@@ -161,6 +161,10 @@ async function browserCall({ ek, apiKey }) {
   form.set("session", JSON.stringify({ type: "realtime", instructions: "Form session." }));
   const r2 = await fetch("/v1/realtime/calls", { method: "POST", body: form, headers: { Authorization: `Bearer ${apiKey}` } });
   out.formStatus = r2.status;
+  // With an ephemeral key the session is the key's: a form carrying one is refused.
+  const withKey = await fetch("/v1/realtime/calls", { method: "POST", body: form, headers: { Authorization: `Bearer ${ek2}` } });
+  out.formWithEphemeralStatus = withKey.status;
+  out.formWithEphemeralParam = (await withKey.json()).error?.param;
   await pc2.setRemoteDescription({ type: "answer", sdp: await r2.text() });
   out.formInstructions = (await formUpdated).instructions;
   pc2.close();
@@ -183,6 +187,7 @@ try {
   });
   if (made.status !== 200) throw new Error(`client_secrets: ${made.status} ${made.text}`);
   const ek = made.json.value;
+  const ek2 = (await secret({})).json.value;
   result.secret = { prefix: ek.slice(0, 3), expiresIn: made.json.expires_at - Math.floor(Date.now() / 1000), session: made.json.session.instructions };
   // An ephemeral key opens calls only.
   const models = await fetch(url + "/v1/models", { headers: { Authorization: `Bearer ${ek}` } });
@@ -199,7 +204,7 @@ try {
   const page = await browser.newPage();
   // Any page of the server's own origin (the guide's code runs on the app's page).
   await page.goto(url + "/health");
-  result.call = await page.evaluate(browserCall, { ek, apiKey });
+  result.call = await page.evaluate(browserCall, { ek, ek2, apiKey });
 
   const callId = result.call.location.split("/").pop();
   const hung = await post(`/v1/realtime/calls/${callId}/hangup`);

@@ -574,16 +574,30 @@ pub fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
         .and_then(|v| v.parse::<u64>().ok())
 }
 
+/// An over-long body up to this size is read (and dropped) before the 413.
+const DRAIN_MAX_BYTES: u64 = 4 << 20;
+
 /// A request's whole body, at most `limit` bytes, every refusal in the JSON
-/// shape: 413 `request_too_large` from its `Content-Length` before any of it
-/// is read (a client waiting on `Expect: 100-continue` never sends it) or once
-/// it grows past `limit`, 408 `request_timeout` when it comes too slowly.
+/// shape: 413 `request_too_large` from its `Content-Length` (a client waiting
+/// on `Expect: 100-continue` never sends it; a body up to 4 MiB is read and
+/// dropped first, so that its client reads the answer) or once it grows past
+/// `limit`, 408 `request_timeout` when it comes too slowly.
 pub async fn read_body(
     req: axum::extract::Request,
     limit: usize,
 ) -> Result<axum::body::Bytes, ApiError> {
     use axum::extract::FromRequest;
-    if declared_length(req.headers()).is_some_and(|n| n > limit as u64) {
+    use futures_util::StreamExt;
+    if let Some(n) = declared_length(req.headers()).filter(|n| *n > limit as u64) {
+        // A client still sending when the connection closes gets a reset
+        // and never reads the 413: a body of modest size is read and
+        // dropped first (the connection's body timeouts still apply). One
+        // waiting on `Expect: 100-continue` has sent nothing yet.
+        let expects = req.headers().contains_key(axum::http::header::EXPECT);
+        if !expects && n <= DRAIN_MAX_BYTES {
+            let mut body = req.into_body().into_data_stream();
+            while let Some(Ok(_)) = body.next().await {}
+        }
         return Err(ApiError::too_large(limit));
     }
     let bytes = axum::body::Bytes::from_request(req, &())

@@ -286,6 +286,17 @@ async fn call(
             "send the offer as application/sdp, or multipart/form-data with `sdp` and `session`, not {ctype:?}"
         )));
     };
+    // The app server chose the session when it made the key: a browser
+    // holding the key does not get to change it.
+    if form_session.is_some() && matches!(caller, Caller::Ephemeral(_)) {
+        return Err(ApiError {
+            param: Some("session"),
+            ..ApiError::bad_request(
+                "invalid_request",
+                "a call opened with an ephemeral key takes its session from the key: leave `session` out",
+            )
+        });
+    }
     let codec = super::sdp::audio_codec(&sdp).map_err(super::bad_offer)?;
     // The offer is sound: the key is taken now (once, even if raced).
     let key_session = match caller {

@@ -235,21 +235,27 @@ mod tests {
             .collect()
     }
 
+    /// `x` (a second) encoded in tenths of a second, as an answer comes:
+    /// all its bytes, and how many tenths gave some at once.
+    fn stream_in_tenths(f: OutputFormat, x: &[f32]) -> (Vec<u8>, usize) {
+        let mut e = AudioEncoder::new(f, PIPELINE_RATE).unwrap();
+        let (mut out, mut early) = (Vec::new(), 0);
+        for c in x.chunks(2_205) {
+            let b = e.push(c).unwrap();
+            early += usize::from(!b.is_empty());
+            out.extend(b);
+        }
+        out.extend(e.finish().unwrap());
+        (out, early)
+    }
+
     #[test]
     fn mp3_streams_frames_as_the_audio_comes() {
         let f = OutputFormat::from_name("mp3").unwrap();
         assert_eq!(f, OutputFormat::Mp3 { rate: 24_000 });
         assert_eq!(f.content_type(), "audio/mpeg");
         let x = sine(22_050);
-        let mut e = AudioEncoder::new(f, PIPELINE_RATE).unwrap();
-        let mut streamed = Vec::new();
-        let mut early = 0;
-        for c in x.chunks(2_205) {
-            let b = e.push(c).unwrap();
-            early += usize::from(!b.is_empty());
-            streamed.extend(b);
-        }
-        streamed.extend(e.finish().unwrap());
+        let (streamed, early) = stream_in_tenths(f, &x);
         assert!(early >= 5, "{early} of 10 chunks gave frames");
         assert_eq!(streamed[0], 0xFF, "frame sync");
         let whole = AudioEncoder::encode_all(f, &x, PIPELINE_RATE).unwrap();
@@ -265,15 +271,7 @@ mod tests {
         assert_eq!(f, OutputFormat::Flac { rate: 24_000 });
         assert_eq!(f.content_type(), "audio/flac");
         let x = sine(22_050);
-        let mut e = AudioEncoder::new(f, PIPELINE_RATE).unwrap();
-        let mut streamed = Vec::new();
-        let mut early = 0;
-        for c in x.chunks(2_205) {
-            let b = e.push(c).unwrap();
-            early += usize::from(!b.is_empty());
-            streamed.extend(b);
-        }
-        streamed.extend(e.finish().unwrap());
+        let (streamed, early) = stream_in_tenths(f, &x);
         // The header at once, then a 4,096-sample block about every other chunk.
         assert!(early >= 5, "{early} of 10 chunks gave bytes");
         assert_eq!(&streamed[..4], b"fLaC");

@@ -41,7 +41,7 @@ pub fn key_accepted(state: &AppState, key: &str) -> bool {
 
 /// The credentials of `Authorization: Bearer …` (the scheme is case-insensitive,
 /// RFC 9110 §11.1).
-fn bearer(headers: &HeaderMap) -> Option<&str> {
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = v.trim().split_once(' ')?;
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())

@@ -66,21 +66,34 @@ where
     F: FnOnce(Arc<AppState>, WebSocket, SessionGuard) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    if !auth::origin_allowed(&state, headers) {
-        return forbidden_origin().into_response();
-    }
-    let ws = match ws {
+    let ws = match upgrade(&state, headers, ws, protocols) {
         Ok(ws) => ws,
-        Err(e) => return ApiError::upgrade_refused(e.status(), e.body_text()).into_response(),
+        Err(e) => return e.into_response(),
     };
     let session = match state.sessions.open(kind) {
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
-    ws.max_message_size(MAX_MESSAGE_BYTES)
+    ws.on_upgrade(move |socket| serve(state, socket, session))
+}
+
+/// What every WebSocket upgrade passes: the Origin check and a real
+/// handshake (else the JSON error), then the frame and message limits and
+/// the subprotocol to echo.
+pub fn upgrade(
+    state: &AppState,
+    headers: &HeaderMap,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+    protocols: &[&'static str],
+) -> Result<WebSocketUpgrade, ApiError> {
+    if !auth::origin_allowed(state, headers) {
+        return Err(forbidden_origin());
+    }
+    let ws = ws.map_err(|e| ApiError::upgrade_refused(e.status(), e.body_text()))?;
+    Ok(ws
+        .max_message_size(MAX_MESSAGE_BYTES)
         .max_frame_size(MAX_MESSAGE_BYTES)
-        .protocols(protocols.iter().copied())
-        .on_upgrade(move |socket| serve(state, socket, session))
+        .protocols(protocols.iter().copied()))
 }
 
 /// A read error worth telling the client about, with the close code

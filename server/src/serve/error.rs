@@ -247,9 +247,13 @@ impl ClientError {
         }
     }
     pub fn param(param: &'static str, message: impl Into<String>) -> Self {
+        Self::invalid("invalid_value", message).at(param)
+    }
+    /// The same error, naming the request field at fault.
+    pub fn at(self, param: &'static str) -> Self {
         Self {
             param: Some(param),
-            ..Self::invalid("invalid_value", message)
+            ..self
         }
     }
     pub fn server(code: &'static str, message: impl Into<String>) -> Self {

@@ -229,7 +229,7 @@ pub fn router(state: Arc<AppState>, rtc: Option<Arc<transport::webrtc::WebRtc>>)
             }),
         )
         .merge(transport::http::routes())
-        .merge(transport::realtime::routes(rtc.clone()))
+        .merge(transport::realtime_routes(rtc.clone()))
         .merge(transport::stream::routes())
         .merge(transport::webrtc::routes(rtc.clone()))
         .layer(axum::middleware::from_fn_with_state(

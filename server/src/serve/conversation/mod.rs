@@ -1171,12 +1171,7 @@ impl Conversation {
                 Context::Message(m) => m.clone(),
                 Context::Reference(id) => match self.history.get(id) {
                     Some(item) => item.message.clone(),
-                    None => {
-                        return Err(ClientError {
-                            param: Some("response.input"),
-                            ..not_found(id)
-                        })
-                    }
+                    None => return Err(not_found(id).at("response.input")),
                 },
             });
         }
@@ -1314,13 +1309,13 @@ impl Conversation {
         if self.answer.as_ref().is_some_and(|a| {
             a.info.item_id == item_id || a.calls.iter().any(|(id, _)| *id == item_id)
         }) {
-            return self.fail(ClientError {
-                param: Some("item_id"),
-                ..ClientError::invalid(
+            return self.fail(
+                ClientError::invalid(
                     "item_in_progress",
                     format!("item {item_id:?} is being generated: cancel the response first"),
                 )
-            });
+                .at("item_id"),
+            );
         }
         if !self.history.delete(&item_id) {
             return self.fail(not_found(&item_id));
@@ -1474,13 +1469,11 @@ fn call_message(call: &ToolCall) -> ChatMessage {
 
 /// No item `id` in the conversation.
 fn not_found(id: &str) -> ClientError {
-    ClientError {
-        param: Some("item_id"),
-        ..ClientError::invalid(
-            "item_not_found",
-            format!("no item {id:?} in this conversation"),
-        )
-    }
+    ClientError::invalid(
+        "item_not_found",
+        format!("no item {id:?} in this conversation"),
+    )
+    .at("item_id")
 }
 
 /// A pipeline with no way to hear speech.

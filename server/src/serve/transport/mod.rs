@@ -9,3 +9,44 @@ pub mod realtime;
 pub mod stream;
 pub mod twilio;
 pub mod webrtc;
+
+use std::sync::Arc;
+
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
+use axum::extract::ws::WebSocketUpgrade;
+use axum::extract::{Query, State};
+use axum::http::HeaderMap;
+use axum::response::Response;
+use axum::routing::get;
+use axum::{Extension, Router};
+use serde::Deserialize;
+
+use crate::serve::state::AppState;
+use webrtc::WebRtc;
+
+/// `GET /v1/realtime`: a Realtime session, or with `?call_id=` the sideband
+/// of a WebRTC call (here, above both, so neither depends on the other).
+pub fn realtime_routes(rtc: Option<Arc<WebRtc>>) -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/v1/realtime", get(realtime_upgrade))
+        .layer(Extension(rtc))
+}
+
+#[derive(Deserialize)]
+struct Connect {
+    /// A WebRTC call's id: this socket is its sideband.
+    call_id: Option<String>,
+}
+
+async fn realtime_upgrade(
+    State(state): State<Arc<AppState>>,
+    Extension(rtc): Extension<Option<Arc<WebRtc>>>,
+    Query(q): Query<Connect>,
+    headers: HeaderMap,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Response {
+    match q.call_id {
+        Some(call_id) => webrtc::calls::sideband(state, rtc, &headers, ws, call_id),
+        None => realtime::accept(state, &headers, ws),
+    }
+}

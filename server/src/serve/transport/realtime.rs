@@ -10,11 +10,8 @@ use std::sync::Arc;
 
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
-use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
-use axum::routing::get;
-use axum::{Extension, Router};
 use base64::Engine as _;
 use futures_util::StreamExt;
 use serde::Deserialize;
@@ -34,35 +31,20 @@ use crate::serve::error::ClientError;
 use crate::serve::sessions::SessionGuard;
 use crate::serve::state::AppState;
 use crate::serve::tools::{self, Shape};
-use crate::serve::transport::webrtc::{calls, WebRtc};
 
 /// The only output (and input) audio format: pcm16, mono, 24 kHz.
 pub const RATE: u32 = 24_000;
 const MAX_OUTPUT_TOKENS: u64 = 4096;
 
-pub fn routes(rtc: Option<Arc<WebRtc>>) -> Router<Arc<AppState>> {
-    Router::new()
-        .route("/v1/realtime", get(upgrade))
-        .layer(Extension(rtc))
-}
-
-#[derive(Deserialize)]
-struct Connect {
-    /// A WebRTC call's id: this socket is its sideband.
-    call_id: Option<String>,
-}
-
-async fn upgrade(
-    State(state): State<Arc<AppState>>,
-    Extension(rtc): Extension<Option<Arc<WebRtc>>>,
-    Query(q): Query<Connect>,
-    headers: HeaderMap,
+/// A Realtime session on the upgraded connection (`GET /v1/realtime`; the
+/// route is `transport::routes`, which sends `?call_id=` to a WebRTC call's
+/// sideband instead).
+pub fn accept(
+    state: Arc<AppState>,
+    headers: &HeaderMap,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
-    if let Some(call_id) = q.call_id {
-        return calls::sideband(state, rtc, &headers, ws, call_id);
-    }
-    conn::accept(state, &headers, ws, "realtime", &["realtime"], serve)
+    conn::accept(state, headers, ws, "realtime", &["realtime"], serve)
 }
 
 /// Checks a session configuration as `session.update` would on a fresh
@@ -442,10 +424,12 @@ const MAX_RESPONSE_INPUT: usize = 256;
 /// One item of a response's `input`: an item written out, or a reference
 /// to one of the conversation's.
 fn context_item(v: Value, i: usize) -> Result<Context, ClientError> {
-    let at = |e: ClientError| ClientError {
-        param: Some("response.input"),
-        message: format!("response.input[{i}]: {}", e.message),
-        ..e
+    let at = |e: ClientError| {
+        ClientError {
+            message: format!("response.input[{i}]: {}", e.message),
+            ..e
+        }
+        .at("response.input")
     };
     if v.get("type").and_then(Value::as_str) == Some("item_reference") {
         let id = v.get("id").and_then(Value::as_str).unwrap_or_default();

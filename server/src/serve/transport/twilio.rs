@@ -352,14 +352,6 @@ fn fields<T: serde::de::DeserializeOwned>(v: &Value, kind: &str) -> Result<T, Cl
         .map_err(|e| ClientError::invalid("invalid_event", format!("{kind}: {e}")))
 }
 
-/// A refusal with its own code, naming the field.
-fn refused(code: &'static str, param: &'static str, message: impl Into<String>) -> ClientError {
-    ClientError {
-        param: Some(param),
-        ..ClientError::invalid(code, message)
-    }
-}
-
 /// A keypad digit as the caller's words.
 fn pressed(digit: &str) -> String {
     format!("(The caller pressed {digit} on the phone keypad.)")
@@ -439,24 +431,24 @@ impl MediaStream {
         if !keyed {
             return Ok(fatal(ClientError {
                 kind: "authentication_error",
-                ..refused(
+                ..ClientError::invalid(
                     "invalid_api_key",
-                    "customParameters.api_key",
                     "a valid API key is needed: <Parameter name=\"api_key\" value=\"...\"/> in the <Stream>",
                 )
+                .at("customParameters.api_key")
             }));
         }
         let law = Law::from_encoding(&s.media_format.encoding);
         let (Some(law), PHONE_RATE, 1) = (law, s.media_format.sample_rate, s.media_format.channels)
         else {
-            return Ok(fatal(refused(
+            return Ok(fatal(ClientError::invalid(
                 "unsupported_media_format",
-                "mediaFormat",
                 format!(
                     "unsupported media format {} at {} Hz, {} channels: use audio/x-mulaw (or audio/x-alaw) at 8000 Hz, mono",
                     s.media_format.encoding, s.media_format.sample_rate, s.media_format.channels
                 ),
-            )));
+            )
+            .at("mediaFormat")));
         };
         if s.stream_sid.trim().is_empty() {
             return Ok(fatal(ClientError::param(
@@ -465,11 +457,13 @@ impl MediaStream {
             )));
         }
         if !s.tracks.is_empty() && !s.tracks.iter().any(|t| t.starts_with("inbound")) {
-            return Ok(fatal(refused(
-                "unsupported_tracks",
-                "tracks",
-                "the stream carries no inbound track: use a bidirectional <Connect><Stream>",
-            )));
+            return Ok(fatal(
+                ClientError::invalid(
+                    "unsupported_tracks",
+                    "the stream carries no inbound track: use a bidirectional <Connect><Stream>",
+                )
+                .at("tracks"),
+            ));
         }
         let lead = match number::<u64>(p, "playout_lead_ms") {
             Ok(None) => PLAYOUT_LEAD,
@@ -537,7 +531,7 @@ impl MediaStream {
             settings.voice = Some(
                 self.state
                     .voice(v)
-                    .map_err(|m| refused("unsupported_voice", "voice", m))?,
+                    .map_err(|m| ClientError::invalid("unsupported_voice", m).at("voice"))?,
             );
         }
         if let Some(n) = number::<usize>(p, "max_output_tokens")? {
@@ -614,11 +608,11 @@ impl MediaStream {
                 .chars()
                 .all(|c| c.is_ascii_digit() || "*#ABCDabcd".contains(c));
         if !ok {
-            return Err(refused(
+            return Err(ClientError::invalid(
                 "invalid_digit",
-                "dtmf.digit",
                 format!("{digit:?} is not a keypad digit"),
-            ));
+            )
+            .at("dtmf.digit"));
         }
         let text = pressed(digit);
         tracing::debug!(digit, answering = ?conv.answering(), "keypad");

@@ -232,13 +232,7 @@ fn authorize(state: &AppState, rtc: &WebRtc, headers: &HeaderMap) -> Result<Call
         message: m.into(),
         ..ApiError::unauthorized()
     };
-    let bearer = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().split_once(' '))
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, t)| t.trim());
-    if let Some(key) = bearer.filter(|k| k.starts_with("ek_")) {
+    if let Some(key) = auth::bearer(headers).filter(|k| k.starts_with("ek_")) {
         rtc.calls.check(key, Instant::now()).map_err(refused)?;
         return Ok(Caller::Ephemeral(key.to_string()));
     }
@@ -385,16 +379,9 @@ pub fn sideband(
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
     call_id: String,
 ) -> Response {
-    if !auth::origin_allowed(&state, headers) {
-        return ApiError::forbidden(
-            "origin_not_allowed",
-            "this Origin may not open WebSockets here (server.allowed_origins)",
-        )
-        .into_response();
-    }
-    let ws = match ws {
+    let ws = match conn::upgrade(&state, headers, ws, &["realtime"]) {
         Ok(ws) => ws,
-        Err(e) => return ApiError::upgrade_refused(e.status(), e.body_text()).into_response(),
+        Err(e) => return e.into_response(),
     };
     let link = rtc.as_ref().and_then(|r| {
         r.calls
@@ -405,10 +392,7 @@ pub fn sideband(
     let Some((input, events)) = link else {
         return ApiError::not_found(format!("no call {call_id:?}")).into_response();
     };
-    ws.max_message_size(conn::MAX_MESSAGE_BYTES)
-        .max_frame_size(conn::MAX_MESSAGE_BYTES)
-        .protocols(["realtime"])
-        .on_upgrade(move |socket| run_sideband(state, socket, input, events))
+    ws.on_upgrade(move |socket| run_sideband(state, socket, input, events))
 }
 
 /// Relays both ways until the sideband or the call goes. Closing the

@@ -24,6 +24,7 @@ if [[ $MODE == dev ]]; then
   command -v nats-server >/dev/null || need_apt+=(nats-server)          # stages in other processes (tests/tests/distributed.rs)
   command -v haproxy >/dev/null || need_apt+=(haproxy)                  # gateways behind a load balancer
   command -v ip >/dev/null || need_apt+=(iproute2)                      # the two-host test's network namespaces and netem
+  command -v baresip >/dev/null || need_apt+=(baresip-core)             # the SIP phone that calls the server (tests/tests/sip.rs)
 fi
 if ((${#need_apt[@]})); then
   SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO=sudo

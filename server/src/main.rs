@@ -102,6 +102,10 @@ enum Command {
         /// Seconds to wait at start for each remote stage's first replica.
         #[arg(long, default_value_t = 300)]
         wait_stages: u64,
+        /// Answer SIP calls on this ip:port, UDP and TCP (overrides the
+        /// profile's `server.sip.listen`; port 0 picks one).
+        #[arg(long)]
+        sip: Option<String>,
     },
     /// Run one replica of a stage (or of several, sharing the process and their
     /// models) as its own process, joined to gateways and the other stages over NATS.
@@ -196,6 +200,7 @@ fn main() -> Result<()> {
             idle_timeout,
             nats,
             wait_stages,
+            sip,
         } => {
             let rt = tokio::runtime::Runtime::new().context("starting tokio")?;
             rt.block_on(serve::run(serve::ServeOptions {
@@ -210,6 +215,7 @@ fn main() -> Result<()> {
                 },
                 nats,
                 wait_stages: std::time::Duration::from_secs(wait_stages),
+                sip,
             }))
         }
         Command::Stage {

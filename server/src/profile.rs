@@ -72,6 +72,7 @@ impl ServerSpec {
                 ));
             }
         }
+        self.sip.validate(profile)?;
         let c = &self.connections;
         for (k, v, max) in [
             ("connections.header_timeout_s", c.header_timeout_s, 3600.0),
@@ -137,6 +138,10 @@ pub struct ServerSpec {
     pub allowed_hosts: Vec<String>,
     #[serde(default)]
     pub webrtc: WebRtcSpec,
+    /// SIP calls answered by the server itself (off unless `listen` is set,
+    /// here or with `omnistream serve --sip`).
+    #[serde(default)]
+    pub sip: SipSpec,
     /// Voice activity detection for `server_vad` turn detection; without it
     /// clients commit their turns themselves.
     #[serde(default)]
@@ -278,6 +283,168 @@ impl Default for WebRtcSpec {
             public_ips: vec![],
             udp_ports: None,
             playout_lead_ms: default_playout_lead_ms(),
+        }
+    }
+}
+
+/// `server.sip`: the server answers SIP calls (UDP and TCP on one port).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SipSpec {
+    /// `host:port` to listen on, UDP and TCP (`0.0.0.0:5060`); port 0 picks
+    /// one. Unset: no SIP.
+    #[serde(default)]
+    pub listen: Option<String>,
+    /// The address SDP and Contact advertise (1:1 NAT); default: the local
+    /// address the caller's packets reach.
+    #[serde(default)]
+    pub public_ip: Option<std::net::IpAddr>,
+    /// UDP ports for calls' RTP, `[first, last]`; default: any free port.
+    #[serde(default)]
+    pub rtp_ports: Option<[u16; 2]>,
+    /// Callers let in by address, as CIDRs (`203.0.113.0/24`, `::1/128`): a
+    /// SIP trunk's signalling IPs. Anyone else must answer the digest
+    /// challenge with an API key as the password (when the server has keys).
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// The digest challenge's realm.
+    #[serde(default = "default_sip_realm")]
+    pub realm: String,
+    /// The Realtime session configuration each call starts with (what a
+    /// `session.update` takes: instructions, voice, turn_detection, ...).
+    #[serde(default)]
+    pub session: Option<serde_json::Value>,
+    /// Where each answered call is announced (`realtime.call.incoming`,
+    /// POSTed as OpenAI's SIP calls do): the call id an app server joins the
+    /// call's sideband with.
+    #[serde(default)]
+    pub webhook: Option<String>,
+    /// How long a new answer is held after its first audio arrives before it
+    /// plays (ms), as `server.webrtc.playout_lead_ms`.
+    #[serde(default = "default_playout_lead_ms")]
+    pub playout_lead_ms: u64,
+    /// Most calls at once (each is a session too, under `--max-sessions`).
+    #[serde(default = "default_sip_max_calls")]
+    pub max_calls: usize,
+}
+
+fn default_sip_realm() -> String {
+    "omnistream".into()
+}
+
+fn default_sip_max_calls() -> usize {
+    64
+}
+
+impl Default for SipSpec {
+    fn default() -> Self {
+        Self {
+            listen: None,
+            public_ip: None,
+            rtp_ports: None,
+            allow: vec![],
+            realm: default_sip_realm(),
+            session: None,
+            webhook: None,
+            playout_lead_ms: default_playout_lead_ms(),
+            max_calls: default_sip_max_calls(),
+        }
+    }
+}
+
+impl SipSpec {
+    fn validate(&self, profile: &Profile) -> Result<(), ProfileError> {
+        if let Some(l) = &self.listen {
+            if l.parse::<std::net::SocketAddr>().is_err() {
+                return Err(profile.invalid(
+                    "server.sip.listen",
+                    format!("expected ip:port (0.0.0.0:5060), got {l:?}"),
+                ));
+            }
+        }
+        if let Some([lo, hi]) = self.rtp_ports {
+            if lo == 0 || hi < lo {
+                return Err(profile.invalid(
+                    "server.sip.rtp_ports",
+                    format!("expected [first, last] with 0 < first <= last, got [{lo}, {hi}]"),
+                ));
+            }
+        }
+        for (i, cidr) in self.allow.iter().enumerate() {
+            if let Err(e) = Cidr::parse(cidr) {
+                return Err(profile.invalid(format!("server.sip.allow[{i}]"), e));
+            }
+        }
+        if self.realm.is_empty() || self.realm.contains('"') {
+            return Err(profile.invalid(
+                "server.sip.realm",
+                "expected a non-empty realm without quotes",
+            ));
+        }
+        if self.max_calls == 0 {
+            return Err(profile.invalid("server.sip.max_calls", "expected at least 1"));
+        }
+        if let Some(w) = &self.webhook {
+            if !(w.starts_with("http://") || w.starts_with("https://")) {
+                return Err(profile.invalid(
+                    "server.sip.webhook",
+                    format!("expected an http:// or https:// URL, got {w:?}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An address block (`10.0.0.0/8`); a bare address is a block of one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    net: std::net::IpAddr,
+    bits: u8,
+}
+
+impl Cidr {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let (addr, bits) = match s.split_once('/') {
+            Some((a, b)) => (a, Some(b)),
+            None => (s, None),
+        };
+        let net: std::net::IpAddr = addr
+            .trim()
+            .parse()
+            .map_err(|_| format!("{s:?} is not an address or CIDR block"))?;
+        let max = if net.is_ipv4() { 32 } else { 128 };
+        let bits = match bits {
+            None => max,
+            Some(b) => b
+                .trim()
+                .parse::<u8>()
+                .ok()
+                .filter(|b| *b <= max)
+                .ok_or_else(|| format!("{s:?}: the prefix length is 0-{max}"))?,
+        };
+        Ok(Self { net, bits })
+    }
+
+    pub fn contains(&self, ip: std::net::IpAddr) -> bool {
+        use std::net::IpAddr;
+        // An IPv4 caller on a dual-stack socket arrives as ::ffff:a.b.c.d.
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
+        match (self.net, ip) {
+            (IpAddr::V4(n), IpAddr::V4(a)) => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(self.bits)).unwrap_or(0);
+                u32::from(n) & mask == u32::from(a) & mask
+            }
+            (IpAddr::V6(n), IpAddr::V6(a)) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.bits))
+                    .unwrap_or(0);
+                u128::from(n) & mask == u128::from(a) & mask
+            }
+            _ => false,
         }
     }
 }

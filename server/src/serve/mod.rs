@@ -53,6 +53,8 @@ pub struct ServeOptions {
     pub nats: Option<String>,
     /// How long to wait at start for each remote stage's first replica.
     pub wait_stages: Duration,
+    /// `--sip`: answer SIP calls here (over the profile's `server.sip.listen`).
+    pub sip: Option<String>,
 }
 
 /// Loads the pipeline, warms it up, and serves until ctrl-c.
@@ -118,10 +120,31 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
     };
     let limits =
         connections::Limits::new(&server.connections, connections::raise_open_file_limit());
-    let rtc = transport::webrtc::WebRtc::new(&server.webrtc).context("setting up WebRTC")?;
+    let links = transport::sideband::Links::default();
+    let rtc = transport::webrtc::WebRtc::new(&server.webrtc, links.clone())
+        .context("setting up WebRTC")?;
     let state = AppState::new(pipeline, config)?;
     let rtc = Arc::new(rtc);
-    let app = router(state.clone(), Some(rtc.clone()));
+    let app = router(state.clone(), Some(rtc.clone()), links.clone());
+    let sip = match opts.sip.as_ref().or(server.sip.listen.as_ref()) {
+        Some(listen) => {
+            let at: SocketAddr = listen
+                .parse()
+                .with_context(|| format!("bad SIP address {listen:?} (expected ip:port)"))?;
+            let sip = transport::sip::SipServer::start(
+                state.clone(),
+                server.sip.clone(),
+                at,
+                links.clone(),
+            )
+            .await
+            .context("starting SIP")?;
+            // Tests and scripts wait for this line too.
+            println!("omnistream sip ready on udp+tcp {}", sip.local);
+            Some(sip)
+        }
+        None => None,
+    };
     let addr: SocketAddr = format!("{}:{}", opts.host, opts.port)
         .parse()
         .with_context(|| format!("bad address {}:{}", opts.host, opts.port))?;
@@ -139,11 +162,14 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
         app,
         limits,
         state.metrics.clone(),
-        shut_down_on_signal(state.clone(), rtc, drain),
+        shut_down_on_signal(state.clone(), rtc, sip.clone(), drain),
         CLOSE_LINGER,
     )
     .await;
     reaper.abort();
+    if let Some(sip) = sip {
+        sip.stop();
+    }
     drop(mesh);
     println!("omnistream shut down");
     Ok(())
@@ -160,6 +186,7 @@ const CLOSE_LINGER: Duration = Duration::from_secs(5);
 async fn shut_down_on_signal(
     state: Arc<AppState>,
     rtc: Arc<transport::webrtc::WebRtc>,
+    sip: Option<Arc<transport::sip::SipServer>>,
     drain: Duration,
 ) {
     crate::distributed::wait_for_signal().await;
@@ -182,12 +209,12 @@ async fn shut_down_on_signal(
         }
     }
     state.shutdown.enter(shutdown::Phase::Closing);
-    // Sessions said goodbye, and WebRTC peers are hung up (a session ends
-    // before its peer connection is closed; exiting first would leave the
-    // caller to find out by ICE timeout).
+    // Sessions said goodbye, and WebRTC peers and SIP calls are hung up (a
+    // session ends before its call; exiting first would leave the caller to
+    // find out by ICE or RTP timeout).
     let _ = tokio::time::timeout(CLOSE_LINGER, async {
         state.idle().await;
-        while rtc.peers() > 0 {
+        while rtc.peers() > 0 || sip.as_ref().is_some_and(|s| s.calls() > 0) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
@@ -214,7 +241,11 @@ async fn refuse_when_draining(
 
 /// All routes. Public ones: `/`, `/health`; everything under `/v1` and
 /// `/metrics` goes through the API-key check.
-pub fn router(state: Arc<AppState>, rtc: Option<Arc<transport::webrtc::WebRtc>>) -> Router {
+pub fn router(
+    state: Arc<AppState>,
+    rtc: Option<Arc<transport::webrtc::WebRtc>>,
+    links: transport::sideband::Links,
+) -> Router {
     let peers = rtc.clone();
     let api = Router::new()
         .route("/v1/models", get(models))
@@ -229,7 +260,7 @@ pub fn router(state: Arc<AppState>, rtc: Option<Arc<transport::webrtc::WebRtc>>)
             }),
         )
         .merge(transport::http::routes())
-        .merge(transport::realtime_routes(rtc.clone()))
+        .merge(transport::realtime_routes(links))
         .merge(transport::stream::routes())
         .merge(transport::webrtc::routes(rtc.clone()))
         .layer(axum::middleware::from_fn_with_state(

@@ -165,6 +165,33 @@ impl Respond {
     }
 }
 
+/// A key the caller pressed on a phone's keypad (`0-9 * # A-D`): the
+/// caller's turn, in words the model can read, answered at once; while an
+/// answer runs, it joins the conversation for the next one instead.
+pub fn keypress(key: char, conv: &Conversation) -> Input {
+    let text = format!("(The caller pressed {key} on the phone keypad.)");
+    if conv.answering().is_some() {
+        Input::AddMessage {
+            item_id: None,
+            role: Role::User,
+            text,
+            content: serde_json::Value::Null,
+        }
+    } else {
+        let mut r = Respond::auto(still_playing);
+        r.user_text = Some(text);
+        Input::Respond(r)
+    }
+}
+
+/// Another answer asked for while one plays.
+pub fn still_playing(id: &str) -> ClientError {
+    ClientError::invalid(
+        "response_in_progress",
+        format!("response {id} is still playing"),
+    )
+}
+
 /// How an answer ended, as the engine and the client saw it.
 #[derive(Debug, Clone)]
 pub enum End {

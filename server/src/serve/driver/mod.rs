@@ -41,6 +41,9 @@ pub enum Inbound {
     Binary(Vec<u8>),
     /// The client answered a ping of ours (its payload).
     Pong(Vec<u8>),
+    /// The caller pressed a key on a phone's keypad (a SIP call's RFC 4733
+    /// event or SIP INFO).
+    Key(char),
     /// The client closed, or the connection is gone.
     Closed,
     /// A read error worth telling the client, with the close code it gets.
@@ -126,6 +129,13 @@ pub trait Transport: Send {
     /// Whether answers play on a media track (they end when it played them).
     fn has_player(&self) -> bool {
         false
+    }
+    /// The caller pressed a key: its turn (a protocol may tell its client too).
+    fn key(&mut self, key: char, conv: &Conversation) -> Vec<Action> {
+        vec![Action::Input {
+            event_id: None,
+            input: super::conversation::keypress(key, conv),
+        }]
     }
 }
 
@@ -269,6 +279,10 @@ pub async fn run<T, St>(
                 Some(Inbound::Text(t)) => d.client(Incoming::Text(&t)).await,
                 Some(Inbound::Binary(b)) => d.client(Incoming::Binary(&b)).await,
                 Some(Inbound::Pong(p)) => out.pong(&p),
+                Some(Inbound::Key(k)) => {
+                    let actions = d.transport.key(k, &d.conv);
+                    d.act(actions).await;
+                }
             }
         }
     }
@@ -323,6 +337,11 @@ impl<T: Transport> Driver<T> {
             return;
         }
         let actions = self.transport.message(m, &self.conv);
+        self.act(actions).await;
+    }
+
+    /// Does what the transport asked.
+    async fn act(&mut self, actions: Vec<Action>) {
         for a in actions {
             match a {
                 Action::Input { event_id, input } => self.handle(event_id, input).await,

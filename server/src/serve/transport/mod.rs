@@ -5,7 +5,10 @@
 //! `serve::answer::Answer`, its steps coded into the response body.
 
 pub mod http;
+pub mod media;
 pub mod realtime;
+pub mod sideband;
+pub mod sip;
 pub mod stream;
 pub mod twilio;
 pub mod webrtc;
@@ -22,31 +25,31 @@ use axum::{Extension, Router};
 use serde::Deserialize;
 
 use crate::serve::state::AppState;
-use webrtc::WebRtc;
+use sideband::Links;
 
 /// `GET /v1/realtime`: a Realtime session, or with `?call_id=` the sideband
-/// of a WebRTC call (here, above both, so neither depends on the other).
-pub fn realtime_routes(rtc: Option<Arc<WebRtc>>) -> Router<Arc<AppState>> {
+/// of a call (WebRTC or SIP; here, above them, so none depends on another).
+pub fn realtime_routes(links: Links) -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/realtime", get(realtime_upgrade))
-        .layer(Extension(rtc))
+        .layer(Extension(links))
 }
 
 #[derive(Deserialize)]
 struct Connect {
-    /// A WebRTC call's id: this socket is its sideband.
+    /// A call's id: this socket is its sideband.
     call_id: Option<String>,
 }
 
 async fn realtime_upgrade(
     State(state): State<Arc<AppState>>,
-    Extension(rtc): Extension<Option<Arc<WebRtc>>>,
+    Extension(links): Extension<Links>,
     Query(q): Query<Connect>,
     headers: HeaderMap,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
     match q.call_id {
-        Some(call_id) => webrtc::calls::sideband(state, rtc, &headers, ws, call_id),
+        Some(call_id) => sideband::upgrade(state, &links, &headers, ws, call_id),
         None => realtime::accept(state, &headers, ws),
     }
 }

@@ -1307,4 +1307,22 @@ impl Transport for Realtime {
     fn has_player(&self) -> bool {
         self.speaker.is_some()
     }
+
+    /// A phone call's key: the event OpenAI's SIP calls send, then the
+    /// caller's turn.
+    fn key(&mut self, key: char, conv: &Conversation) -> Vec<Action> {
+        let received_at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        vec![
+            Action::Send(event(
+                "input_audio_buffer.dtmf_event_received",
+                json!({"event": key.to_string(), "received_at": received_at}),
+            )),
+            Action::Input {
+                event_id: None,
+                input: crate::serve::conversation::keypress(key, conv),
+            },
+        ]
+    }
 }

@@ -44,13 +44,12 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use omnistream_codecs::g711;
-use omnistream_stages::engine::Role;
 
 use crate::serve::audio::OutputFormat;
 use crate::serve::auth;
 use crate::serve::conn::{self, Outbox, Overflow};
 use crate::serve::conversation::{
-    deaf, Conversation, End, Input, Output, Respond, Settings, TurnSettings,
+    self, deaf, Conversation, End, Input, Output, Settings, TurnSettings,
 };
 use crate::serve::driver::{self, Action, Incoming, Transport};
 use crate::serve::error::ClientError;
@@ -353,18 +352,6 @@ fn fields<T: serde::de::DeserializeOwned>(v: &Value, kind: &str) -> Result<T, Cl
 }
 
 /// A keypad digit as the caller's words.
-fn pressed(digit: &str) -> String {
-    format!("(The caller pressed {digit} on the phone keypad.)")
-}
-
-/// Another answer asked for while one plays.
-fn busy(id: &str) -> ClientError {
-    ClientError::invalid(
-        "response_in_progress",
-        format!("response {id} is still playing"),
-    )
-}
-
 impl MediaStream {
     pub fn new(state: Arc<AppState>, keyed: bool, opened: Instant) -> Self {
         Self {
@@ -614,20 +601,9 @@ impl MediaStream {
             )
             .at("dtmf.digit"));
         }
-        let text = pressed(digit);
         tracing::debug!(digit, answering = ?conv.answering(), "keypad");
-        let input = if conv.answering().is_some() {
-            Input::AddMessage {
-                item_id: None,
-                role: Role::User,
-                text,
-                content: Value::Null,
-            }
-        } else {
-            let mut r = Respond::auto(busy);
-            r.user_text = Some(text);
-            Input::Respond(r)
-        };
+        let key = digit.chars().next().unwrap_or('0').to_ascii_uppercase();
+        let input = conversation::keypress(key, conv);
         Ok(vec![Action::Input {
             event_id: None,
             input,

@@ -9,8 +9,7 @@
 //!   with the SDP answer and `Location: /v1/realtime/calls/{call_id}`.
 //! - `POST /v1/realtime/calls/{call_id}/hangup` (API key): ends the call.
 //! - `GET /v1/realtime?call_id=…` (API key): the sideband WebSocket of an app
-//!   server on a call a browser holds: the call's events come to it too, and
-//!   its events go into the call's session as if sent on the data channel.
+//!   server on a call a browser holds (`transport::sideband`).
 //!
 //! The call itself is the one `/v1/webrtc` makes: the same peer, track and
 //! Realtime session.
@@ -19,23 +18,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::ws::rejection::WebSocketUpgradeRejection;
-use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{FromRequest, Multipart, Path, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use dashmap::DashMap;
-use futures_util::{SinkExt, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::{broadcast, mpsc};
 
 use super::{open_call, WebRtc, MAX_OFFER_BYTES};
 use crate::serve::auth;
-use crate::serve::conn::{self, ConnGauge};
 use crate::serve::connections::read_body;
-use crate::serve::driver::Inbound;
 use crate::serve::error::ApiError;
 use crate::serve::state::AppState;
 use crate::serve::transport::realtime;
@@ -46,8 +39,6 @@ const DEFAULT_TTL_S: u64 = 600;
 const TTL_RANGE_S: std::ops::RangeInclusive<u64> = 10..=7200;
 /// Ephemeral keys outstanding at once (expired ones are swept first).
 const MAX_SECRETS: usize = 10_000;
-/// Events a sideband may fall behind by before it is dropped.
-const SIDEBAND_BACKLOG: usize = 1024;
 
 /// An ephemeral key not yet used.
 struct Secret {
@@ -56,30 +47,10 @@ struct Secret {
     session: Option<Value>,
 }
 
-/// A live call as its sideband sees it: a way in, and its events.
-pub struct Link {
-    input: mpsc::Sender<Inbound>,
-    events: broadcast::Sender<Message>,
-}
-
-impl Link {
-    pub fn new(input: mpsc::Sender<Inbound>) -> (Self, broadcast::Sender<Message>) {
-        let (events, _) = broadcast::channel(SIDEBAND_BACKLOG);
-        (
-            Self {
-                input,
-                events: events.clone(),
-            },
-            events,
-        )
-    }
-}
-
-/// The call flow's state: keys not yet used, calls with a way in.
+/// The call flow's ephemeral keys not yet used.
 #[derive(Default)]
 pub struct Calls {
     secrets: DashMap<String, Secret>,
-    pub links: DashMap<String, Link>,
 }
 
 impl Calls {
@@ -369,74 +340,6 @@ pub async fn hangup(
     Path(call_id): Path<String>,
 ) -> Response {
     super::close_peer(rtc, &call_id, "call").await
-}
-
-/// `GET /v1/realtime?call_id=…`: the sideband WebSocket of a live call.
-pub fn sideband(
-    state: Arc<AppState>,
-    rtc: Option<Arc<WebRtc>>,
-    headers: &HeaderMap,
-    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
-    call_id: String,
-) -> Response {
-    let ws = match conn::upgrade(&state, headers, ws, &["realtime"]) {
-        Ok(ws) => ws,
-        Err(e) => return e.into_response(),
-    };
-    let link = rtc.as_ref().and_then(|r| {
-        r.calls
-            .links
-            .get(&call_id)
-            .map(|l| (l.input.clone(), l.events.subscribe()))
-    });
-    let Some((input, events)) = link else {
-        return ApiError::not_found(format!("no call {call_id:?}")).into_response();
-    };
-    ws.on_upgrade(move |socket| run_sideband(state, socket, input, events))
-}
-
-/// Relays both ways until the sideband or the call goes. Closing the
-/// sideband leaves the call as it is.
-async fn run_sideband(
-    state: Arc<AppState>,
-    socket: WebSocket,
-    input: mpsc::Sender<Inbound>,
-    mut events: broadcast::Receiver<Message>,
-) {
-    let _conn = ConnGauge::new(&state.metrics, "sideband");
-    let (mut sink, mut stream) = socket.split();
-    loop {
-        tokio::select! {
-            ev = events.recv() => match ev {
-                Ok(m) => {
-                    if sink.send(m).await.is_err() {
-                        break;
-                    }
-                }
-                Err(broadcast::error::RecvError::Lagged(_)) => {
-                    let _ = sink.send(realtime::slow_client_event()).await;
-                    break;
-                }
-                // The call ended.
-                Err(broadcast::error::RecvError::Closed) => break,
-            },
-            m = stream.next() => match m {
-                Some(Ok(Message::Text(t))) => {
-                    if input.send(Inbound::Text(t.to_string())).await.is_err() {
-                        break;
-                    }
-                }
-                Some(Ok(Message::Binary(b))) => {
-                    if input.send(Inbound::Binary(b.to_vec())).await.is_err() {
-                        break;
-                    }
-                }
-                Some(Ok(_)) => {}
-                None | Some(Err(_)) => break,
-            },
-        }
-    }
-    let _ = sink.close().await;
 }
 
 #[cfg(test)]

@@ -13,7 +13,6 @@
 //! and cancels its work in every stage.
 
 pub mod calls;
-pub mod media;
 mod sdp;
 
 use std::sync::Arc;
@@ -52,14 +51,15 @@ use webrtc::track::track_remote::TrackRemote;
 
 use crate::profile::WebRtcSpec;
 
-use super::realtime::{slow_client_event, Realtime, RATE};
-use crate::serve::conn::{AudioSink, ConnGauge, Outbox, Overflow};
+use super::media::{self, AudioOut, Codec, Mic, Slot, Speaker, FRAME};
+use super::realtime::{slow_client_event, Realtime};
+use super::sideband::{Link, Links};
+use crate::serve::conn::{ConnGauge, Outbox};
 use crate::serve::connections::read_body;
 use crate::serve::driver::{self, Inbound};
 use crate::serve::error::ApiError;
 use crate::serve::metrics::TaskGuard;
 use crate::serve::state::AppState;
-use media::{AudioOut, Codec, Mic, Slot, Speaker, FRAME};
 
 /// Largest SDP offer accepted.
 const MAX_OFFER_BYTES: usize = 64 * 1024;
@@ -78,12 +78,14 @@ pub struct WebRtc {
     playout_lead: Duration,
     ice_servers: Vec<RTCIceServer>,
     peers: dashmap::DashMap<String, Arc<RTCPeerConnection>>,
-    /// OpenAI's call flow: ephemeral keys, and the calls' sideband links.
+    /// OpenAI's call flow: its ephemeral keys.
     calls: calls::Calls,
+    /// The live calls a sideband can join.
+    links: Links,
 }
 
 impl WebRtc {
-    pub fn new(spec: &WebRtcSpec) -> anyhow::Result<Self> {
+    pub fn new(spec: &WebRtcSpec, links: Links) -> anyhow::Result<Self> {
         let mut media = MediaEngine::default();
         // Opus as browsers offer it; PCMU/PCMA with their static payload types.
         let codecs = [
@@ -143,6 +145,7 @@ impl WebRtc {
             ice_servers,
             peers: dashmap::DashMap::new(),
             calls: calls::Calls::default(),
+            links,
         })
     }
 
@@ -316,22 +319,6 @@ fn to_inbound(msg: DataChannelMessage) -> Inbound {
     }
 }
 
-/// The paced speaker track, as the conversation's transport plays to it.
-impl AudioSink for AudioOut {
-    fn push(&self, response: &str, pcm16: &[u8]) -> Result<(), Overflow> {
-        AudioOut::push(self, response, pcm16).map_err(|_| Overflow)
-    }
-    fn end(&self, response: &str) {
-        AudioOut::end(self, response)
-    }
-    fn clear(&self) {
-        AudioOut::clear(self)
-    }
-    fn queued_seconds(&self) -> f64 {
-        self.queued_samples() as f64 / f64::from(RATE)
-    }
-}
-
 struct Local {
     sdp: String,
     tracks: Tracks,
@@ -460,8 +447,8 @@ async fn run_peer(
         let _ = in_tx.try_send(Inbound::Text(update.to_string()));
     }
     // A sideband (`GET /v1/realtime?call_id=`) joins through this link.
-    let (link, watchers) = calls::Link::new(in_tx.clone());
-    rtc.calls.links.insert(id.clone(), link);
+    let (link, watchers) = Link::new(in_tx.clone());
+    rtc.links.insert(id.clone(), link);
     // A bounded channel whose sending half is the Outbox writer's sink.
     let (out_tx, out_rx) = futures_channel::mpsc::channel::<Message>(64);
     let out = Outbox::start_on(out_tx, &state.metrics, slow_client_event(), false);
@@ -556,7 +543,7 @@ async fn run_peer(
     let _ = pc.close().await;
     // Listed until closed: a server shutting down waits for its peers to be
     // hung up (the session itself ended with the driver).
-    rtc.calls.links.remove(&id);
+    rtc.links.remove(&id);
     rtc.peers.remove(&id);
 }
 

@@ -2,7 +2,7 @@
 //! (The `webrtc` crate negotiates the rest; this picks before it does, so an
 //! offer we cannot serve gets a clear 400.)
 
-use super::media::Codec;
+use crate::serve::transport::media::Codec;
 
 pub fn codec_of_mime(mime: &str) -> Option<Codec> {
     match mime.to_ascii_lowercase().as_str() {

@@ -1,6 +1,7 @@
-//! Audio on a WebRTC peer's track: answers go out paced in 20 ms frames
-//! (Opus 48 kHz or G.711 8 kHz) with silence between them; the peer's
-//! microphone comes in decoded and resampled to the session's 24 kHz.
+//! Audio on a call's RTP stream (a WebRTC peer's track, a SIP call): answers
+//! go out paced in 20 ms frames (Opus 48 kHz or G.711 8 kHz) with silence
+//! between them; the caller's microphone comes in decoded and resampled to
+//! the session's 24 kHz.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -117,6 +118,22 @@ impl AudioOut {
     /// Samples (at 24 kHz) handed over and not yet played.
     pub fn queued_samples(&self) -> usize {
         self.queued.load(Ordering::Acquire)
+    }
+}
+
+/// The paced speaker, as the conversation's transport plays to it.
+impl crate::serve::conn::AudioSink for AudioOut {
+    fn push(&self, response: &str, pcm16: &[u8]) -> Result<(), crate::serve::conn::Overflow> {
+        AudioOut::push(self, response, pcm16).map_err(|_| crate::serve::conn::Overflow)
+    }
+    fn end(&self, response: &str) {
+        AudioOut::end(self, response)
+    }
+    fn clear(&self) {
+        AudioOut::clear(self)
+    }
+    fn queued_seconds(&self) -> f64 {
+        self.queued_samples() as f64 / f64::from(SESSION_RATE)
     }
 }
 

@@ -121,4 +121,5 @@ async def main():
     raise SystemExit(0 if ok else 1)
 
 
-asyncio.run(main())
+if __name__ == "__main__":
+    asyncio.run(main())

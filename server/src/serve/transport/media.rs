@@ -331,6 +331,61 @@ impl Speaker {
     }
 }
 
+/// One 20 ms tick of a paced speaker: the payload to send, whether it is an
+/// answer's speech, and the `output_audio_buffer` event it starts or ends.
+pub struct Tick {
+    pub payload: Vec<u8>,
+    pub speech: bool,
+    pub event: Option<(&'static str, serde_json::Value)>,
+}
+
+impl Speaker {
+    /// Takes the cues that came, then gives the next slot; `None` (logged)
+    /// when the codec failed, and the tick is skipped.
+    pub fn tick(&mut self, cues: &mut mpsc::UnboundedReceiver<Cue>) -> Option<Tick> {
+        while let Ok(cue) = cues.try_recv() {
+            if let Err(e) = self.cue(cue) {
+                tracing::warn!("speaker: {e}");
+            }
+        }
+        let slot = match self.next_slot() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("speaker: {e}");
+                return None;
+            }
+        };
+        Some(match slot {
+            Slot::Speech {
+                response,
+                first,
+                payload,
+            } => Tick {
+                payload,
+                speech: true,
+                event: first.then(|| {
+                    (
+                        "output_audio_buffer.started",
+                        serde_json::json!({"response_id": response}),
+                    )
+                }),
+            },
+            // `underrun_ms`: silence the answer had to take mid-way because
+            // generation fell behind real time (0 when it kept up).
+            Slot::Silence { stopped, payload } => Tick {
+                payload,
+                speech: false,
+                event: stopped.map(|(r, late)| {
+                    (
+                        "output_audio_buffer.stopped",
+                        serde_json::json!({"response_id": r, "underrun_ms": late * 20}),
+                    )
+                }),
+            },
+        })
+    }
+}
+
 /// Decodes a peer's RTP payloads into 24 kHz pcm16 LE.
 pub struct Mic {
     decoder: MicCodec,

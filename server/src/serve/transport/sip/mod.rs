@@ -48,7 +48,7 @@ use tokio::net::UdpSocket;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::media::{AudioOut, Cue, Mic, Slot, Speaker, FRAME};
+use super::media::{AudioOut, Cue, Mic, Speaker, Tick, FRAME};
 use super::realtime::{self, slow_client_event, Realtime};
 use super::sideband::{Link, Links};
 use crate::profile::{Cidr, SipSpec};
@@ -838,43 +838,13 @@ async fn speak(
             _ = tick.tick() => {}
             _ = hangup.wait_for(|h| *h) => return,
         }
-        while let Ok(cue) = cues.try_recv() {
-            if let Err(e) = speaker.cue(cue) {
-                tracing::warn!("sip speaker: {e}");
-            }
-        }
-        let slot = match speaker.next_slot() {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!("sip speaker: {e}");
-                continue;
-            }
-        };
-        let (payload, speech, event) = match slot {
-            Slot::Speech {
-                response,
-                first,
-                payload,
-            } => (
-                payload,
-                true,
-                first.then(|| {
-                    (
-                        "output_audio_buffer.started",
-                        json!({"response_id": response}),
-                    )
-                }),
-            ),
-            Slot::Silence { stopped, payload } => (
-                payload,
-                false,
-                stopped.map(|(r, late)| {
-                    (
-                        "output_audio_buffer.stopped",
-                        json!({"response_id": r, "underrun_ms": late * 20}),
-                    )
-                }),
-            ),
+        let Some(Tick {
+            payload,
+            speech,
+            event,
+        }) = speaker.tick(&mut cues)
+        else {
+            continue;
         };
         let packet = rtp.packet(payload, speech);
         let to = *peer.borrow();

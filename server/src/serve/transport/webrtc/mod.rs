@@ -51,7 +51,7 @@ use webrtc::track::track_remote::TrackRemote;
 
 use crate::profile::WebRtcSpec;
 
-use super::media::{self, AudioOut, Codec, Mic, Slot, Speaker, FRAME};
+use super::media::{self, AudioOut, Codec, Mic, Speaker, FRAME};
 use super::realtime::{slow_client_event, Realtime};
 use super::sideband::{Link, Links};
 use crate::serve::conn::{ConnGauge, Outbox};
@@ -644,44 +644,9 @@ async fn pace(
             _ = tick.tick() => {}
             _ = hangup.wait_for(|h| *h) => return,
         }
-        while let Ok(cue) = cues.try_recv() {
-            if let Err(e) = speaker.cue(cue) {
-                tracing::warn!("webrtc speaker: {e}");
-            }
-        }
-        let slot = match speaker.next_slot() {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!("webrtc speaker: {e}");
-                continue;
-            }
-        };
         let underruns = speaker.underruns;
-        let (payload, event) = match slot {
-            Slot::Speech {
-                response,
-                first,
-                payload,
-            } => (
-                payload,
-                first.then(|| {
-                    (
-                        "output_audio_buffer.started",
-                        json!({"response_id": response}),
-                    )
-                }),
-            ),
-            // `underrun_ms`: silence the answer had to take mid-way because
-            // generation fell behind real time (0 when it kept up).
-            Slot::Silence { stopped, payload } => (
-                payload,
-                stopped.map(|(r, late)| {
-                    (
-                        "output_audio_buffer.stopped",
-                        json!({"response_id": r, "underrun_ms": late * 20}),
-                    )
-                }),
-            ),
+        let Some(media::Tick { payload, event, .. }) = speaker.tick(&mut cues) else {
+            continue;
         };
         let sample = Sample {
             data: payload.into(),

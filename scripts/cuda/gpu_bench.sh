@@ -60,7 +60,8 @@
 #              over loopback, one run after another against the same server:
 #              SERVE_RUNS picks them (default all, in this order):
 #                chat       HTTP SSE chat, 100-word prompts, 200 tokens, audio:
-#                           c=1 (8 requests), 8 (32), 32 (64), 64 (128)
+#                           c=1 (8 requests), 8 (32), 32 (64), 64 (128); CHAT_C
+#                           picks others ("8:32 32:64": concurrency:requests)
 #                text       text only, sampled at TEMP (default 1.0), c=32 (64)
 #                rt         Realtime, typed turns, audio: c=1 (8), 32 (64)
 #                spoken     spoken questions (scripts/cuda/make_questions.sh wrote
@@ -215,10 +216,9 @@ if has serve; then
   runs=" ${SERVE_RUNS:-chat text rt spoken long} "
   CHAT=(--input-len 100 --output-len 200)
   if [[ $runs == *" chat "* ]]; then
-    sb chat-c1 --endpoint chat "${CHAT[@]}" --concurrency 1 --num-prompts 8
-    sb chat-c8 --endpoint chat "${CHAT[@]}" --concurrency 8 --num-prompts 32
-    sb chat-c32 --endpoint chat "${CHAT[@]}" --concurrency 32 --num-prompts 64
-    sb chat-c64 --endpoint chat "${CHAT[@]}" --concurrency 64 --num-prompts 128
+    for c in ${CHAT_C:-1:8 8:32 32:64 64:128}; do
+      sb "chat-c${c%:*}" --endpoint chat "${CHAT[@]}" --concurrency "${c%:*}" --num-prompts "${c#*:}"
+    done
   fi
   [[ $runs == *" text "* ]] && sb text-c32 --endpoint chat "${CHAT[@]}" --text-only \
     --temperature "${TEMP:-1.0}" --concurrency 32 --num-prompts 64

@@ -289,6 +289,11 @@ pub struct ConnectorSpec {
     /// Frame connectors: frames of audio in every later chunk.
     #[serde(default)]
     pub codec_chunk_frames: Option<usize>,
+    /// Frame connectors: chunks after the first double in size up to
+    /// `codec_chunk_frames` (1, 2, 4, 8 ...), so the second chunk's audio is
+    /// ready before the first has played out under load.
+    #[serde(default)]
+    pub codec_chunk_ramp: Option<bool>,
     /// Frame connectors: 0 = stateful exact streaming; N > 0 = re-decode each chunk
     /// with N frames of left context and trim (the reference-style decoder, kept to
     /// show what state buys; not exact).
@@ -622,6 +627,7 @@ impl Profile {
                     c.initial_codec_chunk_frames.is_some(),
                 ),
                 ("codec_chunk_frames", c.codec_chunk_frames.is_some()),
+                ("codec_chunk_ramp", c.codec_chunk_ramp.is_some()),
                 (
                     "codec_left_context_frames",
                     c.codec_left_context_frames.is_some(),

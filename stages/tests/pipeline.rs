@@ -168,6 +168,7 @@ fn streamed_audio_equals_one_shot_for_every_chunk_policy() {
                 initial_frames: 1,
                 chunk_frames: 1,
                 left_context_frames: 0,
+                ramp: false,
             },
         );
         collect(&p.submit(speech(TEXT)).unwrap()).audio
@@ -181,7 +182,15 @@ fn streamed_audio_equals_one_shot_for_every_chunk_policy() {
         0,
         "not a whole number of frames"
     );
-    for (initial, chunk) in [(1, 25), (1, 1), (4, 25), (7, 3), (100_000, 100_000)] {
+    for (initial, chunk, ramp) in [
+        (1, 25, false),
+        (1, 1, false),
+        (4, 25, false),
+        (7, 3, false),
+        (100_000, 100_000, false),
+        (1, 8, true),
+        (3, 25, true),
+    ] {
         let p = tts(
             &v,
             ChunkPolicy {
@@ -189,6 +198,7 @@ fn streamed_audio_equals_one_shot_for_every_chunk_policy() {
                 initial_frames: initial,
                 chunk_frames: chunk,
                 left_context_frames: 0,
+                ramp,
             },
         );
         let g = collect(&p.submit(speech(TEXT)).unwrap());
@@ -223,6 +233,7 @@ fn left_context_redecode_is_what_state_avoids() {
         initial_frames: 4,
         chunk_frames: 10,
         left_context_frames: left,
+        ramp: false,
     };
     let exact = collect(&tts(&v, policy(0)).submit(speech(TEXT)).unwrap()).audio;
     let windowed = collect(&tts(&v, policy(4)).submit(speech(TEXT)).unwrap()).audio;

@@ -517,6 +517,7 @@ fn chunk_policy(profile: &Profile, c: Option<&ConnectorSpec>) -> ChunkPolicy {
             .and_then(|c| c.codec_chunk_frames)
             .unwrap_or(DEFAULT_CHUNK_FRAMES),
         left_context_frames: c.and_then(|c| c.codec_left_context_frames).unwrap_or(0),
+        ramp: c.and_then(|c| c.codec_chunk_ramp).unwrap_or(false),
     }
 }
 

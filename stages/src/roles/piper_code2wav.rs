@@ -24,6 +24,39 @@ pub struct ChunkPolicy {
     pub initial_frames: usize,
     pub chunk_frames: usize,
     pub left_context_frames: usize,
+    /// Chunks after the first double from `initial_frames` up to `chunk_frames`.
+    pub ramp: bool,
+}
+
+impl ChunkPolicy {
+    /// Frames in a request's chunk `k` (0: its first).
+    pub fn frames(&self, k: u64) -> usize {
+        match (k, self.ramp) {
+            (0, _) => self.initial_frames,
+            (_, false) => self.chunk_frames,
+            (k, true) => self
+                .initial_frames
+                .max(1)
+                .saturating_mul(1usize << k.min(16))
+                .min(self.chunk_frames),
+        }
+    }
+
+    /// Every chunk length a request goes through, the first flagged (what
+    /// CUDA graphs are captured for).
+    pub fn sizes(&self) -> Vec<(usize, bool)> {
+        let mut out = vec![(self.initial_frames, true)];
+        for k in 1.. {
+            let n = self.frames(k);
+            if !out[1..].iter().any(|&(m, _)| m == n) {
+                out.push((n, false));
+            }
+            if n >= self.chunk_frames || !self.ramp {
+                break;
+            }
+        }
+        out
+    }
 }
 
 struct DecReq {
@@ -68,7 +101,7 @@ impl PiperCode2Wav {
         if r.seq == 0 {
             self.policy.initial_frames
         } else {
-            r.emitted + self.policy.chunk_frames
+            r.emitted + self.policy.frames(r.seq)
         }
     }
 
@@ -271,5 +304,39 @@ impl StageModel for PiperCode2Wav {
 
     fn active(&self) -> usize {
         self.reqs.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ChunkPolicy;
+
+    #[test]
+    fn a_ramp_doubles_up_to_the_chunk() {
+        let p = |initial, chunk, ramp| ChunkPolicy {
+            async_chunk: true,
+            initial_frames: initial,
+            chunk_frames: chunk,
+            left_context_frames: 0,
+            ramp,
+        };
+        let first: Vec<usize> = (0..6).map(|k| p(1, 8, true).frames(k)).collect();
+        assert_eq!(first, vec![1, 2, 4, 8, 8, 8]);
+        assert_eq!(
+            p(1, 8, true).sizes(),
+            vec![(1, true), (2, false), (4, false), (8, false)]
+        );
+        assert_eq!(
+            p(3, 25, true).sizes(),
+            vec![(3, true), (6, false), (12, false), (24, false), (25, false)]
+        );
+        // Without it: the first, then the chunk; a first larger than the chunk too.
+        assert_eq!(p(1, 8, false).sizes(), vec![(1, true), (8, false)]);
+        assert_eq!(
+            (0..3).map(|k| p(10, 4, true).frames(k)).collect::<Vec<_>>(),
+            vec![10, 4, 4]
+        );
+        assert_eq!(p(10, 4, true).sizes(), vec![(10, true), (4, false)]);
+        assert_eq!(p(1, 1, false).sizes(), vec![(1, true), (1, false)]);
     }
 }

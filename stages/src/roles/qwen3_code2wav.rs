@@ -5,7 +5,8 @@
 //! are here, with no lookahead and no re-decoded context, and the streamed audio
 //! equals the whole-utterance decode. The chunk sizes only trade how often audio
 //! goes out against per-call overhead: the first chunk after
-//! `initial_codec_chunk_frames`, then every `codec_chunk_frames`. On a GPU the
+//! `initial_codec_chunk_frames`, then every `codec_chunk_frames` (with
+//! `codec_chunk_ramp`, doubling from the first up to it). On a GPU the
 //! streams' states live in slots on the device and the steps replay CUDA graphs
 //! captured when the stage starts (`Code2Wav::step_slots_graphed`), unless the
 //! stage is `enforce_eager`.
@@ -92,11 +93,7 @@ impl Qwen3OmniCode2Wav {
     }
 
     fn chunk(policy: &ChunkPolicy, r: &Req) -> usize {
-        if r.chunks == 0 {
-            policy.initial_frames
-        } else {
-            policy.chunk_frames
-        }
+        policy.frames(r.chunks)
     }
 
     fn is_ready(policy: &ChunkPolicy, r: &Req) -> bool {
@@ -268,12 +265,12 @@ impl StageModel for Qwen3OmniCode2Wav {
             return;
         };
         let t = std::time::Instant::now();
-        let (first, chunk) = (self.policy.initial_frames, self.policy.chunk_frames);
+        let sizes = self.policy.sizes();
         // The constructor checked the part is there.
         let Ok(c2w) = self.model.code2wav() else {
             return;
         };
-        match c2w.warm_up_graphs(&mut self.slots, g, self.max_num_seqs, first, chunk) {
+        match c2w.warm_up_graphs(&mut self.slots, g, self.max_num_seqs, &sizes) {
             Ok(n) => tracing::info!("Code2Wav: {n} graphs captured in {:?}", t.elapsed()),
             // Buckets not captured are captured at their first step, or run eagerly.
             Err(e) => tracing::warn!("Code2Wav: capturing graphs: {e}"),

@@ -351,7 +351,6 @@ fn fields<T: serde::de::DeserializeOwned>(v: &Value, kind: &str) -> Result<T, Cl
         .map_err(|e| ClientError::invalid("invalid_event", format!("{kind}: {e}")))
 }
 
-/// A keypad digit as the caller's words.
 impl MediaStream {
     pub fn new(state: Arc<AppState>, keyed: bool, opened: Instant) -> Self {
         Self {

@@ -1480,9 +1480,9 @@ impl Code2Wav {
         state: &mut Code2WavSlots,
         graphs: &mut Code2WavGraphs,
         max_batch: usize,
-        first: usize,
-        chunk: usize,
+        sizes: &[(usize, bool)],
     ) -> Result<usize> {
+        let first = sizes.iter().find(|s| s.1).map_or(1, |s| s.0);
         let dev = self.code_embedding.device();
         if !graphs::available(dev) {
             return Ok(0);
@@ -1499,9 +1499,9 @@ impl Code2Wav {
             .position(|&b| b >= max_batch)
             .unwrap_or(graphs::BATCH_BUCKETS.len() - 1);
         for &bb in &graphs::BATCH_BUCKETS[..=last] {
-            for key in [(bb, first, true), (bb, chunk, false)] {
-                if key.1 > 0 {
-                    self.chunk_graph(state, graphs, key)?;
+            for &(frames, is_first) in sizes {
+                if frames > 0 {
+                    self.chunk_graph(state, graphs, (bb, frames, is_first))?;
                 }
             }
         }

@@ -1204,7 +1204,7 @@ fn code2wav_graphed_steps_match_eager() {
     let mut graphs = Code2WavGraphs::default();
     // Before any stream: buckets 1, 2 and 4, first chunks of 1 frame and chunks of 4.
     let n = c2w
-        .warm_up_graphs(&mut graphed, &mut graphs, 4, 1, 4)
+        .warm_up_graphs(&mut graphed, &mut graphs, 4, &[(1, true), (4, false)])
         .unwrap();
     assert_eq!(n, 6);
     let ids = [2usize, 0, 3];

@@ -63,16 +63,21 @@ impl Calls {
         }
     }
 
-    /// Takes the key `value` if it is live: the session it carries. `Err`:
-    /// why it is refused.
-    fn redeem(&self, value: &str, now: Instant) -> Result<Option<Value>, &'static str> {
+    /// Takes the key `value` if it is live. `Err`: why it is refused.
+    fn redeem(&self, value: &str, now: Instant) -> Result<Secret, &'static str> {
         let Some((_, s)) = self.secrets.remove(value) else {
             return Err("unknown or already used ephemeral key");
         };
         if s.expires <= now {
             return Err("the ephemeral key expired");
         }
-        Ok(s.session)
+        Ok(s)
+    }
+
+    /// Gives a taken key back: the call it was for could not be opened (the
+    /// server at its session cap, say), so the browser may try again.
+    fn restore(&self, value: String, secret: Secret) {
+        self.secrets.insert(value, secret);
     }
 
     fn insert(&self, value: String, secret: Secret, now: Instant) -> Result<(), ApiError> {
@@ -264,18 +269,30 @@ async fn call(
     }
     let codec = super::sdp::audio_codec(&sdp).map_err(super::bad_offer)?;
     // The offer is sound: the key is taken now (once, even if raced).
-    let key_session = match caller {
+    let taken = match caller {
         Caller::Keyed => None,
-        Caller::Ephemeral(key) => rtc
-            .calls
-            .redeem(&key, Instant::now())
-            .map_err(|m| ApiError {
-                message: m.into(),
-                ..ApiError::unauthorized()
-            })?,
+        Caller::Ephemeral(key) => {
+            let secret = rtc
+                .calls
+                .redeem(&key, Instant::now())
+                .map_err(|m| ApiError {
+                    message: m.into(),
+                    ..ApiError::unauthorized()
+                })?;
+            Some((key, secret))
+        }
     };
+    let key_session = taken.as_ref().and_then(|(_, s)| s.session.clone());
     let initial: Vec<Value> = key_session.into_iter().chain(form_session).collect();
-    let (id, answer) = open_call(&state, &rtc, &sdp, codec, initial).await?;
+    let (id, answer) = match open_call(&state, &rtc, &sdp, codec, initial).await {
+        Ok(opened) => opened,
+        Err(e) => {
+            if let Some((key, secret)) = taken {
+                rtc.calls.restore(key, secret);
+            }
+            return Err(e);
+        }
+    };
     Ok((
         StatusCode::CREATED,
         [
@@ -356,15 +373,16 @@ mod tests {
         };
         calls.insert("ek_a".into(), secret(60), t0).unwrap();
         calls.insert("ek_b".into(), secret(10), t0).unwrap();
-        assert_eq!(
-            calls.redeem("ek_a", t0),
-            Ok(Some(json!({"instructions": "hi"})))
-        );
-        // Once only.
+        let taken = calls.redeem("ek_a", t0).expect("a live key");
+        assert_eq!(taken.session, Some(json!({"instructions": "hi"})));
+        // Once only...
         assert!(calls.redeem("ek_a", t0).is_err());
+        // ...unless its call could not be opened: then it is given back.
+        calls.restore("ek_a".into(), taken);
+        assert!(calls.redeem("ek_a", t0).is_ok());
         assert_eq!(
-            calls.redeem("ek_b", t0 + Duration::from_secs(11)),
-            Err("the ephemeral key expired")
+            calls.redeem("ek_b", t0 + Duration::from_secs(11)).err(),
+            Some("the ephemeral key expired")
         );
         assert!(calls.redeem("ek_forged", t0).is_err());
     }

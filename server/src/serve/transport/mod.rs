@@ -26,6 +26,7 @@ use serde::Deserialize;
 
 use crate::serve::state::AppState;
 use sideband::Links;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// `GET /v1/realtime`: a Realtime session, or with `?call_id=` the sideband
 /// of a call (WebRTC or SIP; here, above them, so none depends on another).
@@ -33,6 +34,13 @@ pub fn realtime_routes(links: Links) -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/realtime", get(realtime_upgrade))
         .layer(Extension(links))
+}
+
+/// Seconds since the Unix epoch (the `created_at`s and `expires_at`s of the wire).
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 #[derive(Deserialize)]

@@ -1311,13 +1311,10 @@ impl Transport for Realtime {
     /// A phone call's key: the event OpenAI's SIP calls send, then the
     /// caller's turn.
     fn key(&mut self, key: char, conv: &Conversation) -> Vec<Action> {
-        let received_at = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
         vec![
             Action::Send(event(
                 "input_audio_buffer.dtmf_event_received",
-                json!({"event": key.to_string(), "received_at": received_at}),
+                json!({"event": key.to_string(), "received_at": super::unix_now()}),
             )),
             Action::Input {
                 event_id: None,

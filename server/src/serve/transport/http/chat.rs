@@ -12,14 +12,15 @@ use omnistream_codecs::pcm::pcm16_le_to_f32;
 use omnistream_stages::engine::ToolCall;
 
 use super::requests::{internal, read_json, AudioStore, ChatPlan, AUDIO_TTL};
+use super::Codec;
 use super::{answer_body, b64, refuse, sample_rate, sse, sse_end_error, sse_response, start};
-use super::{unix_now, Codec};
 use crate::serve::answer::{Answer, Meter, Step};
 use crate::serve::audio::{AudioEncoder, OutputFormat};
 use crate::serve::conversation::{End, Usage};
 use crate::serve::error::ApiError;
 use crate::serve::metrics::TaskGuard;
 use crate::serve::state::AppState;
+use crate::serve::transport::unix_now;
 
 pub(super) async fn handle(
     state: &Arc<AppState>,

@@ -17,11 +17,11 @@ use omnistream_stages::engine::{
     ChatMessage, Modalities, RequestInput, RequestSpec, Role, SamplingOverrides, MAX_SPEECH_CHARS,
 };
 
-use super::unix_now;
 use crate::serve::audio::OutputFormat;
 use crate::serve::connections::read_body;
 use crate::serve::error::ApiError;
 use crate::serve::tools;
+use crate::serve::transport::unix_now;
 use crate::serve::voices::Voices;
 
 /// Largest request body; more is a 413.

@@ -29,7 +29,7 @@ mod sdp;
 
 use std::net::{IpAddr, SocketAddr, UdpSocket as StdUdpSocket};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use axum::extract::ws::Message;
@@ -51,6 +51,7 @@ use tokio_util::sync::CancellationToken;
 use super::media::{AudioOut, Cue, Mic, Speaker, Tick, FRAME};
 use super::realtime::{self, slow_client_event, Realtime};
 use super::sideband::{Link, Links};
+use super::unix_now;
 use crate::profile::{Cidr, SipSpec};
 use crate::serve::conn::{ConnGauge, Outbox};
 use crate::serve::driver::{self, Inbound};
@@ -595,7 +596,7 @@ impl SipServer {
                 // stay as they are, and our answer says so again.
                 DialogState::Updated(id, req, handle) => {
                     let answer = self.calls.get(&id.to_string()).map(|c| c.answer.clone());
-                    let r = match answer {
+                    let _ = match answer {
                         Some(a) if !req.body.is_empty() => {
                             let h = vec![Header::ContentType("application/sdp".into())];
                             handle
@@ -605,7 +606,6 @@ impl SipServer {
                         Some(_) => handle.reply(StatusCode::OK).await,
                         None => handle.reply(StatusCode::CallTransactionDoesNotExist).await,
                     };
-                    let _ = r;
                 }
                 DialogState::Refer(_, _, handle)
                 | DialogState::Message(_, _, handle)
@@ -760,12 +760,6 @@ impl SipServer {
 
 /// What `Allow` lists.
 const ALLOW: &str = "INVITE, ACK, BYE, CANCEL, OPTIONS, INFO, UPDATE";
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
 
 /// Where a request came from.
 fn source(tx: &Transaction) -> Option<SocketAddr> {

@@ -15,7 +15,7 @@
 //! Realtime session.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Multipart, Path, Request, State};
@@ -31,7 +31,7 @@ use crate::serve::auth;
 use crate::serve::connections::read_body;
 use crate::serve::error::ApiError;
 use crate::serve::state::AppState;
-use crate::serve::transport::realtime;
+use crate::serve::transport::{realtime, unix_now};
 
 /// An ephemeral key lives this long unless asked otherwise.
 const DEFAULT_TTL_S: u64 = 600;
@@ -106,12 +106,6 @@ struct SecretRequest {
 struct ExpiresAfter {
     anchor: Option<String>,
     seconds: Option<u64>,
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 fn no_webrtc() -> ApiError {

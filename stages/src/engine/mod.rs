@@ -6,6 +6,7 @@
 //! moment a stage produces them.
 
 mod connector;
+pub mod constrain;
 mod payload;
 mod pipeline;
 pub mod remote;

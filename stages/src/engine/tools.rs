@@ -20,6 +20,12 @@ use super::request::{ChatMessage, Event, RequestCtx, Role};
 
 pub const CALL_OPEN: &str = "<tool_call>";
 pub const CALL_CLOSE: &str = "</tool_call>";
+/// A result's tags, as the template writes results back. A small model
+/// echoes them at the start of its answer; they are dropped from its words.
+const RESULT_OPEN: &str = "<tool_response>";
+const RESULT_CLOSE: &str = "</tool_response>";
+/// What the parser looks for in words: a call's start, a result's tags.
+const MARKERS: [&str; 3] = [CALL_OPEN, RESULT_OPEN, RESULT_CLOSE];
 /// Prefix of the engine's error for a call it could not read (the server
 /// maps it to the error code `invalid_tool_call`).
 pub const INVALID_TOOL_CALL: &str = "invalid_tool_call";
@@ -245,7 +251,7 @@ impl ToolParser {
         let mut out = Vec::new();
         loop {
             if self.in_call {
-                let Some(end) = self.pending.find(CALL_CLOSE) else {
+                let Some(end) = self.call_end() else {
                     if self.pending.len() > MAX_CALL_BYTES {
                         return Err(InvalidToolCall(format!(
                             "a tool call longer than {MAX_CALL_BYTES} bytes"
@@ -272,27 +278,50 @@ impl ToolParser {
                 }
                 self.after_call = false;
             }
-            if let Some(start) = self.pending.find(CALL_OPEN) {
+            let first = MARKERS
+                .iter()
+                .filter_map(|m| self.pending.find(m).map(|at| (at, *m)))
+                .min();
+            if let Some((start, marker)) = first {
                 let words: String = self.pending.drain(..start).collect();
-                self.pending.drain(..CALL_OPEN.len());
+                self.pending.drain(..marker.len());
                 push_text(&mut out, words);
-                self.in_call = true;
+                // A result's tags are the template's, never the model's to say.
+                self.in_call = marker == CALL_OPEN;
                 continue;
             }
-            // Keep back a tail that may be the start of `<tool_call>`.
-            let keep = (1..CALL_OPEN.len())
-                .rev()
-                .find(|&n| {
-                    self.pending.len() >= n
-                        && self.pending.is_char_boundary(self.pending.len() - n)
-                        && CALL_OPEN.starts_with(&self.pending[self.pending.len() - n..])
+            // Keep back a tail that may be the start of a marker.
+            let keep = MARKERS
+                .iter()
+                .filter_map(|m| {
+                    (1..m.len()).rev().find(|&n| {
+                        self.pending.len() >= n
+                            && self.pending.is_char_boundary(self.pending.len() - n)
+                            && m.starts_with(&self.pending[self.pending.len() - n..])
+                    })
                 })
+                .max()
                 .unwrap_or(0);
             let words: String = self.pending.drain(..self.pending.len() - keep).collect();
             push_text(&mut out, words);
             break;
         }
         Ok(out)
+    }
+
+    /// Where the open call's closing tag is: the first `</tool_call>` after
+    /// a whole JSON body. The tag inside one of the call's strings (a model
+    /// may write it there) does not end the call.
+    fn call_end(&self) -> Option<usize> {
+        let mut from = 0;
+        while let Some(at) = self.pending[from..].find(CALL_CLOSE) {
+            let end = from + at;
+            if serde_json::from_str::<serde::de::IgnoredAny>(self.pending[..end].trim()).is_ok() {
+                return Some(end);
+            }
+            from = end + CALL_CLOSE.len();
+        }
+        None
     }
 
     /// The answer ended: what was held back is words, and a call left open
@@ -503,6 +532,21 @@ mod tests {
     }
 
     #[test]
+    fn result_tags_the_model_echoes_are_not_spoken() {
+        let tools = weather(ToolChoice::Auto);
+        for n in [1, 3, 1000] {
+            let (words, calls) = run(
+                &tools,
+                "<tool_response>\nIt is sunny.</tool_response> <tool_resp",
+                n,
+            )
+            .unwrap();
+            assert_eq!(words, "\nIt is sunny. <tool_resp", "pieces of {n}");
+            assert!(calls.is_empty());
+        }
+    }
+
+    #[test]
     fn a_call_left_open_at_the_end_is_read_and_words_after_calls_end_the_answer() {
         let tools = weather(ToolChoice::Auto);
         let (words, calls) = run(
@@ -529,6 +573,22 @@ mod tests {
         assert!(p.ended());
         assert_eq!(p.feed("<tool_call>").unwrap(), vec![]);
         assert_eq!(p.finish().unwrap(), vec![]);
+    }
+
+    #[test]
+    fn the_closing_tag_inside_a_string_does_not_end_the_call() {
+        let tools = weather(ToolChoice::Function("get_weather".into()));
+        let (words, calls) = run(
+            &tools,
+            "{\"city\": \"NY}}</tool_call> and on\"}}\n</tool_call>",
+            3,
+        )
+        .unwrap();
+        assert_eq!(words, "");
+        assert_eq!(
+            calls[0].function.arguments,
+            r#"{"city":"NY}}</tool_call> and on"}"#
+        );
     }
 
     #[test]

@@ -22,6 +22,7 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
 use super::{ModelError, Result};
 
+use crate::engine::constrain::{CallConstraint, GrammarFactory};
 use crate::engine::tools::{self, Tools};
 use crate::engine::{ChatMessage, Role};
 
@@ -38,6 +39,9 @@ pub struct ChatTokenizer {
     add_bos: Option<u32>,
     eos_ids: Vec<u32>,
     vocab_size: usize,
+    /// The grammar engine for forced tool calls, built at the first one
+    /// (its token trie takes a moment); an error if this tokenizer has none.
+    grammar: std::sync::OnceLock<std::result::Result<GrammarFactory, String>>,
 }
 
 impl std::fmt::Debug for ChatTokenizer {
@@ -237,6 +241,7 @@ impl ChatTokenizer {
             add_bos,
             eos_ids,
             vocab_size,
+            grammar: Default::default(),
         })
     }
 
@@ -354,6 +359,7 @@ impl ChatTokenizer {
             add_bos,
             eos_ids,
             vocab_size,
+            grammar: Default::default(),
         })
     }
 
@@ -476,6 +482,27 @@ impl ChatTokenizer {
     /// The id of a token string (special or not), if it is in the vocabulary.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.tokenizer.token_to_id(token)
+    }
+
+    /// The constraint on an answer whose tool choice forces a call
+    /// ([`crate::engine::constrain`]); `None` where nothing is forced, or
+    /// where the grammar cannot be built (logged; the answer goes
+    /// unconstrained and its call is parsed as the model wrote it).
+    pub fn call_constraint(&self, tools: Option<&Tools>) -> Option<CallConstraint> {
+        let tools = tools?;
+        tools.forced_prefix()?;
+        let factory = self.grammar.get_or_init(|| {
+            let eos = self.eos_ids.first().copied().unwrap_or(0);
+            GrammarFactory::new(&self.tokenizer, eos)
+        });
+        let built = match factory {
+            Ok(f) => f.call_constraint(tools),
+            Err(e) => Err(e.clone()),
+        };
+        built.unwrap_or_else(|e| {
+            tracing::warn!("forced tool call left unconstrained: {e}");
+            None
+        })
     }
 
     /// The underlying `tokenizers::Tokenizer`.

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 
 use super::invalid_call;
+use crate::engine::constrain::CallConstraint;
 use crate::engine::tools::AnswerWords;
 use crate::engine::{
     Payload, RequestCtx, RequestId, RequestInput, StageModel, StepOutput, TextChunk,
@@ -50,6 +51,8 @@ struct Seq {
     detok: IncrementalDecoder,
     /// Words and tool calls of the answer.
     words: AnswerWords,
+    /// A forced tool call's grammar: the tokens it allows.
+    constraint: Option<CallConstraint>,
 }
 
 pub struct LlmThinker {
@@ -217,7 +220,22 @@ impl LlmThinker {
         } else {
             logits
         };
+        let logits = match &mut seq.constraint {
+            Some(c) => {
+                let mut row = logits
+                    .to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                c.mask(&mut row).map_err(invalid_call)?;
+                let n = row.len();
+                candle_core::Tensor::from_vec(row, n, logits.device())?
+            }
+            None => logits,
+        };
         let token = seq.sampler.sample(&logits)?;
+        if let Some(c) = &mut seq.constraint {
+            c.commit(token).map_err(invalid_call)?;
+        }
         let eos = self.tokenizer.eos_token_ids().contains(&token);
         if eos && !seq.ignore_eos {
             return Ok(true);
@@ -234,7 +252,8 @@ impl LlmThinker {
             }
         }
         let ctx_full = seq.cache.len() + 1 >= self.model.config().max_seq_len;
-        Ok(seq.generated.len() >= seq.max_tokens || ctx_full || seq.words.ended())
+        let call_done = seq.constraint.as_mut().is_some_and(CallConstraint::done);
+        Ok(seq.generated.len() >= seq.max_tokens || ctx_full || seq.words.ended() || call_done)
     }
 
     fn finish(&self, id: RequestId, seq: &mut Seq, out: &mut StepOutput) -> Result<()> {
@@ -290,6 +309,7 @@ impl StageModel for LlmThinker {
             ignore_eos: ctx.spec.sampling.ignore_eos,
             detok: IncrementalDecoder::new(),
             words: AnswerWords::new(ctx.spec.tools.as_deref()),
+            constraint: self.tokenizer.call_constraint(ctx.spec.tools.as_deref()),
             ctx,
         };
         let id = seq.ctx.id;

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use candle_core::{IndexOp, Tensor};
 
 use super::invalid_call;
+use crate::engine::constrain::CallConstraint;
 use crate::engine::tools::{AnswerWords, Tools};
 use crate::engine::ChatMessage;
 use crate::engine::{
@@ -66,6 +67,8 @@ struct Seq {
     detok: IncrementalDecoder,
     /// Words and tool calls of the answer.
     words: AnswerWords,
+    /// A forced tool call's grammar: its rows' logits go to the host, masked.
+    constraint: Option<CallConstraint>,
     /// The last token was all words: the Talker gets its embedding (a tool
     /// call's tokens are never spoken).
     last_was_words: bool,
@@ -345,6 +348,7 @@ impl Qwen3OmniThinker {
         let how: Vec<Where> = ids
             .iter()
             .map(|id| match self.seqs.get(id) {
+                Some(q) if q.constraint.is_some() => Where::Host,
                 Some(q) if sampling::greedy_on_device(q.sampler.config()) => Where::Argmax,
                 Some(q) if !q.seeded && sampling::tempered_on_device(q.sampler.config()) => {
                     Where::Tempered(q.sampler.config().temperature)
@@ -419,8 +423,16 @@ impl Qwen3OmniThinker {
                 seq.sampler.push(t);
                 t
             }
-            Pick::Logits(l) => seq.sampler.sample(&l)?,
+            Pick::Logits(mut l) => {
+                if let Some(c) = &mut seq.constraint {
+                    c.mask(&mut l).map_err(invalid_call)?;
+                }
+                seq.sampler.sample(&l)?
+            }
         };
+        if let Some(c) = &mut seq.constraint {
+            c.commit(token).map_err(invalid_call)?;
+        }
         let mut states = seq.speak.then_some(states);
         if !seq.last_was_words {
             // The embedding of the token before this one, a call's.
@@ -439,7 +451,8 @@ impl Qwen3OmniThinker {
                 text = t;
             }
         }
-        let finished = eos || at_limit || ctx_full;
+        let call_done = seq.constraint.as_mut().is_some_and(CallConstraint::done);
+        let finished = eos || at_limit || ctx_full || call_done;
         if finished {
             if let Some(t) = seq.detok.flush(&self.tokenizer)? {
                 text.push_str(&t);
@@ -571,6 +584,7 @@ impl StageModel for Qwen3OmniThinker {
             ignore_eos: o.ignore_eos,
             detok: IncrementalDecoder::new(),
             words: AnswerWords::new(ctx.spec.tools.as_deref()),
+            constraint: self.tokenizer.call_constraint(ctx.spec.tools.as_deref()),
             last_was_words: true,
             ctx,
         };

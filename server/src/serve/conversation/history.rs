@@ -20,12 +20,25 @@ pub enum Origin {
     Typed,
     /// A spoken user turn: the words are its transcript.
     Spoken,
-    /// An answer; `audio_ms`: the audio it has (`None`: text only).
-    Answer { audio_ms: Option<u64> },
+    /// An answer; `audio_ms`: the audio it has (`None`: text only), which
+    /// a cut shortens; `generated`: the whole answer as it was made, from
+    /// which a later cut is taken (the client's own, which knows what it
+    /// played, may come after the server's estimate at a barge-in).
+    Answer {
+        audio_ms: Option<u64>,
+        generated: Option<Generated>,
+    },
     /// A function call (the model's, or the client's); the message holds it.
     Call,
     /// A function call's result, from the client.
     Output,
+}
+
+/// An answer as it was generated, before any cut.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generated {
+    pub text: String,
+    pub audio_ms: u64,
 }
 
 /// One remembered item.
@@ -151,7 +164,10 @@ mod tests {
         h.remember(
             "big".into(),
             ChatMessage::assistant(big),
-            Origin::Answer { audio_ms: None },
+            Origin::Answer {
+                audio_ms: None,
+                generated: None,
+            },
         );
         let p = h.prompt(Some("be brief"), Some(&ChatMessage::user("last")));
         assert_eq!(p[0].role, Role::System);
@@ -174,7 +190,10 @@ mod tests {
         h.remember(
             "a".into(),
             ChatMessage::assistant("Checking."),
-            Origin::Answer { audio_ms: None },
+            Origin::Answer {
+                audio_ms: None,
+                generated: None,
+            },
         );
         let call = |id: &str| {
             let mut c = omnistream_stages::engine::ToolCall::new("weather", "{}");

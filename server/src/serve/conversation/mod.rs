@@ -36,7 +36,7 @@ use super::audio::{to_listener_rate, OutputFormat};
 use super::error::ClientError;
 use super::tools::Offer;
 pub use history::Item;
-use history::{History, Origin};
+use history::{Generated, History, Origin};
 use playback::Playback;
 pub use turns::{Speech, TurnSettings};
 
@@ -1291,9 +1291,9 @@ impl Conversation {
         {
             // Generated whole, still playing: cut the conversation's copy.
             item.message.content = heard_text(&item.message.content);
-            item.origin = Origin::Answer {
-                audio_ms: Some(heard_ms),
-            };
+            if let Origin::Answer { audio_ms, .. } = &mut item.origin {
+                *audio_ms = Some(heard_ms);
+            }
             let text = item.message.content.clone();
             self.emit(Output::Truncated {
                 response_id: response_id.clone(),
@@ -1377,31 +1377,39 @@ impl Conversation {
         let Some(item) = self.history.get_mut(&item_id) else {
             return self.fail(not_found(&item_id));
         };
-        let Origin::Answer { audio_ms } = item.origin else {
+        let Origin::Answer {
+            audio_ms,
+            generated,
+        } = &mut item.origin
+        else {
             return self.fail(ClientError::param(
                 "item_id",
                 format!("item {item_id:?} is not an answer: only an answer's audio is truncated"),
             ));
         };
-        let Some(audio_ms) = audio_ms else {
-            return self.fail(ClientError::param(
-                "item_id",
-                format!("answer {item_id:?} has no audio to truncate"),
-            ));
+        // Cut from the whole answer: the server may have cut it already at
+        // a barge-in, by its estimate of what was played; the client's own
+        // cut, a few ms later, is the one that knows.
+        let (whole_text, whole_ms) = match (&*generated, *audio_ms) {
+            (Some(g), Some(_)) => (g.text.as_str(), g.audio_ms),
+            (None, Some(ms)) => (item.message.content.as_str(), ms),
+            (_, None) => {
+                return self.fail(ClientError::param(
+                    "item_id",
+                    format!("answer {item_id:?} has no audio to truncate"),
+                ))
+            }
         };
-        if audio_end_ms > audio_ms {
+        if audio_end_ms > whole_ms {
             return self.fail(ClientError::param(
                 "audio_end_ms",
-                format!("audio_end_ms {audio_end_ms} is past the answer's {audio_ms} ms of audio"),
+                format!("audio_end_ms {audio_end_ms} is past the answer's {whole_ms} ms of audio"),
             ));
         }
         let text =
-            playback::spoken_prefix(&item.message.content, audio_end_ms as f64 / 1000.0, cps)
-                .to_string();
+            playback::spoken_prefix(whole_text, audio_end_ms as f64 / 1000.0, cps).to_string();
         item.message.content = text.clone();
-        item.origin = Origin::Answer {
-            audio_ms: Some(audio_end_ms),
-        };
+        *audio_ms = Some(audio_end_ms);
         let response_id = self
             .played
             .as_ref()
@@ -1435,6 +1443,7 @@ impl Conversation {
             return;
         };
         let generated_chars = a.text.chars().count();
+        let generated_text = a.text.clone();
         let mut text = a.text;
         if let Some(p) = self
             .played
@@ -1460,14 +1469,19 @@ impl Conversation {
                 .as_ref()
                 .filter(|p| p.response_id == response_id && p.playback.interrupted())
                 .map(|p| p.playback.heard_ms());
-            let audio_ms = a
-                .info
-                .audio
-                .then(|| heard_ms.unwrap_or((audio_seconds * 1000.0).round() as u64));
+            let whole_ms = (audio_seconds * 1000.0).round() as u64;
+            let audio_ms = a.info.audio.then(|| heard_ms.unwrap_or(whole_ms));
+            let generated = a.info.audio.then(|| Generated {
+                text: generated_text.clone(),
+                audio_ms: whole_ms,
+            });
             self.history.remember(
                 a.info.item_id.clone(),
                 ChatMessage::assistant(text.clone()),
-                Origin::Answer { audio_ms },
+                Origin::Answer {
+                    audio_ms,
+                    generated,
+                },
             );
         }
         if a.record {

@@ -763,7 +763,11 @@ fn items_are_retrieved_deleted_and_truncated_by_id() {
     assert_eq!(
         item.origin,
         Origin::Answer {
-            audio_ms: Some(3000)
+            audio_ms: Some(3000),
+            generated: Some(Generated {
+                text: "Bees make honey from nectar".into(),
+                audio_ms: 3000
+            }),
         }
     );
 
@@ -780,6 +784,32 @@ fn items_are_retrieved_deleted_and_truncated_by_id() {
     assert!(
         matches!(&o[..], [Output::Truncated { audio_end_ms: 1000, text, .. }] if text == "Bees make"),
         "{o:?}"
+    );
+    // A later cut is taken from the whole answer (the server's own cut at
+    // a barge-in may come first, by a few ms).
+    c.handle(
+        Input::TruncateItem {
+            item_id: answer.clone(),
+            content_index: 0,
+            audio_end_ms: 3000,
+        },
+        t0,
+    );
+    let o = outputs(&mut c);
+    assert!(
+        matches!(&o[..], [Output::Truncated { audio_end_ms: 3000, text, .. }] if text == "Bees make honey from nectar"),
+        "{o:?}"
+    );
+    c.handle(
+        Input::TruncateItem {
+            item_id: answer.clone(),
+            content_index: 0,
+            audio_end_ms: 1000,
+        },
+        t0,
+    );
+    assert!(
+        matches!(&outputs(&mut c)[..], [Output::Truncated { text, .. }] if text == "Bees make")
     );
     // Past its audio, another content part, not an answer, unknown: refused.
     for (input, code) in [

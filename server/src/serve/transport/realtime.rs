@@ -909,11 +909,13 @@ fn history_item(item: &Item) -> Value {
             "user",
             json!([{"type": "input_audio", "transcript": m.content}]),
         ),
-        Origin::Answer { audio_ms: Some(_) } => message(
+        Origin::Answer {
+            audio_ms: Some(_), ..
+        } => message(
             "assistant",
             json!([{"type": "output_audio", "transcript": m.content}]),
         ),
-        Origin::Answer { audio_ms: None } => message(
+        Origin::Answer { audio_ms: None, .. } => message(
             "assistant",
             json!([{"type": "output_text", "text": m.content}]),
         ),

@@ -110,6 +110,30 @@ const ALAW_TABLE: [i16; 256] = {
     t
 };
 
+/// A G.711 companding law: μ-law (PCMU, North America and Japan) or A-law
+/// (PCMA, elsewhere). Each code is one 8 kHz sample.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Law {
+    Ulaw,
+    Alaw,
+}
+
+impl Law {
+    pub fn encode(self, pcm: &[i16]) -> Vec<u8> {
+        match self {
+            Self::Ulaw => ulaw_encode(pcm),
+            Self::Alaw => alaw_encode(pcm),
+        }
+    }
+
+    pub fn decode(self, codes: &[u8]) -> Vec<i16> {
+        match self {
+            Self::Ulaw => ulaw_decode(codes),
+            Self::Alaw => alaw_decode(codes),
+        }
+    }
+}
+
 /// 16-bit linear samples to μ-law (PCMU) bytes.
 pub fn ulaw_encode(pcm: &[i16]) -> Vec<u8> {
     pcm.iter().map(|&s| linear_to_ulaw(s)).collect()

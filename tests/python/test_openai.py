@@ -829,6 +829,60 @@ def test_realtime_idle_timeout_prompts_a_silent_user(client):
         assert ev.type == "error" and "turn_detection" in ev.error.param, ev
 
 
+def test_realtime_speaks_g711_both_ways(client, whisper, tmp_path):
+    """`audio/pcmu` in and out (what telephony bridges relay): a spoken
+    question as 8 kHz μ-law, committed, heard, and the answer as μ-law deltas
+    that decode to intelligible speech; `audio/pcma` and bad formats too."""
+    import audioop  # noqa: PLC0415  (3.11's; G.711 for the test's own side)
+
+    pcm24 = client.audio.speech.create(model="tts-1", voice="alloy", input="What do bees make?",
+                                       response_format="pcm").content
+    pcm8, _ = audioop.ratecv(pcm24, 2, 1, RATE, 8000, None)
+    with client.realtime.connect(model="omnistream") as conn:
+        conn.session.update(session={
+            "type": "realtime", "instructions": SYSTEM,
+            "audio": {"input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},
+                      "output": {"format": {"type": "audio/pcmu"}}},
+        })
+        ev = next_of(conn, "session.updated")
+        assert ev.type == "session.updated", ev
+        fmt = ev.session.model_dump()["audio"]
+        assert fmt["input"]["format"]["type"] == "audio/pcmu" and fmt["output"]["format"]["type"] == "audio/pcmu"
+        ulaw = audioop.lin2ulaw(pcm8, 2)
+        for i in range(0, len(ulaw), 160):  # 20 ms frames
+            conn.input_audio_buffer.append(audio=base64.b64encode(ulaw[i:i + 160]).decode())
+        conn.input_audio_buffer.commit()
+        conn.response.create()
+        codes, transcript, heard_q = b"", "", None
+        for ev in conn:
+            if ev.type == "conversation.item.input_audio_transcription.completed":
+                heard_q = ev.transcript
+            elif ev.type == "response.output_audio.delta":
+                codes += base64.b64decode(ev.delta)
+            elif ev.type == "response.output_audio_transcript.delta":
+                transcript += ev.delta
+            elif ev.type == "error":
+                raise AssertionError(ev)
+            elif ev.type == "response.done":
+                break
+        assert heard_q and wer_mod.wer("What do bees make?", heard_q)[0] <= MAX_WER_ONE_CLIP, heard_q
+        assert len(codes) > 8000, f"{len(codes)} bytes: under a second of μ-law"
+        answer = pcm16_to_wav(audioop.ulaw2lin(codes, 2), tmp_path / "pcmu.wav", rate=8000)
+        assert_intelligible(whisper, answer, transcript)
+        # A-law for the next answer; a response may not pick its own format.
+        conn.session.update(session={"type": "realtime", "audio": {"output": {"format": {"type": "audio/pcma"}}}})
+        ev = next_of(conn, "session.updated")
+        assert ev.type == "session.updated" and ev.session.model_dump()["audio"]["output"]["format"]["type"] == "audio/pcma"
+        conn.response.create(response={"audio": {"output": {"format": {"type": "audio/pcm", "rate": 24000}}}})
+        ev = next_of(conn, "response.done")
+        assert ev.type == "error" and ev.error.param == "response.audio.output.format", ev
+        for bad in [{"type": "audio/pcm", "rate": 16000}, {"type": "audio/pcmu", "rate": 16000}, "opus"]:
+            conn.session.update(session={"type": "realtime", "audio": {"input": {"format": bad}}})
+            ev = next_of(conn, "session.updated")
+            assert ev.type == "error" and ev.error.code == "unsupported_audio_format", (bad, ev)
+            assert ev.error.param == "session.audio.input.format", ev
+
+
 def test_zz_word_error_rate_over_all_clips():
     """Runs last (pytest keeps file order): the aggregate over every clip heard."""
     assert len(HEARD) >= 4, f"only {len(HEARD)} clips were checked"

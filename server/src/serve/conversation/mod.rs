@@ -505,6 +505,9 @@ pub struct Conversation {
     ignoring: bool,
     early: Option<Early>,
     pending: VecDeque<PendingTurn>,
+    /// A `response.create` that came while a committed turn waited for its
+    /// transcript (with its event id): made once the words are in.
+    waiting_respond: Option<(Respond, Option<String>)>,
     /// Speech heard while a committed turn waits for its words: its events
     /// follow that turn's transcript (turns reach the client in order), but a
     /// barge-in in it takes effect at once.
@@ -535,6 +538,7 @@ impl Conversation {
             ignoring: false,
             early: None,
             pending: VecDeque::new(),
+            waiting_respond: None,
             deferred: VecDeque::new(),
             answer: None,
             played: None,
@@ -657,6 +661,20 @@ impl Conversation {
                 audio_end_ms,
             } => self.truncate_item(item_id, content_index, audio_end_ms),
             Input::Respond(r) => {
+                // The newest item is a committed turn still being
+                // transcribed: it is what this answer answers, so it waits
+                // for the words (with a newer item, it answers at once).
+                let newest_pending = self
+                    .pending
+                    .back()
+                    .is_some_and(|t| self.last_item.as_deref() == Some(t.item_id.as_str()));
+                if r.input.is_none() && newest_pending && self.answer.is_none() {
+                    match &self.waiting_respond {
+                        Some(_) => self.fail((r.busy)("(waiting for a transcript)")),
+                        None => self.waiting_respond = Some((r, self.event_id.clone())),
+                    }
+                    return;
+                }
                 if let Err(e) = self.respond(r) {
                     self.fail(e);
                 }
@@ -766,6 +784,15 @@ impl Conversation {
             self.abandon_early();
             self.speech_item = None;
             self.ignoring = false;
+        }
+        if s.input_rate != self.settings.input_rate {
+            // The buffer's audio is at the old rate: dropped (an utterance
+            // under way with it); the stream's clock keeps its time.
+            self.input_samples = self.input_samples * u64::from(s.input_rate)
+                / u64::from(self.settings.input_rate.max(1));
+            self.input.clear();
+            self.abandon_early();
+            self.speech_item = None;
         }
         self.settings = s;
     }
@@ -1080,6 +1107,15 @@ impl Conversation {
                         self.respond_auto();
                     }
                 }
+            }
+        }
+        if self.pending.is_empty() {
+            if let Some((r, event_id)) = self.waiting_respond.take() {
+                let outer = std::mem::replace(&mut self.event_id, event_id);
+                if let Err(e) = self.respond(r) {
+                    self.fail(e);
+                }
+                self.event_id = outer;
             }
         }
         // Speech heard meanwhile, in order, until a turn waits again.

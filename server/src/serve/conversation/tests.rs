@@ -995,3 +995,29 @@ fn silence_past_the_idle_timeout_makes_the_model_speak_again() {
     c.handle(Input::Configure(settings), s(13));
     assert_eq!(c.deadline(), None);
 }
+
+#[test]
+fn an_answer_asked_for_while_the_committed_turn_is_transcribed_answers_it() {
+    let t0 = Instant::now();
+    let mut c = typed();
+    c.handle(Input::Audio(vec![0u8; 24_000 * 2]), t0);
+    c.handle(Input::Commit { respond: false }, t0);
+    c.handle_from(Some("ev_1".into()), Input::Respond(Respond::auto(busy)), t0);
+    let ids = transcribe_ids(&work(&mut c));
+    assert_eq!(ids.len(), 1);
+    assert!(
+        !outputs(&mut c)
+            .iter()
+            .any(|o| matches!(o, Output::Error { .. })),
+        "the answer waits for the words, it is not refused"
+    );
+    c.handle(heard(ids[0], "What do bees make?"), t0);
+    let (_, prompt) = submitted(&work(&mut c));
+    assert_eq!(prompt.last().unwrap().content, "What do bees make?");
+    // Changing the input's rate drops what the buffer holds at the old one.
+    c.handle(Input::Audio(vec![0u8; 4800]), t0);
+    let mut s = c.settings().clone();
+    s.input_rate = 8_000;
+    c.handle(Input::Configure(s), t0);
+    assert_eq!(c.input_room(), 8_000 * 2 * MAX_INPUT_AUDIO_SECONDS);
+}

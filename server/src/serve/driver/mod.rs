@@ -375,10 +375,10 @@ impl<T: Transport> Driver<T> {
             Input::Audio(pcm) if self.detector.is_some() => Some(pcm.clone()),
             _ => None,
         };
-        // Turn detection changed: a fresh detector for it (or none). An
-        // update that leaves it as it was keeps the utterance under way.
-        let changed =
-            matches!(&input, Input::Configure(s) if s.turns != self.conv.settings().turns);
+        // Turn detection or the input's rate changed: a fresh detector (or
+        // none). An update that leaves both keeps the utterance under way.
+        let changed = matches!(&input, Input::Configure(s)
+            if s.turns != self.conv.settings().turns || s.input_rate != self.conv.settings().input_rate);
         self.conv.handle_from(event_id, input, Instant::now());
         if changed {
             self.restart_detector();

@@ -14,6 +14,7 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use base64::Engine as _;
 use futures_util::StreamExt;
+use omnistream_codecs::g711::Law;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -50,7 +51,7 @@ pub fn accept(
 /// Checks a session configuration as `session.update` would on a fresh
 /// session: the effective session, or the error naming the field.
 pub fn check_session(state: &Arc<AppState>, session: &Value) -> Result<Value, ClientError> {
-    let codec = Realtime::new(state.clone(), new_id("sess"), None);
+    let mut codec = Realtime::new(state.clone(), new_id("sess"), None);
     let conv = Conversation::new(driver::caps(state), codec.settings());
     let update = json!({"type": "session.update", "session": session});
     let settings = codec.session_update(update, &conv)?;
@@ -103,6 +104,9 @@ pub struct Realtime {
     state: Arc<AppState>,
     session_id: String,
     speaker: Option<Box<dyn AudioSink>>,
+    /// The WebSocket's audio formats, in and out.
+    wire_in: Wire,
+    wire_out: Wire,
 }
 
 impl Realtime {
@@ -115,6 +119,8 @@ impl Realtime {
             state,
             session_id,
             speaker,
+            wire_in: Wire::Pcm,
+            wire_out: Wire::Pcm,
         }
     }
 }
@@ -152,31 +158,105 @@ fn check_voice(state: &AppState, v: &str) -> Result<String, ClientError> {
     state.voice(v).map_err(|m| ClientError::param("voice", m))
 }
 
-/// Accepts pcm16 at 24 kHz, in the GA (`{"type":"audio/pcm","rate":24000}`)
-/// or beta (`"pcm16"`) shape; anything else is `unsupported_audio_format`.
-fn check_format(v: &Value, param: &'static str) -> Result<(), ClientError> {
+/// The audio a Realtime WebSocket carries, both ways: pcm16 at 24 kHz, or
+/// G.711 at 8 kHz (what telephony bridges relay from a call as it is).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wire {
+    Pcm,
+    G711(Law),
+}
+
+impl Wire {
+    /// The sample rate of its PCM.
+    pub fn rate(self) -> u32 {
+        match self {
+            Self::Pcm => RATE,
+            Self::G711(_) => G711_RATE,
+        }
+    }
+
+    fn to_json(self) -> Value {
+        match self {
+            Self::Pcm => json!({"type": "audio/pcm", "rate": RATE}),
+            Self::G711(Law::Ulaw) => json!({"type": "audio/pcmu"}),
+            Self::G711(Law::Alaw) => json!({"type": "audio/pcma"}),
+        }
+    }
+
+    /// An `input_audio_buffer.append`'s base64 as pcm16 LE at [`Self::rate`].
+    fn decode(self, b64: &str) -> Result<Vec<u8>, ClientError> {
+        match self {
+            Self::Pcm => conn::decode_pcm16_base64(b64),
+            Self::G711(law) => {
+                let codes = base64::engine::general_purpose::STANDARD
+                    .decode(b64)
+                    .map_err(|e| {
+                        ClientError::invalid(
+                            "invalid_base64",
+                            format!("audio is not valid base64: {e}"),
+                        )
+                    })?;
+                Ok(law
+                    .decode(&codes)
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect())
+            }
+        }
+    }
+
+    /// An answer's pcm16 LE (at [`Self::rate`]) as a delta's base64.
+    fn encode(self, pcm: &[u8]) -> String {
+        let b64 = &base64::engine::general_purpose::STANDARD;
+        match self {
+            Self::Pcm => b64.encode(pcm),
+            Self::G711(law) => {
+                let samples: Vec<i16> = pcm
+                    .chunks_exact(2)
+                    .map(|b| i16::from_le_bytes([b[0], b[1]]))
+                    .collect();
+                b64.encode(law.encode(&samples))
+            }
+        }
+    }
+}
+
+/// G.711's one rate.
+const G711_RATE: u32 = 8_000;
+
+/// A format in the GA (`{"type":"audio/pcm","rate":24000}`,
+/// `{"type":"audio/pcmu"}`, `{"type":"audio/pcma"}`) or beta (`"pcm16"`,
+/// `"g711_ulaw"`, `"g711_alaw"`) shape; anything else is
+/// `unsupported_audio_format`.
+fn check_format(v: &Value, param: &'static str) -> Result<Wire, ClientError> {
     let unsupported = |what: String| {
         Err(ClientError {
             param: Some(param),
             ..ClientError::invalid(
                 "unsupported_audio_format",
                 format!(
-                    "audio format {what} is not supported: use {{\"type\":\"audio/pcm\",\"rate\":24000}} (pcm16)"
+                    "audio format {what} is not supported: use {{\"type\":\"audio/pcm\",\"rate\":24000}} (pcm16), {{\"type\":\"audio/pcmu\"}} or {{\"type\":\"audio/pcma\"}} (G.711, 8 kHz)"
                 ),
             )
         })
     };
+    let named = |kind: &str| match kind {
+        "pcm16" | "audio/pcm" => Some(Wire::Pcm),
+        "g711_ulaw" | "audio/pcmu" => Some(Wire::G711(Law::Ulaw)),
+        "g711_alaw" | "audio/pcma" => Some(Wire::G711(Law::Alaw)),
+        _ => None,
+    };
     match v {
-        Value::String(s) if s == "pcm16" || s == "audio/pcm" => Ok(()),
+        Value::String(s) => named(s).map_or_else(|| unsupported(format!("{s:?}")), Ok),
         Value::Object(m) => {
             let kind = m.get("type").and_then(Value::as_str).unwrap_or("");
-            if kind != "audio/pcm" {
+            let Some(wire) = named(kind).filter(|_| kind.starts_with("audio/")) else {
                 return unsupported(format!("{kind:?}"));
-            }
+            };
             match m.get("rate") {
-                None | Some(Value::Null) => Ok(()),
-                Some(r) if r.as_u64() == Some(u64::from(RATE)) => Ok(()),
-                Some(r) => unsupported(format!("audio/pcm at {r} Hz")),
+                None | Some(Value::Null) => Ok(wire),
+                Some(r) if r.as_u64() == Some(u64::from(wire.rate())) => Ok(wire),
+                Some(r) => unsupported(format!("{kind} at {r} Hz")),
             }
         }
         other => unsupported(other.to_string()),
@@ -329,6 +409,8 @@ struct SessionChange {
     /// Checked in `session_update` against the session's tools.
     tools: Option<Value>,
     tool_choice: Option<Value>,
+    input_format: Option<Wire>,
+    output_format: Option<Wire>,
 }
 
 impl SessionPatch {
@@ -357,16 +439,24 @@ impl SessionPatch {
                 ));
             }
         }
-        for (f, p) in [
-            (&output.format, "session.audio.output.format"),
-            (&self.output_audio_format, "session.output_audio_format"),
-            (&input.format, "session.audio.input.format"),
-            (&self.input_audio_format, "session.input_audio_format"),
-        ] {
-            if let Some(f) = f {
-                check_format(f, p)?;
-            }
-        }
+        let format =
+            |ga: &Option<Value>, ga_param, beta: &Option<Value>, beta_param| match (ga, beta) {
+                (Some(f), _) => check_format(f, ga_param).map(Some),
+                (None, Some(f)) => check_format(f, beta_param).map(Some),
+                (None, None) => Ok(None),
+            };
+        let output_format = format(
+            &output.format,
+            "session.audio.output.format",
+            &self.output_audio_format,
+            "session.output_audio_format",
+        )?;
+        let input_format = format(
+            &input.format,
+            "session.audio.input.format",
+            &self.input_audio_format,
+            "session.input_audio_format",
+        )?;
         // Checked against the pipeline's voices where the session applies it.
         let voice = output.voice.or(self.voice);
         let audio_out = match self.output_modalities.or(self.modalities) {
@@ -398,6 +488,8 @@ impl SessionPatch {
             speed,
             tools: self.tools,
             tool_choice: self.tool_choice,
+            input_format,
+            output_format,
         })
     }
 }
@@ -464,7 +556,11 @@ fn context_item(v: Value, i: usize) -> Result<Context, ClientError> {
 }
 
 impl ResponseParams {
-    fn validate(self, session_audio: bool) -> Result<ResponseOptions, ClientError> {
+    fn validate(
+        self,
+        session_audio: bool,
+        session_wire: Wire,
+    ) -> Result<ResponseOptions, ClientError> {
         let input = match self.input {
             Some(items) if items.len() > MAX_RESPONSE_INPUT => {
                 return Err(ClientError::param(
@@ -501,7 +597,19 @@ impl ResponseParams {
             .as_ref()
             .or(self.output_audio_format.as_ref())
         {
-            check_format(f, "response.audio.output.format")?;
+            let wire = check_format(f, "response.audio.output.format")?;
+            if wire != session_wire {
+                return Err(ClientError {
+                    param: Some("response.audio.output.format"),
+                    ..ClientError::invalid(
+                        "unsupported_audio_format",
+                        format!(
+                            "a response speaks in the session's audio format ({}): change it with session.update",
+                            session_wire.to_json()
+                        ),
+                    )
+                });
+            }
         }
         Ok(ResponseOptions {
             audio_out,
@@ -550,7 +658,7 @@ impl Realtime {
             "instructions": s.instructions.clone().unwrap_or_default(),
             "audio": {
                 "input": {
-                    "format": {"type": "audio/pcm", "rate": RATE},
+                    "format": self.wire_in.to_json(),
                     "transcription": if conv.caps().listener {
                         json!({"model": "whisper-tiny.en", "language": "en", "prompt": ""})
                     } else {
@@ -560,7 +668,7 @@ impl Realtime {
                     "turn_detection": s.turns.as_ref().map_or(Value::Null, TurnSettings::to_json),
                 },
                 "output": {
-                    "format": {"type": "audio/pcm", "rate": RATE},
+                    "format": self.wire_out.to_json(),
                     "voice": s.voice.clone().unwrap_or_else(|| self.state.default_voice().to_string()),
                     "speed": s.sampling.speed.unwrap_or(1.0),
                 },
@@ -598,7 +706,7 @@ impl Realtime {
                 let o = fields::<ResponseCreate>(v, "response.create")?
                     .response
                     .unwrap_or_default()
-                    .validate(conv.settings().audio_out)?;
+                    .validate(conv.settings().audio_out, self.wire_out)?;
                 let voice = o.voice.map(|v| check_voice(&self.state, &v)).transpose()?;
                 let tools = match (&o.tools, &o.tool_choice) {
                     (None, None) => None,
@@ -630,8 +738,7 @@ impl Realtime {
             }
             "input_audio_buffer.append" => {
                 let AudioAppend { audio } = fields(v, "input_audio_buffer.append")?;
-                let pcm = conn::decode_pcm16_base64(&audio)?;
-                input(event_id, Input::Audio(pcm))
+                input(event_id, Input::Audio(self.wire_in.decode(&audio)?))
             }
             "input_audio_buffer.commit" => input(event_id, Input::Commit { respond: false }),
             "input_audio_buffer.clear" => input(event_id, Input::Clear),
@@ -684,10 +791,25 @@ impl Realtime {
 
     /// The session's settings after a `session.update`, all of it validated
     /// before any of it applies.
-    fn session_update(&self, v: Value, conv: &Conversation) -> Result<Settings, ClientError> {
+    fn session_update(&mut self, v: Value, conv: &Conversation) -> Result<Settings, ClientError> {
         let change = fields::<SessionUpdate>(v, "session.update")?
             .session
             .validate()?;
+        let media_track = self.speaker.is_some();
+        for (wire, param) in [
+            (change.input_format, "session.audio.input.format"),
+            (change.output_format, "session.audio.output.format"),
+        ] {
+            if media_track && wire.is_some_and(|w| w != Wire::Pcm) {
+                return Err(ClientError {
+                    param: Some(param),
+                    ..ClientError::invalid(
+                        "unsupported_audio_format",
+                        "a call's audio is on its media track (its codec is the SDP's): the session's format stays audio/pcm",
+                    )
+                });
+            }
+        }
         let voice = change
             .voice
             .map(|v| check_voice(&self.state, &v))
@@ -723,6 +845,15 @@ impl Realtime {
                 Shape::Realtime,
                 ("session.tools", "session.tool_choice"),
             )?);
+        }
+        // Applied last: nothing above failed.
+        if let Some(w) = change.input_format {
+            self.wire_in = w;
+            s.input_rate = w.rate();
+        }
+        if let Some(w) = change.output_format {
+            self.wire_out = w;
+            s.output = OutputFormat::Pcm16 { rate: w.rate() };
         }
         Ok(s)
     }
@@ -1245,7 +1376,7 @@ impl Transport for Realtime {
                 None => frames.push(delta(
                     &answer,
                     "response.output_audio.delta",
-                    json!({ "delta": base64::engine::general_purpose::STANDARD.encode(&bytes) }),
+                    json!({ "delta": self.wire_out.encode(&bytes) }),
                 )),
             },
             Output::AnswerDone {

@@ -43,7 +43,7 @@ use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use omnistream_codecs::g711;
+use omnistream_codecs::g711::Law;
 
 use crate::serve::audio::OutputFormat;
 use crate::serve::auth;
@@ -105,34 +105,12 @@ async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard, k
     .await;
 }
 
-/// The companding law of the call's audio.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Law {
-    Ulaw,
-    Alaw,
-}
-
-impl Law {
-    fn from_encoding(e: &str) -> Option<Self> {
-        match e.to_ascii_lowercase().as_str() {
-            "audio/x-mulaw" | "audio/pcmu" | "pcmu" => Some(Self::Ulaw),
-            "audio/x-alaw" | "audio/pcma" | "pcma" => Some(Self::Alaw),
-            _ => None,
-        }
-    }
-
-    fn decode(self, codes: &[u8]) -> Vec<i16> {
-        match self {
-            Self::Ulaw => g711::ulaw_decode(codes),
-            Self::Alaw => g711::alaw_decode(codes),
-        }
-    }
-
-    fn encode(self, pcm: &[i16]) -> Vec<u8> {
-        match self {
-            Self::Ulaw => g711::ulaw_encode(pcm),
-            Self::Alaw => g711::alaw_encode(pcm),
-        }
+/// The companding law a `start` event's `mediaFormat.encoding` names.
+fn law_of(encoding: &str) -> Option<Law> {
+    match encoding.to_ascii_lowercase().as_str() {
+        "audio/x-mulaw" | "audio/pcmu" | "pcmu" => Some(Law::Ulaw),
+        "audio/x-alaw" | "audio/pcma" | "pcma" => Some(Law::Alaw),
+        _ => None,
     }
 }
 
@@ -424,7 +402,7 @@ impl MediaStream {
                 .at("customParameters.api_key")
             }));
         }
-        let law = Law::from_encoding(&s.media_format.encoding);
+        let law = law_of(&s.media_format.encoding);
         let (Some(law), PHONE_RATE, 1) = (law, s.media_format.sample_rate, s.media_format.channels)
         else {
             return Ok(fatal(ClientError::invalid(

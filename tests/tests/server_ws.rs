@@ -735,14 +735,12 @@ async fn bad_input_gets_clear_errors() {
         ),
         (
             Message::text(
-                r#"{"type":"session.update","session":{"audio":{"output":{"format":{"type":"audio/pcmu"}}}}}"#,
+                r#"{"type":"session.update","session":{"audio":{"output":{"format":{"type":"audio/opus"}}}}}"#,
             ),
             "unsupported_audio_format",
         ),
         (
-            Message::text(
-                r#"{"type":"session.update","session":{"output_audio_format":"g711_ulaw"}}"#,
-            ),
+            Message::text(r#"{"type":"session.update","session":{"output_audio_format":"g722"}}"#),
             "unsupported_audio_format",
         ),
         (

@@ -663,12 +663,17 @@ impl Conversation {
             Input::Respond(r) => {
                 // The newest item is a committed turn still being
                 // transcribed: it is what this answer answers, so it waits
-                // for the words (with a newer item, it answers at once).
+                // for the words (with a newer item, or a typed turn of its
+                // own, it answers at once).
                 let newest_pending = self
                     .pending
                     .back()
                     .is_some_and(|t| self.last_item.as_deref() == Some(t.item_id.as_str()));
-                if r.input.is_none() && newest_pending && self.answer.is_none() {
+                if r.input.is_none()
+                    && r.user_text.is_none()
+                    && newest_pending
+                    && self.answer.is_none()
+                {
                     match &self.waiting_respond {
                         Some(_) => self.fail((r.busy)("(waiting for a transcript)")),
                         None => self.waiting_respond = Some((r, self.event_id.clone())),

@@ -132,6 +132,23 @@ impl Law {
             Self::Alaw => alaw_decode(codes),
         }
     }
+
+    /// pcm16 LE bytes (a trailing odd byte is ignored) to codes.
+    pub fn encode_le(self, pcm16: &[u8]) -> Vec<u8> {
+        let samples: Vec<i16> = pcm16
+            .chunks_exact(2)
+            .map(|b| i16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        self.encode(&samples)
+    }
+
+    /// Codes to pcm16 LE bytes.
+    pub fn decode_le(self, codes: &[u8]) -> Vec<u8> {
+        self.decode(codes)
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect()
+    }
 }
 
 /// 16-bit linear samples to μ-law (PCMU) bytes.

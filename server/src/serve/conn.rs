@@ -122,13 +122,18 @@ pub fn read_error(e: &axum::Error) -> Option<(ClientError, u16)> {
     }
 }
 
-/// Base64 pcm16 (little-endian) -> bytes, checked.
-pub fn decode_pcm16_base64(b64: &str) -> Result<Vec<u8>, ClientError> {
-    let pcm = base64::engine::general_purpose::STANDARD
+/// A client's base64 audio as bytes, or `invalid_base64`.
+pub fn decode_audio_base64(b64: &str) -> Result<Vec<u8>, ClientError> {
+    base64::engine::general_purpose::STANDARD
         .decode(b64)
         .map_err(|e| {
             ClientError::invalid("invalid_base64", format!("audio is not valid base64: {e}"))
-        })?;
+        })
+}
+
+/// Base64 pcm16 (little-endian) -> bytes, checked.
+pub fn decode_pcm16_base64(b64: &str) -> Result<Vec<u8>, ClientError> {
+    let pcm = decode_audio_base64(b64)?;
     if pcm.len() % 2 == 1 {
         return Err(ClientError::invalid(
             "invalid_audio",

@@ -1484,7 +1484,8 @@ impl Conversation {
             return;
         };
         let generated_chars = a.text.chars().count();
-        let generated_text = a.text.clone();
+        // The whole answer, for a later cut of its audio.
+        let generated_text = a.info.audio.then(|| a.text.clone());
         let mut text = a.text;
         if let Some(p) = self
             .played
@@ -1512,8 +1513,8 @@ impl Conversation {
                 .map(|p| p.playback.heard_ms());
             let whole_ms = (audio_seconds * 1000.0).round() as u64;
             let audio_ms = a.info.audio.then(|| heard_ms.unwrap_or(whole_ms));
-            let generated = a.info.audio.then(|| Generated {
-                text: generated_text.clone(),
+            let generated = generated_text.map(|text| Generated {
+                text,
                 audio_ms: whole_ms,
             });
             self.history.remember(

@@ -187,21 +187,7 @@ impl Wire {
     fn decode(self, b64: &str) -> Result<Vec<u8>, ClientError> {
         match self {
             Self::Pcm => conn::decode_pcm16_base64(b64),
-            Self::G711(law) => {
-                let codes = base64::engine::general_purpose::STANDARD
-                    .decode(b64)
-                    .map_err(|e| {
-                        ClientError::invalid(
-                            "invalid_base64",
-                            format!("audio is not valid base64: {e}"),
-                        )
-                    })?;
-                Ok(law
-                    .decode(&codes)
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect())
-            }
+            Self::G711(law) => Ok(law.decode_le(&conn::decode_audio_base64(b64)?)),
         }
     }
 
@@ -210,13 +196,7 @@ impl Wire {
         let b64 = &base64::engine::general_purpose::STANDARD;
         match self {
             Self::Pcm => b64.encode(pcm),
-            Self::G711(law) => {
-                let samples: Vec<i16> = pcm
-                    .chunks_exact(2)
-                    .map(|b| i16::from_le_bytes([b[0], b[1]]))
-                    .collect();
-                b64.encode(law.encode(&samples))
-            }
+            Self::G711(law) => b64.encode(law.encode_le(pcm)),
         }
     }
 }

@@ -546,12 +546,7 @@ impl MediaStream {
                     format!("a media payload is not valid base64 ({e}): dropped"),
                 )
             })?;
-        let pcm: Vec<u8> = s
-            .law
-            .decode(&codes)
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
+        let pcm = s.law.decode_le(&codes);
         if pcm.len() > conv.settings().input_cap() {
             return Err(ClientError::invalid(
                 "input_audio_buffer_full",
@@ -595,14 +590,11 @@ impl MediaStream {
         if self.played.cleared.as_deref() == Some(response_id) {
             return Vec::new();
         }
-        let samples: Vec<i16> = pcm16
-            .chunks_exact(2)
-            .map(|b| i16::from_le_bytes([b[0], b[1]]))
-            .collect();
-        let mut frames = Vec::with_capacity(2 * samples.len().div_ceil(FRAME_SAMPLES));
-        for piece in samples.chunks(FRAME_SAMPLES) {
-            let payload = base64::engine::general_purpose::STANDARD.encode(s.law.encode(piece));
-            let mark = self.played.send(response_id, piece.len());
+        let mut frames = Vec::with_capacity(2 * (pcm16.len() / 2).div_ceil(FRAME_SAMPLES));
+        for piece in pcm16.chunks(2 * FRAME_SAMPLES) {
+            let codes = s.law.encode_le(piece);
+            let mark = self.played.send(response_id, codes.len());
+            let payload = base64::engine::general_purpose::STANDARD.encode(codes);
             frames.push(text(json!({
                 "event": "media", "streamSid": s.stream_sid,
                 "media": {"payload": payload},

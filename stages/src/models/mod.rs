@@ -5,6 +5,7 @@ pub mod phonemize;
 pub mod piper;
 pub mod quantized_llama;
 pub mod qwen3_omni;
+pub mod qwen3_tts;
 pub mod silero_vad;
 pub mod tokenizer;
 pub mod whisper;

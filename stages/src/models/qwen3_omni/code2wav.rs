@@ -1,6 +1,8 @@
 //! Qwen3-Omni Code2Wav: codec codes (16 quantizers at 12.5 Hz) to 24 kHz audio,
 //! mirroring `Qwen3OmniMoeCode2Wav` of transformers 5.24, with an exact causal
-//! streaming decoder.
+//! streaming decoder. The same module runs Qwen3-TTS's speech-tokenizer decoder
+//! ([`Code2WavVariant::Tts12Hz`]: another front, no left trim; see
+//! `models::qwen3_tts::codec`); what follows describes Qwen3-Omni's.
 //!
 //! Pipeline: mean of the per-quantizer code embeddings, a sliding-window causal
 //! transformer (`pre_transformer`), `upsampling_ratios` stages of (transposed
@@ -105,6 +107,31 @@ pub struct Code2WavConfig {
     pub upsample_rates: Vec<usize>,
     pub upsampling_ratios: Vec<usize>,
     pub decoder_dim: usize,
+    /// Qwen3-TTS's decoder: the width of the convolutional path (the transformer
+    /// runs at `hidden_size` between `input_proj` and `output_proj`); Qwen3-Omni's
+    /// has none (one width throughout).
+    pub latent_dim: Option<usize>,
+    /// Qwen3-TTS's decoder: the split RVQ's output width.
+    pub codebook_dim: Option<usize>,
+    /// Which decoder this is: not in the JSON, set by the loader.
+    #[serde(skip)]
+    pub variant: Code2WavVariant,
+}
+
+/// The two codec decoders this module runs. They share the transformer and the
+/// convolutional upsampler and differ at both ends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Code2WavVariant {
+    /// `Qwen3OmniMoeCode2Wav`: the mean of the per-quantizer embeddings in; the
+    /// transposed convs trim both ends (555 samples of lag, see the module docs).
+    #[default]
+    Omni,
+    /// `Qwen3TTSTokenizerV2Decoder` (qwen-tts): a split RVQ (semantic quantizer 0
+    /// and the acoustic rest, each summed and projected) and a causal conv in,
+    /// `input_proj`/`output_proj` around the transformer; the transposed convs
+    /// trim only the right side, so a stream of F frames is exactly the
+    /// reference's F*1920 samples with no lag.
+    Tts12Hz,
 }
 
 impl Default for Code2WavConfig {
@@ -129,6 +156,9 @@ impl Default for Code2WavConfig {
             upsample_rates: vec![8, 5, 4, 3],
             upsampling_ratios: vec![2, 2],
             decoder_dim: 1536,
+            latent_dim: None,
+            codebook_dim: None,
+            variant: Code2WavVariant::Omni,
         }
     }
 }
@@ -155,11 +185,19 @@ impl Code2WavConfig {
             .product()
     }
 
-    /// Samples the reference's transposed convs trim from the start (555), which
-    /// is also how far our causal output lags it.
+    /// Samples the reference's transposed convs trim from the start (555 for
+    /// Qwen3-Omni, 0 for Qwen3-TTS), which is also how far our causal output lags it.
     pub fn delay_samples(&self) -> usize {
+        if self.variant == Code2WavVariant::Tts12Hz {
+            return 0;
+        }
         // Each k=2s stage shifts by s at its own rate; earlier shifts scale up.
         self.upsample_rates.iter().fold(0, |d, &r| d * r + r)
+    }
+
+    /// The width of the convolutional path (the transformer's, where they match).
+    pub fn latent_dim(&self) -> usize {
+        self.latent_dim.unwrap_or(self.hidden_size)
     }
 }
 
@@ -341,10 +379,19 @@ struct CausalTransConvNet {
     cout: usize,
     stride: usize,
     overlap: bool,
+    /// Qwen3-Omni's reference drops block 0 (the left trim); Qwen3-TTS's keeps it.
+    trim_left: bool,
 }
 
 impl CausalTransConvNet {
-    fn new(cin: usize, cout: usize, kernel: usize, stride: usize, vb: VarBuilder) -> Result<Self> {
+    fn new(
+        cin: usize,
+        cout: usize,
+        kernel: usize,
+        stride: usize,
+        trim_left: bool,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         let overlap = if kernel == stride {
             false
         } else if kernel == 2 * stride {
@@ -363,11 +410,13 @@ impl CausalTransConvNet {
             cout,
             stride,
             overlap,
+            trim_left,
         })
     }
 
     /// x: (batch, cin, len) -> (batch, cout, len*s), except on a stream's first
-    /// step with overlap, which gives (len-1)*s like the reference's left trim.
+    /// step with overlap and `trim_left`, which gives (len-1)*s like the
+    /// reference's left trim.
     /// `tail` is the second half-kernel contribution of the previous input sample.
     fn step(&self, x: &Tensor, tail: &mut Pending) -> Result<Tensor> {
         let (b, cin, len) = x.dims3()?;
@@ -392,8 +441,16 @@ impl CausalTransConvNet {
             let head = z.narrow(3, 0, 1)?.squeeze(3)?;
             let next = z.narrow(3, 1, 1)?.squeeze(3)?;
             let blocks = match tail.take() {
-                // Reference: block 0 (from the zero before the input) is trimmed.
-                None => (head.narrow(1, 1, len - 1)? + next.narrow(1, 0, len - 1)?)?,
+                // Qwen3-Omni: block 0 (from the zero before the input) is trimmed.
+                None if self.trim_left => {
+                    (head.narrow(1, 1, len - 1)? + next.narrow(1, 0, len - 1)?)?
+                }
+                // Qwen3-TTS: block 0 is x[0] W[..s] alone.
+                None => {
+                    let zero = next.narrow(1, 0, 1)?.zeros_like()?;
+                    let shifted = Tensor::cat(&[&zero, &next.narrow(1, 0, len - 1)?], 1)?;
+                    (head + shifted)?
+                }
                 Some(prev) => {
                     let shifted = Tensor::cat(&[&prev, &next.narrow(1, 0, len - 1)?], 1)?;
                     (head + shifted)?
@@ -658,6 +715,9 @@ struct TransformerModel {
     norm: RmsNorm,
     inv_freq: Tensor,
     window: usize,
+    /// Qwen3-TTS: latent -> hidden before the layers and back after the norm.
+    input_proj: Option<Linear>,
+    output_proj: Option<Linear>,
 }
 
 impl TransformerModel {
@@ -675,11 +735,23 @@ impl TransformerModel {
         let inv_freq: Vec<f64> = (0..hd / 2)
             .map(|i| 1.0 / theta.powf(2.0 * i as f64 / hd as f64))
             .collect();
+        let (input_proj, output_proj) = match cfg.variant {
+            Code2WavVariant::Omni => (None, None),
+            Code2WavVariant::Tts12Hz => {
+                let (l, h) = (cfg.latent_dim(), cfg.hidden_size);
+                (
+                    Some(candle_nn::linear(l, h, vb.pp("input_proj"))?),
+                    Some(candle_nn::linear(h, l, vb.pp("output_proj"))?),
+                )
+            }
+        };
         Ok(Self {
             layers,
             norm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("norm"))?,
             inv_freq: Tensor::from_vec(inv_freq, (1, hd / 2), vb.device())?,
             window: cfg.sliding_window,
+            input_proj,
+            output_proj,
         })
     }
 
@@ -728,11 +800,18 @@ impl TransformerModel {
             (cos, sin)
         };
         let mask = mask.to_dtype(x.dtype())?;
-        let mut h = x.clone();
+        let mut h = match &self.input_proj {
+            Some(p) => p.forward(x)?,
+            None => x.clone(),
+        };
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
             h = layer.step(&h, &cos, &sin, &mask, cache)?;
         }
-        self.norm.forward(&h)
+        let h = self.norm.forward(&h)?;
+        match &self.output_proj {
+            Some(p) => p.forward(&h),
+            None => Ok(h),
+        }
     }
 }
 
@@ -906,7 +985,14 @@ impl DecoderBlock {
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             act: SnakeBeta::new(in_dim, vb.pp(0))?,
-            upsample: CausalTransConvNet::new(in_dim, out_dim, 2 * rate, rate, vb.pp(1))?,
+            upsample: CausalTransConvNet::new(
+                in_dim,
+                out_dim,
+                2 * rate,
+                rate,
+                cfg.variant == Code2WavVariant::Omni,
+                vb.pp(1),
+            )?,
             units,
         })
     }
@@ -934,6 +1020,8 @@ impl DecoderBlock {
 #[derive(Debug, Clone)]
 pub struct Code2WavState {
     frames: usize,
+    /// Qwen3-TTS's `pre_conv` context (`None` for Qwen3-Omni, which has no such conv).
+    pre_conv: Option<Pending>,
     kv: Vec<KvCache>,
     /// ConvNeXt depthwise conv per upsampling stage.
     upsample: Vec<Pending>,
@@ -950,7 +1038,8 @@ impl Code2WavState {
 
     /// Every convolution state (the K/V aside), in a fixed order.
     fn tensors_mut(&mut self) -> Vec<&mut Pending> {
-        let mut all: Vec<&mut Pending> = self.upsample.iter_mut().collect();
+        let mut all: Vec<&mut Pending> = self.pre_conv.iter_mut().collect();
+        all.extend(self.upsample.iter_mut());
         all.push(&mut self.decoder_in);
         for b in self.blocks.iter_mut() {
             all.push(&mut b.upsample);
@@ -1164,10 +1253,83 @@ fn pad_left(t: &Tensor, len: usize) -> Result<Tensor> {
     Tensor::cat(&[&zeros, t], 2)
 }
 
-/// `Qwen3OmniMoeCode2Wav`.
+/// `ResidualVectorQuantizer.decode` of qwen-tts: the sum of each quantizer's
+/// codebook row (`embedding_sum / cluster_usage`, computed once at load),
+/// projected by `output_proj` (a k=1 conv without bias).
+#[derive(Debug, Clone)]
+struct Rvq {
+    codebooks: Vec<Tensor>,
+    /// (dim, out): the conv's weight transposed for a matmul.
+    output_proj: Tensor,
+}
+
+impl Rvq {
+    fn new(n_q: usize, cfg: &Code2WavConfig, vb: VarBuilder) -> Result<Self> {
+        let out = cfg.codebook_dim.unwrap_or(cfg.hidden_size);
+        let dim = out / 2;
+        let codebooks = (0..n_q)
+            .map(|i| {
+                let vb = vb.pp("vq").pp("layers").pp(i).pp("_codebook");
+                let sum = vb
+                    .get((cfg.codebook_size, dim), "embedding_sum")?
+                    .to_dtype(DType::F32)?;
+                let usage = vb
+                    .get(cfg.codebook_size, "cluster_usage")?
+                    .to_dtype(DType::F32)?
+                    .clamp(1e-5f32, f32::MAX)?
+                    .unsqueeze(1)?;
+                sum.broadcast_div(&usage)?.to_dtype(vb.dtype())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let output_proj = vb
+            .get((out, dim, 1), "output_proj.weight")?
+            .squeeze(2)?
+            .t()?
+            .contiguous()?;
+        Ok(Self {
+            codebooks,
+            output_proj,
+        })
+    }
+
+    /// codes (batch, n_q, n) u32 -> (batch, n, out).
+    fn decode(&self, codes: &Tensor) -> Result<Tensor> {
+        let (b, _, n) = codes.dims3()?;
+        let mut sum: Option<Tensor> = None;
+        for (q, book) in self.codebooks.iter().enumerate() {
+            let ids = codes.narrow(1, q, 1)?.flatten_all()?;
+            let e = book.index_select(&ids, 0)?;
+            sum = Some(match sum {
+                Some(s) => (s + e)?,
+                None => e,
+            });
+        }
+        let Some(sum) = sum else {
+            candle_core::bail!("code2wav: a quantizer group without quantizers")
+        };
+        sum.matmul(&self.output_proj)?.reshape((b, n, ()))
+    }
+}
+
+/// What turns a frame's codes into the transformer's input.
+#[derive(Debug, Clone)]
+enum Front {
+    /// Qwen3-Omni's `code_embedding`: one (num_quantizers * codebook, hidden)
+    /// table with per-quantizer offsets, averaged over a frame's quantizers.
+    Mean(Tensor),
+    /// Qwen3-TTS's `quantizer` (quantizer 0, then the rest, summed) and
+    /// `pre_conv` (causal, k=3).
+    Rvq {
+        first: Rvq,
+        rest: Rvq,
+        pre_conv: CausalConvNet,
+    },
+}
+
+/// `Qwen3OmniMoeCode2Wav`, and `Qwen3TTSTokenizerV2Decoder` ([`Code2WavVariant`]).
 #[derive(Debug, Clone)]
 pub struct Code2Wav {
-    code_embedding: Tensor,
+    front: Front,
     pre_transformer: TransformerModel,
     upsample: Vec<(CausalTransConvNet, ConvNeXtBlock)>,
     decoder_in: CausalConvNet,
@@ -1187,7 +1349,9 @@ impl Code2Wav {
     pub fn new(cfg: &Code2WavConfig, vb: VarBuilder) -> Result<Self> {
         // With fewer than 2 samples per frame before the k=2s stages, a one-frame
         // first step would leave nothing after the reference's left trim.
-        if cfg.upsampling_ratios.iter().product::<usize>() < 2 {
+        if cfg.variant == Code2WavVariant::Omni
+            && cfg.upsampling_ratios.iter().product::<usize>() < 2
+        {
             candle_core::bail!("code2wav: upsampling_ratios must upsample at least 2x")
         }
         if cfg.sliding_window < 2 {
@@ -1196,10 +1360,26 @@ impl Code2Wav {
         if cfg.decoder_dim >> cfg.upsample_rates.len() == 0 {
             candle_core::bail!("code2wav: decoder_dim too small for the decoder blocks")
         }
-        let h = cfg.hidden_size;
-        let code_embedding = vb
-            .pp("code_embedding")
-            .get((cfg.codebook_size * cfg.num_quantizers, h), "weight")?;
+        let h = cfg.latent_dim();
+        let front = match cfg.variant {
+            Code2WavVariant::Omni => Front::Mean(
+                vb.pp("code_embedding")
+                    .get((cfg.codebook_size * cfg.num_quantizers, h), "weight")?,
+            ),
+            Code2WavVariant::Tts12Hz => {
+                if cfg.num_quantizers < 2 {
+                    candle_core::bail!("code2wav: the split RVQ needs at least 2 quantizers")
+                }
+                let cd = cfg.codebook_dim.unwrap_or(cfg.hidden_size);
+                let q = vb.pp("quantizer");
+                Front::Rvq {
+                    first: Rvq::new(1, cfg, q.pp("rvq_first"))?,
+                    rest: Rvq::new(cfg.num_quantizers - 1, cfg, q.pp("rvq_rest"))?,
+                    pre_conv: CausalConvNet::new(cd, h, 3, 1, false, vb.pp("pre_conv"))?,
+                }
+            }
+        };
+        let trim_left = cfg.variant == Code2WavVariant::Omni;
         let upsample = cfg
             .upsampling_ratios
             .iter()
@@ -1207,7 +1387,7 @@ impl Code2Wav {
             .map(|(i, &f)| {
                 let vb = vb.pp("upsample").pp(i);
                 Ok((
-                    CausalTransConvNet::new(h, h, f, f, vb.pp(0))?,
+                    CausalTransConvNet::new(h, h, f, f, trim_left, vb.pp(0))?,
                     ConvNeXtBlock::new(h, vb.pp(1))?,
                 ))
             })
@@ -1220,7 +1400,7 @@ impl Code2Wav {
         let out_dim = cfg.decoder_dim >> cfg.upsample_rates.len();
         let n = cfg.upsample_rates.len();
         Ok(Self {
-            code_embedding,
+            front,
             pre_transformer: TransformerModel::new(cfg, vb.pp("pre_transformer"))?,
             upsample,
             decoder_in,
@@ -1248,6 +1428,10 @@ impl Code2Wav {
     pub fn new_state(&self) -> Code2WavState {
         Code2WavState {
             frames: 0,
+            pre_conv: match self.front {
+                Front::Mean(_) => None,
+                Front::Rvq { .. } => Some(None),
+            },
             kv: vec![None; self.pre_transformer.layers.len()],
             upsample: vec![None; self.upsample.len()],
             decoder_in: None,
@@ -1307,7 +1491,7 @@ impl Code2Wav {
         let b = state.check(slots, codes)?;
         let n = codes.dim(2)?;
         if n == 0 || b == 0 {
-            return Tensor::zeros((b, 1, 0), self.code_embedding.dtype(), codes.device());
+            return Tensor::zeros((b, 1, 0), self.decoder_out.weight.dtype(), codes.device());
         }
         let fresh: Vec<usize> = (0..b).filter(|&i| state.frames[slots[i]] == 0).collect();
         if !fresh.is_empty() && fresh.len() < b {
@@ -1333,7 +1517,7 @@ impl Code2Wav {
             let back = Tensor::from_vec(back, b, wav.device())?;
             return wav.index_select(&back, 0);
         }
-        let device = self.code_embedding.device();
+        let device = self.decoder_out.weight.device();
         let ids = Tensor::from_vec(
             slots.iter().map(|&s| s as u32).collect::<Vec<_>>(),
             b,
@@ -1375,7 +1559,7 @@ impl Code2Wav {
     ) -> Result<Tensor> {
         let b = state.check(slots, codes)?;
         let n = codes.dim(2)?;
-        let dev = self.code_embedding.device();
+        let dev = self.decoder_out.weight.device();
         let bucket = graphs::BATCH_BUCKETS.iter().copied().find(|&m| m >= b);
         let fresh = slots.iter().all(|&s| state.frames[s] == 0);
         let started = slots.iter().all(|&s| state.frames[s] > 0);
@@ -1423,7 +1607,7 @@ impl Code2Wav {
         key: (usize, usize, bool),
     ) -> Result<Option<&'g mut ChunkGraph>> {
         let (bb, n, fresh) = key;
-        let dev = self.code_embedding.device();
+        let dev = self.decoder_out.weight.device();
         if graphs.generation != state.generation {
             graphs.chunks.clear();
             graphs.generation = state.generation;
@@ -1439,7 +1623,7 @@ impl Code2Wav {
         let ids = Tensor::full(state.capacity() as u32, bb, dev)?;
         let codes = Tensor::zeros((bb, self.num_quantizers, n), DType::U32, dev)?;
         let first = Tensor::full(state.kv_len as f32, bb, dev)?;
-        let dtype = self.code_embedding.dtype();
+        let dtype = self.decoder_out.weight.dtype();
         let wav = Tensor::zeros((bb, 1, n * self.samples_per_frame), dtype, dev)?;
         let captured = graphs::StepGraph::capture(dev, || {
             // First chunks start from a fresh state, as step_slots's do.
@@ -1483,7 +1667,7 @@ impl Code2Wav {
         sizes: &[(usize, bool)],
     ) -> Result<usize> {
         let first = sizes.iter().find(|s| s.1).map_or(1, |s| s.0);
-        let dev = self.code_embedding.device();
+        let dev = self.decoder_out.weight.device();
         if !graphs::available(dev) {
             return Ok(0);
         }
@@ -1539,7 +1723,7 @@ impl Code2Wav {
                 candle_core::bail!("code2wav: code {max} outside the codebook")
             }
         }
-        codes.to_device(self.code_embedding.device())
+        codes.to_device(self.decoder_out.weight.device())
     }
 
     /// One forward of `codes` (checked, u32, on the device) on batched `state`.
@@ -1551,21 +1735,37 @@ impl Code2Wav {
         mark: &mut dyn FnMut(Part) -> Result<()>,
     ) -> Result<Tensor> {
         let (b, nq, n) = codes.dims3()?;
-        let dtype = self.code_embedding.dtype();
-        let device = self.code_embedding.device();
+        let dtype = self.decoder_out.weight.dtype();
+        let device = self.decoder_out.weight.device();
         if n == 0 {
             return Tensor::zeros((b, 1, 0), dtype, device);
         }
-        let offsets: Vec<u32> = (0..nq as u32)
-            .map(|q| q * self.codebook_size as u32)
-            .collect();
-        let offsets = Tensor::from_vec(offsets, (1, nq, 1), device)?;
-        let ids = codes.broadcast_add(&offsets)?.flatten_all()?;
-        let h = self
-            .code_embedding
-            .index_select(&ids, 0)?
-            .reshape((b, nq, n, ()))?
-            .mean(1)?;
+        let h = match &self.front {
+            Front::Mean(table) => {
+                let offsets: Vec<u32> = (0..nq as u32)
+                    .map(|q| q * self.codebook_size as u32)
+                    .collect();
+                let offsets = Tensor::from_vec(offsets, (1, nq, 1), device)?;
+                let ids = codes.broadcast_add(&offsets)?.flatten_all()?;
+                table
+                    .index_select(&ids, 0)?
+                    .reshape((b, nq, n, ()))?
+                    .mean(1)?
+            }
+            Front::Rvq {
+                first,
+                rest,
+                pre_conv,
+            } => {
+                let q = (first.decode(&codes.narrow(1, 0, 1)?)?
+                    + rest.decode(&codes.narrow(1, 1, nq - 1)?)?)?;
+                let Some(pending) = state.pre_conv.as_mut() else {
+                    candle_core::bail!("code2wav: a state without the pre_conv's context")
+                };
+                let x = q.transpose(1, 2)?.contiguous()?;
+                pre_conv.step(&x, pending)?.transpose(1, 2)?.contiguous()?
+            }
+        };
         mark(Part::whole("embed"))?;
 
         let h = self.pre_transformer.step(&h, pos, &mut state.kv)?;
@@ -1589,7 +1789,7 @@ impl Code2Wav {
         let wav = self.decoder_act.forward(&wav)?;
         let mut wav = self.decoder_out.step(&wav, &mut state.decoder_out)?;
         mark(Part::whole("decoder_out"))?;
-        if state.frames == 0 {
+        if state.frames == 0 && self.delay > 0 {
             let lead = Tensor::zeros((b, 1, self.delay), wav.dtype(), wav.device())?;
             wav = Tensor::cat(&[&lead, &wav], 2)?;
         }

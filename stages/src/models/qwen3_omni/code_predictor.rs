@@ -50,14 +50,15 @@ struct CodePredictorModel {
 }
 
 impl CodePredictorModel {
-    fn new(cfg: &CodePredictorConfig, vb: VarBuilder) -> Result<Self> {
+    /// `embedding_dim`: the Talker's width, which the code embeddings have.
+    fn new(cfg: &CodePredictorConfig, embedding_dim: usize, vb: VarBuilder) -> Result<Self> {
         let d = &cfg.decoder;
         let layers = (0..d.num_hidden_layers)
             .map(|i| DecoderLayer::new(d, i, vb.pp("layers").pp(i)))
             .collect::<Result<Vec<_>>>()?;
         let codec_embedding = (0..cfg.num_code_groups.saturating_sub(1))
             .map(|i| {
-                candle_nn::embedding(d.vocab_size, d.hidden_size, vb.pp("codec_embedding").pp(i))
+                candle_nn::embedding(d.vocab_size, embedding_dim, vb.pp("codec_embedding").pp(i))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
@@ -139,17 +140,34 @@ pub struct PredictedCodes {
     pub embed_sum: Tensor,
 }
 
-/// `Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration`.
+/// `Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration` (and qwen-tts's
+/// `Qwen3TTSTalkerCodePredictorModelForConditionalGeneration`, whose inputs go
+/// through `small_to_mtp_projection` where it is narrower than the Talker).
 #[derive(Debug, Clone)]
 pub struct CodePredictor {
     model: CodePredictorModel,
+    /// Talker width -> code predictor width, where they differ (Qwen3-TTS 1.7B).
+    small_to_mtp_projection: Option<Linear>,
+    /// The Talker's width: its hidden states and the code embeddings.
+    embedding_dim: usize,
     /// `lm_head.{i}` predicts code `i + 1`.
     lm_head: Vec<Linear>,
     cfg: CodePredictorConfig,
 }
 
 impl CodePredictor {
+    /// A code predictor as wide as its Talker (Qwen3-Omni's).
     pub fn new(cfg: &CodePredictorConfig, vb: VarBuilder) -> Result<Self> {
+        Self::for_talker(cfg, cfg.decoder.hidden_size, vb)
+    }
+
+    /// A code predictor under a Talker `talker_hidden` wide: narrower ones take
+    /// their inputs through `small_to_mtp_projection`.
+    pub fn for_talker(
+        cfg: &CodePredictorConfig,
+        talker_hidden: usize,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         if cfg.num_code_groups < 2 {
             candle_core::bail!("num_code_groups {} must be >= 2", cfg.num_code_groups);
         }
@@ -157,11 +175,30 @@ impl CodePredictor {
         let lm_head = (0..cfg.num_code_groups - 1)
             .map(|i| candle_nn::linear_no_bias(d.hidden_size, d.vocab_size, vb.pp("lm_head").pp(i)))
             .collect::<Result<Vec<_>>>()?;
+        let small_to_mtp_projection = (talker_hidden != d.hidden_size)
+            .then(|| {
+                candle_nn::linear(
+                    talker_hidden,
+                    d.hidden_size,
+                    vb.pp("small_to_mtp_projection"),
+                )
+            })
+            .transpose()?;
         Ok(Self {
-            model: CodePredictorModel::new(cfg, vb.pp("model"))?,
+            model: CodePredictorModel::new(cfg, talker_hidden, vb.pp("model"))?,
+            small_to_mtp_projection,
+            embedding_dim: talker_hidden,
             lm_head,
             cfg: cfg.clone(),
         })
+    }
+
+    /// Talker-wide inputs `(b, s, talker_hidden)` at the code predictor's width.
+    fn project(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.small_to_mtp_projection {
+            Some(p) => p.forward(x),
+            None => Ok(x.clone()),
+        }
     }
 
     pub fn config(&self) -> &CodePredictorConfig {
@@ -187,7 +224,8 @@ impl CodePredictor {
     /// `(b, s, hidden)` (what the reference's prefill computes).
     pub fn forward_hidden(&self, inputs_embeds: &Tensor) -> Result<Tensor> {
         let mut caches = vec![KvCache::new(); self.model.layers.len()];
-        self.model.forward(inputs_embeds, &mut caches)
+        self.model
+            .forward(&self.project(inputs_embeds)?, &mut caches)
     }
 
     /// Codes 1..N-1 of one frame for every row: `past_hidden` is the Talker's last
@@ -322,7 +360,7 @@ impl CodePredictor {
         max_batch: usize,
         cfg: &SamplingConfig,
     ) -> Result<usize> {
-        let hidden = self.cfg.decoder.hidden_size;
+        let hidden = self.embedding_dim;
         // The Talker's states come in the weights' dtype.
         let emb = self.model.codec_embedding[0].embeddings();
         for &b in graphs::BATCH_BUCKETS.iter().filter(|&&b| b <= max_batch) {
@@ -416,12 +454,12 @@ impl CodePredictor {
         let mut embed_sum: Option<Tensor> = None;
         let mut on_device = Vec::new();
         // Positions 0 and 1 in one step; position 0 only leaves its keys and values.
-        let first = Tensor::cat(&[&past_hidden, &code0_embed], 0)?;
+        let first = self.project(&Tensor::cat(&[&past_hidden, &code0_embed], 0)?)?;
         let mut h = self.model.forward_step(&first, frame, 0)?.narrow(0, b, b)?;
         let mut input = code0_embed;
         for (g, head) in self.lm_head.iter().enumerate() {
             if g > 0 {
-                h = self.model.forward_step(&input, frame, g)?;
+                h = self.model.forward_step(&self.project(&input)?, frame, g)?;
             }
             let logits = head.forward(&h.squeeze(1)?)?.to_dtype(DType::F32)?;
             let ids = match &mut draw {

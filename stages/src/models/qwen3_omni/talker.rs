@@ -26,7 +26,7 @@
 use super::code_predictor::{CodePredictor, CodePredictorConfig, PredictorGraphs};
 use super::graphs;
 use super::layers::{
-    self, Attention, DecoderConfig, DecoderLayer, FeedForward, KvCache, KvSlots, RmsNorm,
+    self, Attention, DecoderConfig, DecoderLayer, FeedForward, KvCache, KvSlots, Mlp, RmsNorm,
     RotaryEmbedding, SlotBatch, SparseMoe,
 };
 use super::sampling::{samples_on_device, Sampler, SamplingConfig};
@@ -81,6 +81,23 @@ pub struct TalkerConfig {
     pub position_id_per_seconds: usize,
     #[serde(default = "default_merge")]
     pub spatial_merge_size: usize,
+    /// Which Talker this is: not in Qwen3-Omni's JSON, set by Qwen3-TTS's loader.
+    #[serde(skip)]
+    pub variant: TalkerVariant,
+}
+
+/// The two Talkers this module runs: the same frame loop, code predictor and
+/// codec head, built from different layers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TalkerVariant {
+    /// `Qwen3OmniMoeTalkerForConditionalGeneration`: MoE layers; `text_projection`
+    /// and `hidden_projection` bring the Thinker's embeddings and hidden states in.
+    #[default]
+    Omni,
+    /// qwen-tts's `Qwen3TTSTalkerForConditionalGeneration`: dense layers, no
+    /// Thinker (its own text embedding goes through `text_projection`, whose
+    /// inner width is the text width), and a code predictor that may be narrower.
+    Tts,
 }
 
 impl TalkerConfig {
@@ -111,13 +128,13 @@ pub struct ResizeMlp {
 impl ResizeMlp {
     pub fn new(cfg: &TalkerConfig, vb: VarBuilder) -> Result<Self> {
         let t = &cfg.text_config;
+        let inner = match cfg.variant {
+            TalkerVariant::Omni => t.intermediate_size,
+            TalkerVariant::Tts => cfg.thinker_hidden_size,
+        };
         Ok(Self {
-            linear_fc1: candle_nn::linear(
-                cfg.thinker_hidden_size,
-                t.intermediate_size,
-                vb.pp("linear_fc1"),
-            )?,
-            linear_fc2: candle_nn::linear(t.intermediate_size, t.hidden_size, vb.pp("linear_fc2"))?,
+            linear_fc1: candle_nn::linear(cfg.thinker_hidden_size, inner, vb.pp("linear_fc1"))?,
+            linear_fc2: candle_nn::linear(inner, t.hidden_size, vb.pp("linear_fc2"))?,
             act: t.hidden_act,
         })
     }
@@ -140,14 +157,26 @@ struct TalkerModel {
 }
 
 impl TalkerModel {
-    fn new(cfg: &DecoderConfig, vb: VarBuilder) -> Result<Self> {
-        // Every Talker layer has the sparse MoE block with its shared expert (the reference
-        // replaces whatever `Qwen3OmniMoeThinkerText*` picked).
+    fn new(cfg: &DecoderConfig, variant: TalkerVariant, vb: VarBuilder) -> Result<Self> {
+        // Every Qwen3-Omni Talker layer has the sparse MoE block with its shared expert
+        // (the reference replaces whatever `Qwen3OmniMoeThinkerText*` picked); every
+        // Qwen3-TTS one the dense MLP.
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let vb = vb.pp("layers").pp(i);
-                let moe = SparseMoe::new(cfg, vb.pp("mlp"))?;
-                DecoderLayer::with_feed_forward(cfg, FeedForward::Moe(moe), vb)
+                let mlp = match variant {
+                    TalkerVariant::Omni => FeedForward::Moe(SparseMoe::new(cfg, vb.pp("mlp"))?),
+                    TalkerVariant::Tts => FeedForward::Dense(
+                        Mlp::new(
+                            cfg.hidden_size,
+                            cfg.intermediate_size,
+                            cfg.hidden_act,
+                            vb.pp("mlp"),
+                        )?
+                        .fuse_gate_up()?,
+                    ),
+                };
+                DecoderLayer::with_feed_forward(cfg, mlp, vb)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
@@ -334,7 +363,8 @@ pub struct TalkerStep {
 pub struct Talker {
     model: TalkerModel,
     text_projection: ResizeMlp,
-    hidden_projection: ResizeMlp,
+    /// Qwen3-Omni's only.
+    hidden_projection: Option<ResizeMlp>,
     codec_head: Linear,
     code_predictor: CodePredictor,
     cfg: TalkerConfig,
@@ -350,17 +380,22 @@ impl Talker {
             );
         }
         let t = &cfg.text_config;
+        let hidden_projection = match cfg.variant {
+            TalkerVariant::Omni => Some(ResizeMlp::new(cfg, vb.pp("hidden_projection"))?),
+            TalkerVariant::Tts => None,
+        };
         Ok(Self {
-            model: TalkerModel::new(t, vb.pp("model"))?,
+            model: TalkerModel::new(t, cfg.variant, vb.pp("model"))?,
             text_projection: ResizeMlp::new(cfg, vb.pp("text_projection"))?,
-            hidden_projection: ResizeMlp::new(cfg, vb.pp("hidden_projection"))?,
+            hidden_projection,
             codec_head: candle_nn::linear_no_bias(
                 t.hidden_size,
                 t.vocab_size,
                 vb.pp("codec_head"),
             )?,
-            code_predictor: CodePredictor::new(
+            code_predictor: CodePredictor::for_talker(
                 &cfg.code_predictor_config,
+                t.hidden_size,
                 vb.pp("code_predictor"),
             )?,
             cfg: cfg.clone(),
@@ -382,7 +417,10 @@ impl Talker {
 
     /// Thinker hidden states (layer `accept_hidden_layer`) -> Talker width.
     pub fn hidden_projection(&self, x: &Tensor) -> Result<Tensor> {
-        self.hidden_projection.forward(x)
+        match &self.hidden_projection {
+            Some(p) => p.forward(x),
+            None => candle_core::bail!("this Talker has no hidden_projection"),
+        }
     }
 
     /// `model.codec_embedding` of codec ids (any shape).

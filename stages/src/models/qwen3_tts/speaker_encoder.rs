@@ -1,0 +1,436 @@
+//! Qwen3-TTS's speaker encoder (`Qwen3TTSSpeakerEncoder`, weights under
+//! `speaker_encoder`, Base checkpoints): ECAPA-TDNN over a 24 kHz clip's log-mel
+//! spectrogram to one x-vector as wide as the Talker, which the prompt takes in a
+//! preset speaker's place (x-vector voice cloning).
+//!
+//! The front end is qwen-tts's `mel_spectrogram` (n_fft 1024, hop 256, Hann
+//! window 1024, reflect padding of 384 on each side and no centring, magnitude
+//! `sqrt(re² + im² + 1e-9)`, librosa's slaney mel filterbank (128 bins, 0 to 12
+//! kHz), `ln(max(x, 1e-5))`); the DFT and filterbank run in float64 here.
+//! Every conv is `padding="same"` with reflect padding, as the reference's.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::VarBuilder;
+
+use super::config::SpeakerEncoderConfig;
+use crate::models::whisper::mel_filters;
+
+const N_FFT: usize = 1024;
+const HOP: usize = 256;
+const RATE: usize = 24_000;
+
+/// qwen-tts's `mel_spectrogram` for the speaker encoder: `(1, frames, n_mels)` f32.
+#[derive(Debug, Clone)]
+pub struct MelFrontEnd {
+    /// `[N_FFT, 2 * n_bins]`: the Hann-windowed DFT basis, cos then -sin.
+    basis: Tensor,
+    /// `[n_bins, n_mels]`.
+    filters: Tensor,
+}
+
+impl MelFrontEnd {
+    pub fn new(n_mels: usize) -> Result<Self> {
+        let n_bins = N_FFT / 2 + 1;
+        let mut basis = vec![0f64; N_FFT * 2 * n_bins];
+        for j in 0..N_FFT {
+            // torch.hann_window(1024) (periodic), f32 as the reference holds it.
+            let w = (0.5 - 0.5 * (2.0 * std::f64::consts::PI * j as f64 / N_FFT as f64).cos())
+                as f32 as f64;
+            for k in 0..n_bins {
+                let a = 2.0 * std::f64::consts::PI * ((j * k) % N_FFT) as f64 / N_FFT as f64;
+                basis[j * 2 * n_bins + k] = w * a.cos();
+                basis[j * 2 * n_bins + n_bins + k] = -w * a.sin();
+            }
+        }
+        let filters = Tensor::from_vec(
+            mel_filters(RATE, N_FFT, n_mels),
+            (n_mels, n_bins),
+            &Device::Cpu,
+        )?
+        .to_dtype(DType::F64)?
+        .t()?
+        .contiguous()?;
+        Ok(Self {
+            basis: Tensor::from_vec(basis, (N_FFT, 2 * n_bins), &Device::Cpu)?,
+            filters,
+        })
+    }
+
+    /// Frames of a clip of `samples` samples (0 when it is too short for one).
+    pub fn frames(samples: usize) -> usize {
+        let padded = samples + (N_FFT - HOP);
+        match padded >= N_FFT {
+            true => (padded - N_FFT) / HOP + 1,
+            false => 0,
+        }
+    }
+
+    /// `(1, frames, n_mels)` f32 on `device` of 24 kHz mono PCM in [-1, 1]: at
+    /// least 385 samples (the reflect padding needs one more than it pads).
+    pub fn extract(&self, pcm: &[f32], device: &Device) -> Result<Tensor> {
+        let pad = (N_FFT - HOP) / 2;
+        if pcm.len() <= pad {
+            candle_core::bail!(
+                "a clip of {} samples is too short (at least {} needed)",
+                pcm.len(),
+                pad + 1
+            );
+        }
+        let len = pcm.len() as isize;
+        let n_frames = Self::frames(pcm.len());
+        let mut frames = vec![0f64; n_frames * N_FFT];
+        for (f, row) in frames.chunks_mut(N_FFT).enumerate() {
+            for (j, v) in row.iter_mut().enumerate() {
+                let mut i = (f * HOP + j) as isize - pad as isize;
+                if i < 0 {
+                    i = -i;
+                } else if i >= len {
+                    i = 2 * (len - 1) - i;
+                }
+                *v = pcm[i as usize] as f64;
+            }
+        }
+        let n_bins = N_FFT / 2 + 1;
+        let spec =
+            Tensor::from_vec(frames, (n_frames, N_FFT), &Device::Cpu)?.matmul(&self.basis)?;
+        let re = spec.narrow(1, 0, n_bins)?;
+        let im = spec.narrow(1, n_bins, n_bins)?;
+        let mag = ((re.sqr()? + im.sqr()?)? + 1e-9)?.sqrt()?;
+        mag.matmul(&self.filters)?
+            .clamp(1e-5, f64::INFINITY)?
+            .log()?
+            .to_dtype(DType::F32)?
+            .unsqueeze(0)?
+            .to_device(device)
+    }
+}
+
+/// `x` (b, c, t) reflect-padded by `left` and `right` samples on the time axis.
+fn reflect_pad(x: &Tensor, left: usize, right: usize) -> Result<Tensor> {
+    if left == 0 && right == 0 {
+        return Ok(x.clone());
+    }
+    let t = x.dim(2)?;
+    if left >= t || right >= t {
+        candle_core::bail!("reflect padding of {left}/{right} needs more than {t} frames");
+    }
+    let idx: Vec<u32> = (0..left)
+        .map(|i| (left - i) as u32)
+        .chain((0..t).map(|i| i as u32))
+        .chain((0..right).map(|i| (t - 2 - i) as u32))
+        .collect();
+    let idx = Tensor::from_vec(idx, left + t + right, x.device())?;
+    x.index_select(&idx, 2)
+}
+
+/// `nn.Conv1d(padding="same", padding_mode="reflect")`.
+#[derive(Debug, Clone)]
+struct SameConv {
+    weight: Tensor,
+    bias: Tensor,
+    dilation: usize,
+    left: usize,
+    right: usize,
+}
+
+impl SameConv {
+    fn new(
+        cin: usize,
+        cout: usize,
+        kernel: usize,
+        dilation: usize,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let total = dilation * (kernel - 1);
+        Ok(Self {
+            weight: vb.get((cout, cin, kernel), "weight")?,
+            bias: vb.get(cout, "bias")?.reshape((1, cout, 1))?,
+            dilation,
+            left: total / 2,
+            right: total - total / 2,
+        })
+    }
+}
+
+impl Module for SameConv {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        reflect_pad(x, self.left, self.right)?
+            .conv1d(&self.weight, 0, 1, self.dilation, 1)?
+            .broadcast_add(&self.bias)
+    }
+}
+
+/// `TimeDelayNetBlock`: a same conv, ReLU.
+#[derive(Debug, Clone)]
+struct Tdnn(SameConv);
+
+impl Tdnn {
+    fn new(
+        cin: usize,
+        cout: usize,
+        kernel: usize,
+        dilation: usize,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Ok(Self(SameConv::new(
+            cin,
+            cout,
+            kernel,
+            dilation,
+            vb.pp("conv"),
+        )?))
+    }
+}
+
+impl Module for Tdnn {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.forward(x)?.relu()
+    }
+}
+
+/// `SqueezeExcitationRes2NetBlock`: TDNN, Res2Net, TDNN, squeeze-excitation, residual.
+#[derive(Debug, Clone)]
+struct SeRes2NetBlock {
+    tdnn1: Tdnn,
+    res2net: Vec<Tdnn>,
+    scale: usize,
+    tdnn2: Tdnn,
+    se_conv1: SameConv,
+    se_conv2: SameConv,
+}
+
+impl SeRes2NetBlock {
+    fn new(cfg: &SpeakerEncoderConfig, i: usize, vb: VarBuilder) -> Result<Self> {
+        let (cin, cout) = (cfg.enc_channels[i - 1], cfg.enc_channels[i]);
+        let scale = cfg.enc_res2net_scale;
+        if scale < 2 || cout % scale != 0 || cin != cout {
+            candle_core::bail!(
+                "speaker encoder block {i}: channels {cin}->{cout} with scale {scale}"
+            );
+        }
+        let part = cout / scale;
+        let (k, d) = (cfg.enc_kernel_sizes[i], cfg.enc_dilations[i]);
+        let res2net = (0..scale - 1)
+            .map(|j| Tdnn::new(part, part, k, d, vb.pp("res2net_block").pp("blocks").pp(j)))
+            .collect::<Result<Vec<_>>>()?;
+        let se = vb.pp("se_block");
+        Ok(Self {
+            tdnn1: Tdnn::new(cin, cout, 1, 1, vb.pp("tdnn1"))?,
+            res2net,
+            scale,
+            tdnn2: Tdnn::new(cout, cout, 1, 1, vb.pp("tdnn2"))?,
+            se_conv1: SameConv::new(cout, cfg.enc_se_channels, 1, 1, se.pp("conv1"))?,
+            se_conv2: SameConv::new(cfg.enc_se_channels, cout, 1, 1, se.pp("conv2"))?,
+        })
+    }
+}
+
+impl Module for SeRes2NetBlock {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.tdnn1.forward(x)?;
+        let parts = h.chunk(self.scale, 1)?;
+        let mut outs: Vec<Tensor> = Vec::with_capacity(self.scale);
+        for (i, p) in parts.iter().enumerate() {
+            let o = match i {
+                0 => p.clone(),
+                1 => self.res2net[0].forward(p)?,
+                _ => self.res2net[i - 1].forward(&(p + &outs[i - 1])?)?,
+            };
+            outs.push(o);
+        }
+        let h = self.tdnn2.forward(&Tensor::cat(&outs, 1)?)?;
+        let s = h.mean_keepdim(2)?;
+        let s =
+            candle_nn::ops::sigmoid(&self.se_conv2.forward(&self.se_conv1.forward(&s)?.relu()?)?)?;
+        h.broadcast_mul(&s)? + x
+    }
+}
+
+/// `AttentiveStatisticsPooling` over a whole clip (no padding): the attention-
+/// weighted mean and standard deviation per channel, `(b, 2c, 1)`.
+#[derive(Debug, Clone)]
+struct AttentiveStatsPool {
+    tdnn: Tdnn,
+    conv: SameConv,
+}
+
+const STATS_EPS: f64 = 1e-12;
+
+/// Weighted mean and std over time: `w` (b, c|1, t) sums to 1 over t.
+fn stats(x: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
+    let mean = x.broadcast_mul(w)?.sum_keepdim(2)?;
+    let var = x
+        .broadcast_sub(&mean)?
+        .sqr()?
+        .broadcast_mul(w)?
+        .sum_keepdim(2)?
+        .clamp(STATS_EPS, f64::INFINITY)?;
+    Ok((mean, var.sqrt()?))
+}
+
+impl Module for AttentiveStatsPool {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, c, t) = x.dims3()?;
+        let uniform = Tensor::full(1.0 / t as f64, (b, 1, t), x.device())?.to_dtype(x.dtype())?;
+        let (mean, std) = stats(x, &uniform)?;
+        let ctx = Tensor::cat(
+            &[
+                x.clone(),
+                mean.broadcast_as((b, c, t))?.contiguous()?,
+                std.broadcast_as((b, c, t))?.contiguous()?,
+            ],
+            1,
+        )?;
+        let a = self.conv.forward(&self.tdnn.forward(&ctx)?.tanh()?)?;
+        let a = candle_nn::ops::softmax(&a, D::Minus1)?;
+        let (mean, std) = stats(x, &a)?;
+        Tensor::cat(&[mean, std], 1)
+    }
+}
+
+/// `Qwen3TTSSpeakerEncoder`.
+#[derive(Debug, Clone)]
+pub struct SpeakerEncoder {
+    first: Tdnn,
+    blocks: Vec<SeRes2NetBlock>,
+    mfa: Tdnn,
+    asp: AttentiveStatsPool,
+    fc: SameConv,
+    mel: MelFrontEnd,
+    cfg: SpeakerEncoderConfig,
+}
+
+impl SpeakerEncoder {
+    /// `vb` at `speaker_encoder`.
+    pub fn new(cfg: &SpeakerEncoderConfig, vb: VarBuilder) -> Result<Self> {
+        let n = cfg.enc_channels.len();
+        if n < 3 || cfg.enc_kernel_sizes.len() != n || cfg.enc_dilations.len() != n {
+            candle_core::bail!("speaker encoder: enc_channels, kernel sizes and dilations differ");
+        }
+        let c = &cfg.enc_channels;
+        let mfa_in: usize = c[1..n - 1].iter().sum();
+        let blocks = vb.pp("blocks");
+        Ok(Self {
+            first: Tdnn::new(
+                cfg.mel_dim,
+                c[0],
+                cfg.enc_kernel_sizes[0],
+                cfg.enc_dilations[0],
+                blocks.pp(0),
+            )?,
+            blocks: (1..n - 1)
+                .map(|i| SeRes2NetBlock::new(cfg, i, blocks.pp(i)))
+                .collect::<Result<Vec<_>>>()?,
+            mfa: Tdnn::new(
+                mfa_in,
+                c[n - 1],
+                cfg.enc_kernel_sizes[n - 1],
+                cfg.enc_dilations[n - 1],
+                vb.pp("mfa"),
+            )?,
+            asp: AttentiveStatsPool {
+                tdnn: Tdnn::new(
+                    c[n - 1] * 3,
+                    cfg.enc_attention_channels,
+                    1,
+                    1,
+                    vb.pp("asp").pp("tdnn"),
+                )?,
+                conv: SameConv::new(
+                    cfg.enc_attention_channels,
+                    c[n - 1],
+                    1,
+                    1,
+                    vb.pp("asp").pp("conv"),
+                )?,
+            },
+            fc: SameConv::new(c[n - 1] * 2, cfg.enc_dim, 1, 1, vb.pp("fc"))?,
+            mel: MelFrontEnd::new(cfg.mel_dim)?,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// The shortest clip [`Self::embed_pcm`] takes: enough frames for every
+    /// conv's reflect padding.
+    pub fn min_samples(&self) -> usize {
+        let reach = self
+            .cfg
+            .enc_kernel_sizes
+            .iter()
+            .zip(&self.cfg.enc_dilations)
+            .map(|(k, d)| d * (k - 1) / 2 + 1)
+            .max()
+            .unwrap_or(1);
+        (reach + 1) * HOP
+    }
+
+    /// The x-vector `(enc_dim,)` of log-mels `(1, frames, mel_dim)`.
+    pub fn forward(&self, mels: &Tensor) -> Result<Tensor> {
+        let dtype = self.fc.weight.dtype();
+        let x = mels.to_dtype(dtype)?.transpose(1, 2)?.contiguous()?;
+        let mut h = self.first.forward(&x)?;
+        let mut outs = Vec::with_capacity(self.blocks.len());
+        for b in &self.blocks {
+            h = b.forward(&h)?;
+            outs.push(h.clone());
+        }
+        let h = self.mfa.forward(&Tensor::cat(&outs, 1)?)?;
+        let pooled = self.asp.forward(&h)?;
+        self.fc.forward(&pooled)?.squeeze(2)?.squeeze(0)
+    }
+
+    /// The x-vector of 24 kHz mono PCM in [-1, 1].
+    pub fn embed_pcm(&self, pcm: &[f32]) -> Result<Tensor> {
+        if pcm.len() < self.min_samples() {
+            candle_core::bail!(
+                "a reference clip of {} samples is too short (at least {})",
+                pcm.len(),
+                self.min_samples()
+            );
+        }
+        let mels = self.mel.extract(pcm, self.fc.weight.device())?;
+        self.forward(&mels)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::qwen3_omni::fixtures::max_abs_diff;
+    use crate::models::qwen3_tts::config::Qwen3TtsConfig;
+    use crate::models::qwen3_tts::fixtures;
+
+    fn encoder() -> SpeakerEncoder {
+        let cfg = Qwen3TtsConfig::load(&fixtures::model_dir()).unwrap();
+        let se = cfg.speaker_encoder_config.unwrap();
+        SpeakerEncoder::new(&se, fixtures::weights().pp("speaker_encoder")).unwrap()
+    }
+
+    #[test]
+    fn mel_and_xvector_match_reference() {
+        let enc = encoder();
+        let io = fixtures::io("speaker");
+        let pcm: Vec<f32> = io["pcm"].to_vec1().unwrap();
+        let mel = enc.mel.extract(&pcm, &Device::Cpu).unwrap();
+        let e = max_abs_diff(&mel, &io["mel"]);
+        assert!(e < 1e-4, "log-mel {e}");
+        // From the reference's own mels: the network alone.
+        let e = max_abs_diff(&enc.forward(&io["mel"]).unwrap(), &io["embedding"]);
+        assert!(e < 1e-4, "x-vector from the reference mels {e}");
+        let e = max_abs_diff(&enc.embed_pcm(&pcm).unwrap(), &io["embedding"]);
+        assert!(e < 1e-4, "x-vector from PCM {e}");
+    }
+
+    #[test]
+    fn short_clips_are_refused() {
+        let enc = encoder();
+        let n = enc.min_samples();
+        assert!(enc.embed_pcm(&vec![0.1; n - 1]).is_err());
+        let quiet = enc.embed_pcm(&vec![0.0; n]).unwrap();
+        assert!(quiet
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .all(|v| v.is_finite()));
+    }
+}

@@ -7,6 +7,7 @@ pub mod quantized_llama;
 pub mod qwen3_omni;
 pub mod qwen3_tts;
 pub mod silero_vad;
+pub mod stft;
 pub mod tokenizer;
 pub mod whisper;
 

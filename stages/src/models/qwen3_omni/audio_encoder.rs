@@ -21,7 +21,7 @@
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Activation, Conv2d, Conv2dConfig, LayerNorm, Linear, VarBuilder};
 
-use crate::models::whisper::mel_filters;
+use crate::models::stft;
 
 /// `Qwen3OmniMoeAudioEncoderConfig` (the Thinker config's `audio_config`).
 #[derive(Debug, Clone, PartialEq, serde::Deserialize)]
@@ -407,27 +407,9 @@ pub struct AudioFeatureExtractor {
 
 impl AudioFeatureExtractor {
     pub fn new(n_mels: usize) -> Result<Self> {
-        let n_bins = N_FFT / 2 + 1;
-        let mut basis = vec![0f64; N_FFT * 2 * n_bins];
-        for j in 0..N_FFT {
-            // torch.hann_window(400) (periodic), f32 as the reference holds it.
-            let w = (0.5 - 0.5 * (2.0 * std::f64::consts::PI * j as f64 / N_FFT as f64).cos())
-                as f32 as f64;
-            for k in 0..n_bins {
-                // Reduce j * k mod N_FFT first so the angle is exact.
-                let a = 2.0 * std::f64::consts::PI * ((j * k) % N_FFT) as f64 / N_FFT as f64;
-                basis[j * 2 * n_bins + k] = w * a.cos();
-                basis[j * 2 * n_bins + n_bins + k] = -w * a.sin();
-            }
-        }
-        let filters = mel_filters(SAMPLE_RATE, N_FFT, n_mels);
-        let filters = Tensor::from_vec(filters, (n_mels, n_bins), &Device::Cpu)?
-            .to_dtype(DType::F64)?
-            .t()?
-            .contiguous()?;
         Ok(Self {
-            basis: Tensor::from_vec(basis, (N_FFT, 2 * n_bins), &Device::Cpu)?,
-            filters,
+            basis: stft::dft_basis(N_FFT)?,
+            filters: stft::mel_basis(SAMPLE_RATE, N_FFT, n_mels)?,
         })
     }
 
@@ -448,25 +430,7 @@ impl AudioFeatureExtractor {
             );
         }
         let n_frames = pcm.len() / HOP;
-        let len = pcm.len() as isize;
-        let mut frames = vec![0f64; n_frames * N_FFT];
-        for (f, row) in frames.chunks_mut(N_FFT).enumerate() {
-            for (j, v) in row.iter_mut().enumerate() {
-                // torch.stft(center=True): reflect padding without repeating the edge.
-                let mut i = (f * HOP + j) as isize - pad as isize;
-                if i < 0 {
-                    i = -i;
-                } else if i >= len {
-                    i = 2 * (len - 1) - i;
-                }
-                *v = pcm[i as usize] as f64;
-            }
-        }
-        let n_bins = N_FFT / 2 + 1;
-        let spec =
-            Tensor::from_vec(frames, (n_frames, N_FFT), &Device::Cpu)?.matmul(&self.basis)?;
-        let re = spec.narrow(1, 0, n_bins)?;
-        let im = spec.narrow(1, n_bins, n_bins)?;
+        let (re, im) = stft::spectrum(pcm, &self.basis, HOP, pad, n_frames)?;
         let power = (re.sqr()? + im.sqr()?)?;
         let mel = power
             .matmul(&self.filters)?

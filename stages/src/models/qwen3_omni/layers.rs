@@ -1453,6 +1453,14 @@ pub enum FeedForward {
     Moe(SparseMoe),
 }
 
+impl FeedForward {
+    /// The dense SwiGLU MLP of `cfg`'s widths (`vb` at `mlp`), gate and up fused.
+    pub fn dense(cfg: &DecoderConfig, vb: VarBuilder) -> Result<Self> {
+        let mlp = Mlp::new(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, vb)?;
+        Ok(Self::Dense(mlp.fuse_gate_up()?))
+    }
+}
+
 impl Module for FeedForward {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
@@ -1477,15 +1485,7 @@ impl DecoderLayer {
         let mlp = if cfg.is_sparse_layer(layer_idx) {
             FeedForward::Moe(SparseMoe::new(cfg, vb.pp("mlp"))?)
         } else {
-            FeedForward::Dense(
-                Mlp::new(
-                    cfg.hidden_size,
-                    cfg.intermediate_size,
-                    cfg.hidden_act,
-                    vb.pp("mlp"),
-                )?
-                .fuse_gate_up()?,
-            )
+            FeedForward::dense(cfg, vb.pp("mlp"))?
         };
         Self::with_feed_forward(cfg, mlp, vb)
     }

@@ -26,7 +26,7 @@
 use super::code_predictor::{CodePredictor, CodePredictorConfig, PredictorGraphs};
 use super::graphs;
 use super::layers::{
-    self, Attention, DecoderConfig, DecoderLayer, FeedForward, KvCache, KvSlots, Mlp, RmsNorm,
+    self, Attention, DecoderConfig, DecoderLayer, FeedForward, KvCache, KvSlots, RmsNorm,
     RotaryEmbedding, SlotBatch, SparseMoe,
 };
 use super::sampling::{samples_on_device, Sampler, SamplingConfig};
@@ -166,15 +166,7 @@ impl TalkerModel {
                 let vb = vb.pp("layers").pp(i);
                 let mlp = match variant {
                     TalkerVariant::Omni => FeedForward::Moe(SparseMoe::new(cfg, vb.pp("mlp"))?),
-                    TalkerVariant::Tts => FeedForward::Dense(
-                        Mlp::new(
-                            cfg.hidden_size,
-                            cfg.intermediate_size,
-                            cfg.hidden_act,
-                            vb.pp("mlp"),
-                        )?
-                        .fuse_gate_up()?,
-                    ),
+                    TalkerVariant::Tts => FeedForward::dense(cfg, vb.pp("mlp"))?,
                 };
                 DecoderLayer::with_feed_forward(cfg, mlp, vb)
             })

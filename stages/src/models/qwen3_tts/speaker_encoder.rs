@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use super::config::SpeakerEncoderConfig;
-use crate::models::whisper::mel_filters;
+use crate::models::stft;
 
 const N_FFT: usize = 1024;
 const HOP: usize = 256;
@@ -30,29 +30,9 @@ pub struct MelFrontEnd {
 
 impl MelFrontEnd {
     pub fn new(n_mels: usize) -> Result<Self> {
-        let n_bins = N_FFT / 2 + 1;
-        let mut basis = vec![0f64; N_FFT * 2 * n_bins];
-        for j in 0..N_FFT {
-            // torch.hann_window(1024) (periodic), f32 as the reference holds it.
-            let w = (0.5 - 0.5 * (2.0 * std::f64::consts::PI * j as f64 / N_FFT as f64).cos())
-                as f32 as f64;
-            for k in 0..n_bins {
-                let a = 2.0 * std::f64::consts::PI * ((j * k) % N_FFT) as f64 / N_FFT as f64;
-                basis[j * 2 * n_bins + k] = w * a.cos();
-                basis[j * 2 * n_bins + n_bins + k] = -w * a.sin();
-            }
-        }
-        let filters = Tensor::from_vec(
-            mel_filters(RATE, N_FFT, n_mels),
-            (n_mels, n_bins),
-            &Device::Cpu,
-        )?
-        .to_dtype(DType::F64)?
-        .t()?
-        .contiguous()?;
         Ok(Self {
-            basis: Tensor::from_vec(basis, (N_FFT, 2 * n_bins), &Device::Cpu)?,
-            filters,
+            basis: stft::dft_basis(N_FFT)?,
+            filters: stft::mel_basis(RATE, N_FFT, n_mels)?,
         })
     }
 
@@ -76,25 +56,7 @@ impl MelFrontEnd {
                 pad + 1
             );
         }
-        let len = pcm.len() as isize;
-        let n_frames = Self::frames(pcm.len());
-        let mut frames = vec![0f64; n_frames * N_FFT];
-        for (f, row) in frames.chunks_mut(N_FFT).enumerate() {
-            for (j, v) in row.iter_mut().enumerate() {
-                let mut i = (f * HOP + j) as isize - pad as isize;
-                if i < 0 {
-                    i = -i;
-                } else if i >= len {
-                    i = 2 * (len - 1) - i;
-                }
-                *v = pcm[i as usize] as f64;
-            }
-        }
-        let n_bins = N_FFT / 2 + 1;
-        let spec =
-            Tensor::from_vec(frames, (n_frames, N_FFT), &Device::Cpu)?.matmul(&self.basis)?;
-        let re = spec.narrow(1, 0, n_bins)?;
-        let im = spec.narrow(1, n_bins, n_bins)?;
+        let (re, im) = stft::spectrum(pcm, &self.basis, HOP, pad, Self::frames(pcm.len()))?;
         let mag = ((re.sqr()? + im.sqr()?)? + 1e-9)?.sqrt()?;
         mag.matmul(&self.filters)?
             .clamp(1e-5, f64::INFINITY)?

@@ -149,6 +149,7 @@ pub fn speech_spec(text: &str, voice: Option<String>, speed: Option<f32>) -> Req
         },
         voice,
         tools: None,
+        style: Default::default(),
     }
 }
 
@@ -161,6 +162,7 @@ pub fn chat_spec(prompt: &str, modalities: Modalities, sampling: SamplingOverrid
         sampling,
         voice: None,
         tools: None,
+        style: Default::default(),
     }
 }
 

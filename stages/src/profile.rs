@@ -55,6 +55,12 @@ pub enum ModelType {
     Qwen3OmniTalker,
     /// Qwen3-Omni's Code2Wav: codec frames to 24 kHz PCM (exact streaming).
     Qwen3OmniCode2wav,
+    /// Qwen3-TTS's Talker and code predictor: text (given, or a Thinker's as it
+    /// is written) to codec frames, in a preset, described or cloned voice.
+    Qwen3TtsTalker,
+    /// Qwen3-TTS's speech-tokenizer decoder: codec frames to 24 kHz PCM (exact
+    /// streaming).
+    Qwen3TtsCode2wav,
 }
 
 /// Where a checkpoint's weights come from.
@@ -84,6 +90,27 @@ impl ModelType {
             self,
             Self::Qwen3OmniThinker | Self::Qwen3OmniTalker | Self::Qwen3OmniCode2wav
         )
+    }
+
+    /// Qwen3-TTS stages load one checkpoint folder (shared by the two stages).
+    pub fn is_qwen3_tts(self) -> bool {
+        matches!(self, Self::Qwen3TtsTalker | Self::Qwen3TtsCode2wav)
+    }
+
+    /// Stages that load a checkpoint folder and may run on a GPU.
+    pub fn is_qwen3(self) -> bool {
+        self.is_qwen3_omni() || self.is_qwen3_tts()
+    }
+
+    /// The Code2Wav stages that keep every stream's state (exact, causal) and
+    /// step as CUDA graphs.
+    pub fn is_qwen3_code2wav(self) -> bool {
+        matches!(self, Self::Qwen3OmniCode2wav | Self::Qwen3TtsCode2wav)
+    }
+
+    /// The Talkers whose profile may set a voice and code predictor sampling.
+    pub fn is_qwen3_talker(self) -> bool {
+        matches!(self, Self::Qwen3OmniTalker | Self::Qwen3TtsTalker)
     }
 }
 
@@ -398,7 +425,9 @@ impl Profile {
             ModelType::PiperTalker
             | ModelType::PiperDecoder
             | ModelType::Qwen3OmniTalker
-            | ModelType::Qwen3OmniCode2wav => ConnectorKind::Frames,
+            | ModelType::Qwen3OmniCode2wav
+            | ModelType::Qwen3TtsTalker
+            | ModelType::Qwen3TtsCode2wav => ConnectorKind::Frames,
         })
     }
 
@@ -434,11 +463,11 @@ impl Profile {
                         return Err(self.invalid(key(k), "applies to `ar` stages only"));
                     }
                 }
-                // Qwen3-Omni's Code2Wav steps as CUDA graphs too; no other decoder does.
-                if s.enforce_eager && s.model.model_type != ModelType::Qwen3OmniCode2wav {
+                // The Qwen3 Code2Wavs step as CUDA graphs too; no other decoder does.
+                if s.enforce_eager && !s.model.model_type.is_qwen3_code2wav() {
                     return Err(self.invalid(
                         key("enforce_eager"),
-                        "applies to `ar` stages and Qwen3-Omni's Code2Wav only",
+                        "applies to `ar` stages and the Qwen3 Code2Wav stages only",
                     ));
                 }
             }
@@ -473,19 +502,18 @@ impl Profile {
             for (k, d) in device_keys {
                 match parse_device(d) {
                     Err(msg) => return Err(self.invalid(k, msg)),
-                    Ok(DeviceSpec::Cuda(_)) if !s.model.model_type.is_qwen3_omni() => {
-                        return Err(self.invalid(
-                            k,
-                            "only Qwen3-Omni stages run on a GPU; the others run on cpu",
-                        ))
-                    }
+                    Ok(DeviceSpec::Cuda(_)) if !s.model.model_type.is_qwen3() => return Err(self
+                        .invalid(
+                        k,
+                        "only Qwen3-Omni and Qwen3-TTS stages run on a GPU; the others run on cpu",
+                    )),
                     Ok(_) => {}
                 }
             }
             // Stages sharing one checkpoint share its weights, so one device.
             if let Some(other) = self.stages[..i].iter().find(|o| {
-                o.model.model_type.is_qwen3_omni()
-                    && s.model.model_type.is_qwen3_omni()
+                o.model.model_type.is_qwen3()
+                    && s.model.model_type.is_qwen3()
                     && o.model.path == s.model.path
                     && parse_device(o.device_of(0)) != parse_device(s.device_of(0))
             }) {
@@ -501,10 +529,12 @@ impl Profile {
                 ModelType::WhisperCt2
                 | ModelType::GgufLlama
                 | ModelType::Qwen3OmniThinker
-                | ModelType::Qwen3OmniTalker => StageKind::Ar,
-                ModelType::PiperTalker | ModelType::PiperDecoder | ModelType::Qwen3OmniCode2wav => {
-                    StageKind::Generation
-                }
+                | ModelType::Qwen3OmniTalker
+                | ModelType::Qwen3TtsTalker => StageKind::Ar,
+                ModelType::PiperTalker
+                | ModelType::PiperDecoder
+                | ModelType::Qwen3OmniCode2wav
+                | ModelType::Qwen3TtsCode2wav => StageKind::Generation,
             };
             if s.kind != expected_kind {
                 return Err(self.invalid(
@@ -516,7 +546,7 @@ impl Profile {
                 ));
             }
             let model_path = self.resolve(&s.model.path);
-            if s.model.model_type.is_qwen3_omni() {
+            if s.model.model_type.is_qwen3() {
                 self.validate_checkpoint(i, s)?;
             } else if !model_path.is_file() {
                 return Err(self.invalid(
@@ -549,6 +579,8 @@ impl Profile {
                     | (ModelType::PiperTalker, ModelType::PiperDecoder)
                     | (ModelType::Qwen3OmniThinker, ModelType::Qwen3OmniTalker)
                     | (ModelType::Qwen3OmniTalker, ModelType::Qwen3OmniCode2wav)
+                    | (ModelType::Qwen3TtsTalker, ModelType::Qwen3TtsCode2wav)
+                    | (ModelType::GgufLlama, ModelType::Qwen3TtsTalker)
             );
             if !ok {
                 return Err(self.invalid(
@@ -661,18 +693,19 @@ impl Profile {
             let into_qwen3 = self
                 .stages
                 .get(c.to)
-                .is_some_and(|s| s.model.model_type == ModelType::Qwen3OmniCode2wav);
+                .is_some_and(|s| s.model.model_type.is_qwen3_code2wav());
             if into_qwen3 && c.codec_left_context_frames.is_some_and(|n| n > 0) {
                 return Err(self.invalid(
                     key("codec_left_context_frames"),
-                    "Qwen3-Omni's Code2Wav always streams exactly (causal, stateful): no re-decoded context",
+                    "the Qwen3 Code2Wavs always stream exactly (causal, stateful): no re-decoded context",
                 ));
             }
         }
         Ok(())
     }
 
-    /// A Qwen3-Omni stage's folder: `config.json`, and the weights unless random.
+    /// A Qwen3-Omni or Qwen3-TTS stage's folder: `config.json` (and Qwen3-TTS's
+    /// `speech_tokenizer/config.json`), and the weights unless random.
     fn validate_checkpoint(&self, i: usize, s: &StageSpec) -> Result<(), ProfileError> {
         let key = |k: &str| format!("stages[{i}].{k}");
         let dir = self.resolve(&s.model.path);
@@ -680,7 +713,18 @@ impl Profile {
             return Err(self.invalid(
                 key("model.path"),
                 format!(
-                    "{} is not a Qwen3-Omni checkpoint folder (no config.json)",
+                    "{} is not a Qwen3-Omni or Qwen3-TTS checkpoint folder (no config.json)",
+                    dir.display()
+                ),
+            ));
+        }
+        if s.model.model_type.is_qwen3_tts()
+            && !dir.join("speech_tokenizer").join("config.json").is_file()
+        {
+            return Err(self.invalid(
+                key("model.path"),
+                format!(
+                    "{} is not a Qwen3-TTS checkpoint folder (no speech_tokenizer/config.json)",
                     dir.display()
                 ),
             ));
@@ -698,7 +742,10 @@ impl Profile {
                 ),
             ));
         }
-        if s.model.model_type == ModelType::Qwen3OmniThinker {
+        if matches!(
+            s.model.model_type,
+            ModelType::Qwen3OmniThinker | ModelType::Qwen3TtsTalker
+        ) {
             let tok = self.resolve(s.model.tokenizer.as_ref().unwrap_or(&s.model.path));
             if !tok.join("tokenizer.json").is_file() {
                 return Err(self.invalid(
@@ -709,12 +756,12 @@ impl Profile {
         }
         let wrong = |k: &str, set: bool| -> Result<(), ProfileError> {
             if set {
-                Err(self.invalid(key(k), "applies to qwen3-omni-talker stages only"))
+                Err(self.invalid(key(k), "applies to the Qwen3 Talker stages only"))
             } else {
                 Ok(())
             }
         };
-        if s.model.model_type != ModelType::Qwen3OmniTalker {
+        if !s.model.model_type.is_qwen3_talker() {
             wrong(
                 "code_predictor_sampling",
                 s.code_predictor_sampling.is_some(),
@@ -735,7 +782,9 @@ impl Profile {
                 "seed",
             ],
             ModelType::PiperTalker => &["noise_scale", "length_scale", "noise_w", "seed"],
-            ModelType::Qwen3OmniThinker | ModelType::Qwen3OmniTalker => &[
+            ModelType::Qwen3OmniThinker
+            | ModelType::Qwen3OmniTalker
+            | ModelType::Qwen3TtsTalker => &[
                 "temperature",
                 "top_p",
                 "top_k",
@@ -743,7 +792,10 @@ impl Profile {
                 "max_tokens",
                 "seed",
             ],
-            ModelType::PiperDecoder | ModelType::WhisperCt2 | ModelType::Qwen3OmniCode2wav => &[],
+            ModelType::PiperDecoder
+            | ModelType::WhisperCt2
+            | ModelType::Qwen3OmniCode2wav
+            | ModelType::Qwen3TtsCode2wav => &[],
         };
         for k in s.sampling.set_keys() {
             if !allowed.contains(&k) {
@@ -850,6 +902,46 @@ connectors:
                 Err(e) => assert!(e.to_string().contains("does not exist"), "{f}: {e}"),
             }
         }
+    }
+
+    #[test]
+    fn the_shipped_qwen3_tts_profiles_parse_and_check_their_folders() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+        let tts = Profile::load(&root.join("qwen3-tts-tiny.yaml")).unwrap();
+        let types: Vec<ModelType> = tts.stages.iter().map(|s| s.model.model_type).collect();
+        assert_eq!(
+            types,
+            [ModelType::Qwen3TtsTalker, ModelType::Qwen3TtsCode2wav]
+        );
+        assert_eq!(tts.connector_kind(0), Some(ConnectorKind::Frames));
+        let cascade = Profile::load(&root.join("smollm2-qwen3-tts-tiny.yaml")).unwrap();
+        assert_eq!(
+            cascade.stages[2].model.model_type,
+            ModelType::Qwen3TtsTalker
+        );
+        assert_eq!(cascade.connector_kind(1), Some(ConnectorKind::Text));
+        // A folder without the speech tokenizer is named as the problem.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), "{}").unwrap();
+        std::fs::write(dir.path().join("model.safetensors"), "").unwrap();
+        let text = format!(
+            "name: t\nasync_chunk: true\nstages:\n  - {{ stage_id: 0, name: talker, kind: ar, max_num_seqs: 1, model: {{ type: qwen3-tts-talker, path: {0} }} }}\n  - {{ stage_id: 1, name: c2w, kind: generation, max_num_seqs: 1, model: {{ type: qwen3-tts-code2wav, path: {0} }} }}\n",
+            dir.path().display()
+        );
+        let err = Profile::parse(&text, &dir.path().join("p.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("speech_tokenizer/config.json"), "{err}");
+        // Qwen3-TTS's Code2Wav after its Talker, never Qwen3-Omni's.
+        std::fs::create_dir_all(dir.path().join("speech_tokenizer")).unwrap();
+        std::fs::write(dir.path().join("speech_tokenizer/config.json"), "{}").unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), "{}").unwrap();
+        Profile::parse(&text, &dir.path().join("p.yaml")).unwrap();
+        let bad = text.replace("qwen3-tts-code2wav", "qwen3-omni-code2wav");
+        let err = Profile::parse(&bad, &dir.path().join("p.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cannot follow"), "{err}");
     }
 
     #[test]

@@ -214,6 +214,7 @@ fn chat(text: &str, modalities: Modalities) -> RequestSpec {
         sampling: SamplingOverrides::default(),
         voice: None,
         tools: None,
+        style: Default::default(),
     }
 }
 

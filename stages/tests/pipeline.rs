@@ -98,6 +98,7 @@ fn chat(prompt: &str, max_tokens: usize) -> RequestSpec {
         },
         voice: None,
         tools: None,
+        style: Default::default(),
     }
 }
 
@@ -111,6 +112,7 @@ fn speech(text: &str) -> RequestSpec {
         },
         voice: None,
         tools: None,
+        style: Default::default(),
     }
 }
 

@@ -126,6 +126,7 @@ fn submit(p: &Pipeline, c: &Case, modalities: Modalities) -> RequestHandle {
         sampling: SamplingOverrides::default(),
         voice: Some(c.speaker.clone()),
         tools: None,
+        style: Default::default(),
     })
     .unwrap()
 }
@@ -249,6 +250,7 @@ fn modalities_voices_and_bad_requests() {
             sampling: SamplingOverrides::default(),
             voice: None,
             tools: None,
+            style: Default::default(),
         })
         .err()
         .unwrap();
@@ -264,6 +266,7 @@ fn modalities_voices_and_bad_requests() {
             sampling: SamplingOverrides::default(),
             voice: None,
             tools: None,
+            style: Default::default(),
         })
         .unwrap();
     let err = loop {
@@ -288,6 +291,7 @@ fn submit_voice(p: &Pipeline, c: &Case, voice: &str) -> RequestHandle {
         sampling: SamplingOverrides::default(),
         voice: Some(voice.to_string()),
         tools: None,
+        style: Default::default(),
     })
     .unwrap()
 }
@@ -367,6 +371,7 @@ fn fixed_length_answers_speak_the_frames_asked_for() {
                 },
                 voice: Some(c.speaker.clone()),
                 tools: None,
+                style: Default::default(),
             })
             .unwrap();
         let mut tokens = None;

@@ -40,6 +40,7 @@ pub async fn transcribe(
         sampling: SamplingOverrides::default(),
         voice: None,
         tools: None,
+        style: Default::default(),
     };
     let (handle, _in_flight) = match submit(state, spec).await {
         Ok(h) => h,

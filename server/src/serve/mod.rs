@@ -72,7 +72,11 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
                 p.set_first_request_id((g >> 32) << 32 | 1);
             }
             // Warm-up: every stage runs once before the first client waits on it.
-            let mut warm = chat_spec("Hi", Modalities::TEXT_AUDIO, SamplingOverrides::default());
+            // A chat where there is a Thinker; a Talker alone speaks given text.
+            let mut warm = match p.has_role(StageRole::Thinker) {
+                true => chat_spec("Hi", Modalities::TEXT_AUDIO, SamplingOverrides::default()),
+                false => crate::run::speech_spec("Hi.", None, None),
+            };
             warm.sampling.max_tokens = Some(4);
             run_request(&p, warm, |_| {}).context("warm-up request")?;
             // A chat does not touch the Listener: half a second of silence does.
@@ -85,6 +89,7 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
                     sampling: SamplingOverrides::default(),
                     voice: None,
                     tools: None,
+                    style: Default::default(),
                 };
                 run_request(&p, hear, |_| {}).context("warm-up transcription")?;
             }

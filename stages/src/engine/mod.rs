@@ -25,7 +25,8 @@ pub use pipeline::{
 pub use replica::{ReplicaId, StageInput};
 pub use request::{
     CancelReason, ChatMessage, Event, Modalities, RemoteOutlet, RequestCtx, RequestHandle,
-    RequestId, RequestInput, RequestSpec, Role, SamplingOverrides, Usage, TRANSCRIBE_RATE,
+    RequestId, RequestInput, RequestSpec, Role, SamplingOverrides, SpeechStyle, Usage,
+    TRANSCRIBE_RATE,
 };
 pub use stage::{StageModel, StepOutput};
 pub use tools::{ToolCall, ToolChoice, Tools};

@@ -162,6 +162,7 @@ pub struct Pipeline {
     event_capacity: usize,
     sample_rate: Option<u32>,
     voices: Vec<String>,
+    languages: Vec<String>,
     thinker_hears: bool,
     speaks_text: bool,
 }
@@ -242,6 +243,7 @@ impl Pipeline {
             event_capacity: DEFAULT_EVENT_CAPACITY,
             sample_rate,
             voices: Vec::new(),
+            languages: Vec::new(),
             thinker_hears: false,
             speaks_text: true,
         })
@@ -261,6 +263,15 @@ impl Pipeline {
 
     pub fn set_voices(&mut self, voices: Vec<String>) {
         self.voices = voices;
+    }
+
+    /// The languages a request may ask the Talker for (empty: it takes none).
+    pub fn languages(&self) -> &[String] {
+        &self.languages
+    }
+
+    pub fn set_languages(&mut self, languages: Vec<String>) {
+        self.languages = languages;
     }
 
     /// Whether the Thinker takes speech itself ([`RequestInput::Heard`]).

@@ -176,6 +176,18 @@ pub struct RequestSpec {
     /// Functions the Thinker may call (`None`: none, and its answer is not
     /// searched for calls).
     pub tools: Option<Arc<Tools>>,
+    /// How to speak, beyond the voice (a Talker that takes instructions).
+    pub style: SpeechStyle,
+}
+
+/// How a request is to be spoken, beyond the voice (Qwen3-TTS's Talker; others
+/// ignore it).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SpeechStyle {
+    /// How to speak (CustomVoice), or the voice itself (VoiceDesign).
+    pub instructions: Option<String>,
+    /// The language to speak; unset is "auto".
+    pub language: Option<String>,
 }
 
 /// Why a request stopped early.
@@ -263,6 +275,13 @@ pub struct RequestCtx {
 }
 
 impl RequestCtx {
+    /// A request held by one stage of a test, its events on the receiver.
+    #[cfg(test)]
+    pub(crate) fn for_test(id: RequestId, spec: RequestSpec) -> (Self, flume::Receiver<Event>) {
+        let (tx, rx) = flume::unbounded();
+        (Self::new(id, spec, 0, 0, vec![0], Outlet::Local(tx)), rx)
+    }
+
     pub(crate) fn new(
         id: RequestId,
         spec: RequestSpec,

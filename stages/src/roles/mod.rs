@@ -9,6 +9,7 @@ mod piper_talker;
 mod qwen3_code2wav;
 mod qwen3_talker;
 mod qwen3_thinker;
+mod qwen3_tts_talker;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -20,9 +21,10 @@ pub use listener::{Listener, Transcriber};
 pub use llm_thinker::LlmThinker;
 pub use piper_code2wav::{ChunkPolicy, PiperCode2Wav};
 pub use piper_talker::{PiperTalker, SpanPolicy};
-pub use qwen3_code2wav::{Qwen3OmniCode2Wav, QWEN3_OMNI_SAMPLE_RATE};
+pub use qwen3_code2wav::{CodecSource, Qwen3OmniCode2Wav, QWEN3_OMNI_SAMPLE_RATE};
 pub use qwen3_talker::Qwen3OmniTalker;
 pub use qwen3_thinker::Qwen3OmniThinker;
+pub use qwen3_tts_talker::Qwen3TtsTalker;
 
 use crate::engine::remote::StageMeta;
 use crate::engine::{
@@ -34,6 +36,7 @@ use crate::models::quantized_llama::QuantizedLlama;
 use crate::models::qwen3_omni::layers::KvSlots;
 use crate::models::qwen3_omni::omni::{Parts, Qwen3Omni};
 use crate::models::qwen3_omni::weights::Progress;
+use crate::models::qwen3_tts::model::{Qwen3Tts, Weights as TtsWeights};
 use crate::models::silero_vad::SileroVad;
 use crate::models::tokenizer::ChatTokenizer;
 use crate::models::whisper::WhisperAsr;
@@ -208,8 +211,12 @@ pub fn role_of(t: ModelType) -> StageRole {
     match t {
         ModelType::WhisperCt2 => StageRole::Listener,
         ModelType::GgufLlama | ModelType::Qwen3OmniThinker => StageRole::Thinker,
-        ModelType::PiperTalker | ModelType::Qwen3OmniTalker => StageRole::Talker,
-        ModelType::PiperDecoder | ModelType::Qwen3OmniCode2wav => StageRole::Code2Wav,
+        ModelType::PiperTalker | ModelType::Qwen3OmniTalker | ModelType::Qwen3TtsTalker => {
+            StageRole::Talker
+        }
+        ModelType::PiperDecoder | ModelType::Qwen3OmniCode2wav | ModelType::Qwen3TtsCode2wav => {
+            StageRole::Code2Wav
+        }
     }
 }
 
@@ -219,6 +226,7 @@ pub fn role_of(t: ModelType) -> StageRole {
 pub struct ModelCache {
     voices: HashMap<PathBuf, Arc<PiperVoice>>,
     omni: HashMap<(PathBuf, String), Arc<Qwen3Omni>>,
+    tts: HashMap<(PathBuf, String), Arc<Qwen3Tts>>,
     /// The Qwen3-Omni parts to build per checkpoint and device (all, unplanned).
     plan: HashMap<(PathBuf, String), Parts>,
 }
@@ -318,8 +326,16 @@ pub fn build_pipeline_placed(
             .map(|m| m.voices.clone())
             .unwrap_or_default(),
     );
+    pipeline.set_languages(
+        metas
+            .iter()
+            .find(|m| !m.languages.is_empty())
+            .map(|m| m.languages.clone())
+            .unwrap_or_default(),
+    );
     pipeline.set_thinker_hears(metas.iter().any(|m| m.hears));
-    // Only Piper's Talker speaks given text; Qwen3-Omni's speaks its Thinker's states.
+    // Piper's and Qwen3-TTS's Talkers speak given text; Qwen3-Omni's speaks its
+    // Thinker's states.
     pipeline.set_speaks_text(metas.iter().any(|m| m.speaks_text));
     Ok(pipeline)
 }
@@ -490,7 +506,47 @@ pub fn build_stage(
             meta.sample_rate = Some(QWEN3_OMNI_SAMPLE_RATE);
             Box::new(
                 Qwen3OmniCode2Wav::new(
+                    CodecSource::Omni(model),
+                    chunk_policy(profile, c),
+                    s.max_num_seqs,
+                    !s.enforce_eager,
+                )
+                .map_err(model_err)?,
+            )
+        }
+        ModelType::Qwen3TtsTalker => {
+            let model = load_tts(cache, &path, s, replica, progress)?;
+            let tok_dir = profile.resolve(s.model.tokenizer.as_ref().unwrap_or(&s.model.path));
+            let tok = ChatTokenizer::from_hf_dir(&tok_dir).map_err(model_err)?;
+            let names = Qwen3TtsTalker::voice_names(&model);
+            let default = s.voice.clone().or_else(|| names.first().cloned());
+            meta.voices = default
+                .iter()
+                .cloned()
+                .chain(names.into_iter().filter(|n| Some(n) != default.as_ref()))
+                .collect();
+            meta.speaks_text = true;
+            meta.languages = model.config().languages();
+            Box::new(
+                Qwen3TtsTalker::new(
                     model,
+                    Arc::new(tok),
+                    s.sampling.clone(),
+                    s.code_predictor_sampling.clone(),
+                    default,
+                    s.max_num_seqs,
+                    s.max_model_len.unwrap_or(DEFAULT_MAX_MODEL_LEN),
+                    !s.enforce_eager,
+                )
+                .map_err(model_err)?,
+            )
+        }
+        ModelType::Qwen3TtsCode2wav => {
+            let model = load_tts(cache, &path, s, replica, progress)?;
+            meta.sample_rate = Some(model.sample_rate());
+            Box::new(
+                Qwen3OmniCode2Wav::new(
+                    CodecSource::Tts(model),
                     chunk_policy(profile, c),
                     s.max_num_seqs,
                     !s.enforce_eager,
@@ -561,6 +617,38 @@ fn gpu_name(_: usize) -> Option<String> {
 
 /// The Qwen3-Omni checkpoint at `path`, loaded once per device for all its
 /// stages and replicas there, with the parts the cache's plan names.
+/// A Qwen3-TTS checkpoint, loaded once per folder and device for its stages.
+fn load_tts(
+    cache: &mut ModelCache,
+    path: &std::path::Path,
+    s: &StageSpec,
+    replica: usize,
+    progress: Option<Progress>,
+) -> Result<Arc<Qwen3Tts>, EngineError> {
+    let key = (path.to_path_buf(), s.device_of(replica).to_string());
+    if let Some(m) = cache.tts.get(&key) {
+        return Ok(m.clone());
+    }
+    let dtype = match s.model.dtype {
+        Dtype::F32 => candle_core::DType::F32,
+        Dtype::Bf16 => candle_core::DType::BF16,
+    };
+    let device = stage_device(s, replica)?;
+    let source = match s.model.weights {
+        WeightsSource::Checkpoint => TtsWeights::Checkpoint,
+        WeightsSource::Random => TtsWeights::Random,
+    };
+    let model = Qwen3Tts::load(path, dtype, &device, source, progress).map_err(|source| {
+        EngineError::Model {
+            stage: s.name.clone(),
+            source,
+        }
+    })?;
+    let model = Arc::new(model);
+    cache.tts.insert(key, model.clone());
+    Ok(model)
+}
+
 fn load_omni(
     cache: &mut ModelCache,
     path: &std::path::Path,

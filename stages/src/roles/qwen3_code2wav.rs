@@ -1,4 +1,4 @@
-//! Code2Wav stage for Qwen3-Omni: codec frames in, 24 kHz PCM out.
+//! Code2Wav stage for Qwen3-Omni and Qwen3-TTS: codec frames in, 24 kHz PCM out.
 //!
 //! The decoder is causal and keeps every layer's state across chunks
 //! (`models::qwen3_omni::code2wav`), so a chunk is decoded as soon as its frames
@@ -18,10 +18,41 @@ use candle_core::{DType, Tensor};
 
 use super::{ChunkPolicy, Requests};
 use crate::engine::{Event, Payload, RequestCtx, RequestId, StageModel, StepOutput};
+use crate::models::qwen3_omni::code2wav::Code2Wav;
 use crate::models::qwen3_omni::code2wav::{Code2WavGraphs, Code2WavSlots};
 use crate::models::qwen3_omni::graphs;
 use crate::models::qwen3_omni::omni::Qwen3Omni;
+use crate::models::qwen3_tts::model::Qwen3Tts;
 use crate::models::{ModelError, Result};
+
+/// The checkpoint whose decoder the stage runs.
+pub enum CodecSource {
+    Omni(Arc<Qwen3Omni>),
+    Tts(Arc<Qwen3Tts>),
+}
+
+impl CodecSource {
+    fn decoder(&self) -> Result<&Code2Wav> {
+        match self {
+            Self::Omni(m) => m.code2wav(),
+            Self::Tts(m) => Ok(m.decoder()),
+        }
+    }
+
+    fn device(&self) -> &candle_core::Device {
+        match self {
+            Self::Omni(m) => m.device(),
+            Self::Tts(m) => m.device(),
+        }
+    }
+
+    fn groups(&self) -> usize {
+        match self {
+            Self::Omni(m) => m.config().code2wav.num_quantizers,
+            Self::Tts(m) => m.config().talker_config.num_code_groups,
+        }
+    }
+}
 
 struct Req {
     ctx: Arc<RequestCtx>,
@@ -35,7 +66,7 @@ struct Req {
 }
 
 pub struct Qwen3OmniCode2Wav {
-    model: Arc<Qwen3Omni>,
+    model: CodecSource,
     policy: ChunkPolicy,
     max_num_seqs: usize,
     reqs: Requests<Req>,
@@ -52,12 +83,12 @@ pub const QWEN3_OMNI_SAMPLE_RATE: u32 = 24_000;
 
 impl Qwen3OmniCode2Wav {
     pub fn new(
-        model: Arc<Qwen3Omni>,
+        model: CodecSource,
         policy: ChunkPolicy,
         max_num_seqs: usize,
         cuda_graphs: bool,
     ) -> Result<Self> {
-        let slots = model.code2wav()?.new_slots(max_num_seqs.max(1));
+        let slots = model.decoder()?.new_slots(max_num_seqs.max(1));
         let graphs =
             (cuda_graphs && graphs::available(model.device())).then(Code2WavGraphs::default);
         Ok(Self {
@@ -163,7 +194,7 @@ impl Qwen3OmniCode2Wav {
             // One copy to the host for the whole group.
             let decoded = Tensor::stack(&codes, 0)
                 .and_then(|codes| {
-                    let c2w = (self.model.code2wav())
+                    let c2w = (self.model.decoder())
                         .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                     match &mut self.graphs {
                         Some(g) => c2w.step_slots_graphed(&mut self.slots, g, &slots, &codes),
@@ -219,7 +250,7 @@ impl StageModel for Qwen3OmniCode2Wav {
         let Payload::Frames(chunk) = payload else {
             return Err(ModelError::Invalid("Code2Wav takes codec frames".into()));
         };
-        let groups = self.model.config().code2wav.num_quantizers;
+        let groups = self.model.groups();
         let Some(r) = self.reqs.get_mut(id) else {
             return Ok(());
         };
@@ -267,7 +298,7 @@ impl StageModel for Qwen3OmniCode2Wav {
         let t = std::time::Instant::now();
         let sizes = self.policy.sizes();
         // The constructor checked the part is there.
-        let Ok(c2w) = self.model.code2wav() else {
+        let Ok(c2w) = self.model.decoder() else {
             return;
         };
         match c2w.warm_up_graphs(&mut self.slots, g, self.max_num_seqs, &sizes) {

@@ -74,7 +74,7 @@ pub struct Qwen3OmniTalker {
 
 /// Talker prompts `(1, s_i, hidden)` left-padded into `(b, max s, hidden)`, with their
 /// attention mask `(b, max s)` (1 = token, 0 = padding).
-fn left_padded(inputs: &[Tensor]) -> Result<(Tensor, Tensor)> {
+pub(super) fn left_padded(inputs: &[Tensor]) -> Result<(Tensor, Tensor)> {
     let lens: Vec<usize> = inputs
         .iter()
         .map(|t| t.dim(1))
@@ -104,7 +104,7 @@ fn left_padded(inputs: &[Tensor]) -> Result<(Tensor, Tensor)> {
 }
 
 /// Tells Code2Wav that `id`'s speech is over.
-fn end_of_speech(out: &mut StepOutput, id: RequestId) {
+pub(super) fn end_of_speech(out: &mut StepOutput, id: RequestId) {
     out.downstream.push((
         id,
         Payload::Frames(FrameChunk {

@@ -1197,6 +1197,7 @@ impl Conversation {
             sampling,
             voice: r.voice.or(self.settings.voice.clone()),
             tools: r.tools.as_ref().unwrap_or(&self.settings.tools).tools(),
+            style: Default::default(),
         };
         let info = Arc::new(AnswerInfo {
             response_id: new_id("resp"),

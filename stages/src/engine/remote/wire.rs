@@ -18,13 +18,14 @@ use crate::engine::payload::{FrameChunk, Payload, PromptStates, TextChunk, Think
 use crate::engine::pipeline::StageStats;
 use crate::engine::request::ChatMessage;
 use crate::engine::request::{
-    Event, Modalities, RequestCtx, RequestId, RequestInput, RequestSpec, SamplingOverrides, Usage,
+    Event, Modalities, RequestCtx, RequestId, RequestInput, RequestSpec, SamplingOverrides,
+    SpeechStyle, Usage,
 };
 use crate::engine::tools::{ToolCall, ToolChoice, Tools};
 
 /// Bumped on every change of a message's layout: peers of another version are
 /// refused, never misread.
-pub const WIRE_VERSION: u16 = 3; // 2: stage stats carry cache_bytes; 3: tools
+pub const WIRE_VERSION: u16 = 4; // 2: stage stats carry cache_bytes; 3: tools; 4: speech style
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum WireError {
@@ -200,6 +201,7 @@ pub struct WireStart {
     pub audio: bool,
     pub sampling: SamplingOverrides,
     pub voice: Option<String>,
+    pub style: SpeechStyle,
     /// The tools' JSON (postcard cannot carry a JSON value) and the choice.
     pub tools: Option<(String, ToolChoice)>,
     pub first_stage: u32,
@@ -256,6 +258,7 @@ impl WireStart {
             audio: s.modalities.audio,
             sampling: s.sampling.clone(),
             voice: s.voice.clone(),
+            style: s.style.clone(),
             tools: s.tools.as_ref().map(|t| {
                 (
                     Value::Array(t.functions.clone()).to_string(),
@@ -288,6 +291,7 @@ impl WireStart {
             },
             sampling: self.sampling.clone(),
             voice: self.voice.clone(),
+            style: self.style.clone(),
             tools: match &self.tools {
                 None => None,
                 Some((json, choice)) => {
@@ -448,6 +452,8 @@ impl OwnerMsg {
 pub struct StageMeta {
     pub sample_rate: Option<u32>,
     pub voices: Vec<String>,
+    /// The languages a request may name (a Talker that takes them), "auto" first.
+    pub languages: Vec<String>,
     pub hears: bool,
     pub speaks_text: bool,
 }

@@ -205,18 +205,17 @@ impl Qwen3TtsConfig {
         v
     }
 
-    /// The languages a request may name ("auto" and every non-dialect one), sorted.
+    /// The languages a request may name: "auto", then every non-dialect one, sorted.
     pub fn languages(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::iter::once("auto".to_string())
-            .chain(
-                self.talker_config
-                    .codec_language_id
-                    .keys()
-                    .filter(|k| !k.contains("dialect"))
-                    .cloned(),
-            )
+        let mut v: Vec<String> = self
+            .talker_config
+            .codec_language_id
+            .keys()
+            .filter(|k| !k.contains("dialect"))
+            .cloned()
             .collect();
         v.sort();
+        v.insert(0, "auto".to_string());
         v
     }
 }

@@ -12,6 +12,7 @@
 
 pub mod codec;
 pub mod config;
+pub mod model;
 pub mod speaker_encoder;
 pub mod talker;
 

@@ -141,6 +141,11 @@ impl Qwen3TtsTalker {
         &self.tts.pad
     }
 
+    /// `text_projection(tts_eos)`, `(hidden,)`: what the frame after the text adds.
+    pub fn tts_eos(&self) -> &Tensor {
+        &self.tts.eos
+    }
+
     /// `text_projection(text_embedding(ids))`, `(1, n, hidden)`.
     pub fn text(&self, ids: &[u32]) -> candle_core::Result<Tensor> {
         let ids = Tensor::new(ids, self.text_embedding.embeddings().device())?.unsqueeze(0)?;
@@ -182,13 +187,38 @@ impl Qwen3TtsTalker {
     /// The prompt `generate` builds for one request (its x-vector and preset
     /// paths; in-context cloning needs the codec encoder's reference codes).
     pub fn prompt(&self, req: &SpeechRequest) -> Result<Prompt, PromptError> {
-        let c = &self.cfg.talker_config;
         let ids = req.input_ids;
         if ids.len() <= ROLE + CLOSE {
             return Err(PromptError::EmptyText);
         }
-        let text_ids = &ids[ROLE..ids.len() - CLOSE];
-        let speaker = match &req.voice {
+        self.prompt_parts(
+            &ids[..ROLE],
+            &ids[ROLE..ids.len() - CLOSE],
+            req.instruct_ids,
+            &req.voice,
+            req.language,
+            req.non_streaming,
+        )
+    }
+
+    /// [`Self::prompt`] from the role tokens (`<|im_start|>assistant\n`) and the
+    /// text tokens. With `non_streaming` every token goes into the prompt; else
+    /// only the first, the rest (then `tts_eos`) being the trailing text, so a
+    /// stream whose text is still coming can start from what it has.
+    pub fn prompt_parts(
+        &self,
+        role: &[u32],
+        text_ids: &[u32],
+        instruct_ids: Option<&[u32]>,
+        voice: &Voice,
+        language: &str,
+        non_streaming: bool,
+    ) -> Result<Prompt, PromptError> {
+        let c = &self.cfg.talker_config;
+        if text_ids.is_empty() {
+            return Err(PromptError::EmptyText);
+        }
+        let speaker = match voice {
             Voice::Preset(name) => {
                 let id = c
                     .spk_id
@@ -203,7 +233,7 @@ impl Qwen3TtsTalker {
             }
             Voice::Described => None,
         };
-        let control: Vec<u32> = match self.language_id(req.language, &req.voice)? {
+        let control: Vec<u32> = match self.language_id(language, voice)? {
             None => vec![
                 c.codec_nothink_id,
                 c.codec_think_bos_id,
@@ -230,13 +260,13 @@ impl Qwen3TtsTalker {
             1,
         )?;
         let mut parts = Vec::new();
-        if let Some(ins) = req.instruct_ids.filter(|i| !i.is_empty()) {
+        if let Some(ins) = instruct_ids.filter(|i| !i.is_empty()) {
             parts.push(self.text(ins)?);
         }
-        parts.push(self.text(&ids[..ROLE])?);
+        parts.push(self.text(role)?);
         parts.push((tts_side + codec)?);
         let bos = self.codec(&[c.codec_bos_id])?;
-        let trailing = if req.non_streaming {
+        let trailing = if non_streaming {
             let n = text_ids.len();
             let text = Tensor::cat(&[self.text(text_ids)?, Self::rows(&self.tts.eos, 1)?], 1)?;
             parts.push((text + self.codec(&vec![c.codec_pad_id; n + 1])?)?);

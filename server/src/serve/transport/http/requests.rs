@@ -14,7 +14,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use omnistream_stages::engine::{
-    ChatMessage, Modalities, RequestInput, RequestSpec, Role, SamplingOverrides, MAX_SPEECH_CHARS,
+    ChatMessage, Modalities, RequestInput, RequestSpec, Role, SamplingOverrides, SpeechStyle,
+    MAX_SPEECH_CHARS,
 };
 
 use crate::serve::audio::OutputFormat;
@@ -114,7 +115,16 @@ pub struct SpeechRequest {
     speed: Option<f64>,
     #[serde(default)]
     stream_format: Option<String>,
+    /// How to speak (a Talker that takes instructions: Qwen3-TTS).
+    #[serde(default)]
+    instructions: Option<String>,
+    /// The language to speak (a Talker that takes one: Qwen3-TTS); "auto" by default.
+    #[serde(default)]
+    language: Option<String>,
 }
+
+/// The longest `instructions` a speech request may give.
+pub const MAX_INSTRUCTIONS_CHARS: usize = 4096;
 
 /// A validated chat request.
 #[derive(Debug)]
@@ -192,6 +202,7 @@ impl ChatPlan {
                 sampling,
                 voice,
                 tools,
+                style: Default::default(),
             },
             audio,
             stream,
@@ -413,39 +424,59 @@ pub struct SpeechPlan {
 }
 
 impl SpeechPlan {
-    pub fn from_request(r: SpeechRequest, voices: &Voices) -> Result<Self, ApiError> {
+    /// `languages`: what the pipeline's Talker takes (none: it takes no
+    /// language and no instructions).
+    pub fn from_request(
+        r: SpeechRequest,
+        voices: &Voices,
+        languages: &[String],
+    ) -> Result<Self, ApiError> {
         if r.input.trim().is_empty() {
-            return Err(invalid("`input` must not be empty"));
+            return Err(param("input", invalid("`input` must not be empty")));
         }
         // The rule: speech needs a letter or a digit; punctuation and markup
         // alone would be an empty recording.
         if !r.input.chars().any(char::is_alphanumeric) {
-            return Err(ApiError {
-                param: Some("input"),
-                ..ApiError::bad_request(
+            return Err(param(
+                "input",
+                ApiError::bad_request(
                     "nothing_to_say",
                     "`input` has no letters or digits: there is nothing to say",
-                )
-            });
+                ),
+            ));
         }
         let n = r.input.chars().count();
         if n > MAX_SPEECH_CHARS {
-            return Err(invalid(format!(
-                "`input` is {n} characters; the limit is {MAX_SPEECH_CHARS}"
-            )));
+            return Err(param(
+                "input",
+                invalid(format!(
+                    "`input` is {n} characters; the limit is {MAX_SPEECH_CHARS}"
+                )),
+            ));
         }
-        let voice = check_voice(r.voice.as_ref(), voices)?;
+        let voice = check_voice(r.voice.as_ref(), voices).map_err(|e| param("voice", e))?;
         let format = output_format(
             // OpenAI's default.
             r.response_format.as_deref().unwrap_or("mp3"),
             SPEECH_FORMATS,
             "response_format",
-        )?;
+        )
+        .map_err(|e| param("response_format", e))?;
         let speed = match r.speed {
             Some(s) if !(0.25..=4.0).contains(&s) => {
-                return Err(invalid(format!(
-                    "`speed` must be between 0.25 and 4.0, got {s}"
-                )))
+                return Err(param(
+                    "speed",
+                    invalid(format!("`speed` must be between 0.25 and 4.0, got {s}")),
+                ))
+            }
+            // Qwen3-TTS (the Talker that takes languages) has no pace control.
+            Some(s) if s != 1.0 && !languages.is_empty() => {
+                return Err(param(
+                    "speed",
+                    invalid(format!(
+                        "this server's voice speaks at its own pace: `speed` must be 1.0, got {s}"
+                    )),
+                ))
             }
             s => s.map(|s| s as f32),
         };
@@ -453,17 +484,80 @@ impl SpeechPlan {
             None | Some("audio") => false,
             Some("sse") => true,
             Some(other) => {
-                return Err(invalid(format!(
-                    "unsupported `stream_format` {other:?}; expected \"audio\" or \"sse\""
-                )))
+                return Err(param(
+                    "stream_format",
+                    invalid(format!(
+                        "unsupported `stream_format` {other:?}; expected \"audio\" or \"sse\""
+                    )),
+                ))
             }
         };
-        Ok(Self {
-            spec: crate::run::speech_spec(&r.input, voice, speed),
-            format,
-            sse,
-        })
+        let style = speech_style(r.instructions, r.language, languages)?;
+        let mut spec = crate::run::speech_spec(&r.input, voice, speed);
+        spec.style = style;
+        Ok(Self { spec, format, sse })
     }
+}
+
+/// `e`, naming the request parameter it is about.
+fn param(p: &'static str, e: ApiError) -> ApiError {
+    ApiError {
+        param: Some(p),
+        ..e
+    }
+}
+
+/// `instructions` and `language`, checked against what the Talker takes.
+fn speech_style(
+    instructions: Option<String>,
+    language: Option<String>,
+    languages: &[String],
+) -> Result<SpeechStyle, ApiError> {
+    let param = |p: &'static str, msg: String| param(p, invalid(msg));
+    let instructions = instructions.filter(|i| !i.trim().is_empty());
+    if let Some(i) = &instructions {
+        if languages.is_empty() {
+            return Err(param(
+                "instructions",
+                "this server's voice takes no `instructions`".into(),
+            ));
+        }
+        let n = i.chars().count();
+        if n > MAX_INSTRUCTIONS_CHARS {
+            return Err(param(
+                "instructions",
+                format!("`instructions` is {n} characters; the limit is {MAX_INSTRUCTIONS_CHARS}"),
+            ));
+        }
+    }
+    let language = match language {
+        None => None,
+        Some(l) => {
+            let known = languages.iter().find(|k| k.eq_ignore_ascii_case(l.trim()));
+            match (known, languages.is_empty()) {
+                (Some(k), _) => Some(k.clone()),
+                (None, true) => {
+                    return Err(param(
+                        "language",
+                        "this server's voice takes no `language`".into(),
+                    ))
+                }
+                (None, false) => {
+                    return Err(param(
+                        "language",
+                        format!(
+                            "unknown `language` {l:?}; available: {}",
+                            languages.join(", ")
+                        ),
+                    ))
+                }
+            }
+        }
+    };
+    Ok(SpeechStyle {
+        instructions,
+        language,
+    })
 }
 
 /// One of the pipeline's voices or an alias, by name or as `{"id": ...}`;
@@ -677,7 +771,7 @@ mod tests {
     fn speech_requests_are_validated() {
         let plan = |v: Value| {
             let r: SpeechRequest = serde_json::from_value(v).map_err(|e| invalid(e.to_string()))?;
-            SpeechPlan::from_request(r, &voices())
+            SpeechPlan::from_request(r, &voices(), &[])
         };
         let p = plan(json!({"model": "tts-1", "input": "Hello.", "voice": "joe", "speed": 1.5, "stream_format": "sse"})).unwrap();
         assert!(p.sse);

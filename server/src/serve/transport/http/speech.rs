@@ -24,7 +24,7 @@ pub(super) async fn handle(
 ) -> Result<Response, ApiError> {
     let plan = async {
         let body = read_json(req).await?;
-        let plan = SpeechPlan::from_request(body, &state.voices)?;
+        let plan = SpeechPlan::from_request(body, &state.voices, state.pipeline.languages())?;
         sample_rate(state)?;
         Ok(plan)
     };

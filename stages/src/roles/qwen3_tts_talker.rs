@@ -1,0 +1,806 @@
+//! Talker stage for Qwen3-TTS: text in, one codec frame (16 codes, 80 ms) per
+//! step out, to the Code2Wav stage.
+//!
+//! Text arrives as text chunks: all at once (`/v1/audio/speech`), or as a
+//! Thinker writes it (a cascade). A request whose text is complete before it
+//! starts gets qwen-tts's default prompt, the whole text in it
+//! (`non_streaming_mode`); one whose text is still coming starts as soon as its
+//! first token is settled, with the rest fed one token a frame (the reference's
+//! streaming-text layout), a frame whose token has not arrived waiting for it.
+//! A token counts as settled once text follows it: the text is re-tokenized as
+//! it grows (as the reference tokenizes the whole string), and only its last
+//! token may still change.
+//!
+//! Requests run batched on KV slots, as Qwen3-Omni's Talker does (the same
+//! frame loop, code predictor and CUDA graphs).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+
+use super::qwen3_talker::{end_of_speech, left_padded};
+use super::qwen3_thinker::sampling_config;
+use crate::engine::{FrameChunk, Payload, RequestCtx, RequestId, StageModel, StepOutput};
+use crate::models::qwen3_omni::graphs;
+use crate::models::qwen3_omni::layers::KvSlots;
+use crate::models::qwen3_omni::sampling::{samples_on_device, Sampler, SamplingConfig};
+use crate::models::qwen3_omni::talker::{SlotRows, TalkerGraphs};
+use crate::models::qwen3_tts::config::ModelType;
+use crate::models::qwen3_tts::model::Qwen3Tts;
+use crate::models::qwen3_tts::talker::{assistant_text, instruct_text, PromptError, Voice};
+use crate::models::tokenizer::ChatTokenizer;
+use crate::models::{ModelError, Result};
+use crate::profile::SamplingParams;
+
+/// Frames a request may speak when the profile sets no `max_tokens` (qwen-tts's
+/// generation_config: 8192 code-0 tokens, 11 minutes).
+const DEFAULT_MAX_FRAMES: usize = 8192;
+/// The reference's `min_new_tokens`: no end code in the first frames.
+const MIN_FRAMES: usize = 2;
+/// Tokens of [`assistant_text`] before and after the text itself.
+const ROLE: usize = 3;
+const CLOSE: usize = 5;
+
+impl From<PromptError> for ModelError {
+    fn from(e: PromptError) -> Self {
+        match e {
+            PromptError::Model(e) => ModelError::Candle(e),
+            e => ModelError::Invalid(e.to_string()),
+        }
+    }
+}
+
+struct Req {
+    voice: Voice,
+    instruct_ids: Option<Vec<u32>>,
+    language: String,
+    text: String,
+    upstream_done: bool,
+    /// The prompt `(1, s, hidden)` once its first text token is settled.
+    prompt: Option<Tensor>,
+    /// Streaming text: the projected vectors of text tokens 1.. settled so far,
+    /// one a frame. `None`: the whole text is in the prompt.
+    fed: Option<Vec<Tensor>>,
+    /// Text tokens taken so far (prompt and `fed`).
+    taken: usize,
+    /// Once prefilled: cached positions, next rotary position, last hidden state.
+    decode: Option<(usize, u32, Tensor)>,
+    /// The next frame's code-0 logits.
+    logits: Option<Vec<f32>>,
+    /// Drawn but not yet spoken (its text vector has not arrived).
+    code0: Option<u32>,
+    frames: usize,
+    sampler: Sampler,
+    cp_sampler: Sampler,
+    max_frames: usize,
+    /// Benchmarks: this many frames, ignoring the end code.
+    fixed_frames: Option<usize>,
+}
+
+/// The text vector a frame adds.
+enum Text {
+    Fed(Tensor),
+    Eos,
+    Pad,
+    Wait,
+}
+
+pub struct Qwen3TtsTalker {
+    model: Arc<Qwen3Tts>,
+    tokenizer: Arc<ChatTokenizer>,
+    defaults: SamplingParams,
+    cp_defaults: SamplingConfig,
+    default_voice: Option<String>,
+    max_num_seqs: usize,
+    /// Positions per request's KV slot (prompt included).
+    max_len: usize,
+    reqs: HashMap<RequestId, Req>,
+    /// Prefilled requests: request `i` lives in KV slot `i`.
+    running: Vec<RequestId>,
+    slots: Vec<KvSlots>,
+    /// Requests dropped from the batch by a failed slot copy, to fail next step.
+    lost: Vec<RequestId>,
+    graphs: Option<TalkerGraphs>,
+}
+
+impl Qwen3TtsTalker {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        model: Arc<Qwen3Tts>,
+        tokenizer: Arc<ChatTokenizer>,
+        defaults: SamplingParams,
+        code_predictor: Option<SamplingParams>,
+        default_voice: Option<String>,
+        max_num_seqs: usize,
+        max_len: usize,
+        cuda_graphs: bool,
+    ) -> Result<Self> {
+        let cfg = model.config();
+        if let Some(v) = &default_voice {
+            if !cfg.talker_config.spk_id.contains_key(&v.to_lowercase()) {
+                return Err(ModelError::Invalid(format!(
+                    "unknown voice {v:?}; the model has {:?}",
+                    cfg.speakers()
+                )));
+            }
+        }
+        for (token, want) in [
+            ("<|tts_pad|>", cfg.tts_pad_token_id),
+            ("<|im_start|>", cfg.im_start_token_id),
+        ] {
+            if tokenizer.token_to_id(token) != Some(want) {
+                return Err(ModelError::Invalid(format!(
+                    "the tokenizer's {token} is not the model's id {want}: wrong tokenizer for this checkpoint"
+                )));
+            }
+        }
+        // qwen-tts's generation_config: the code predictor samples like the Talker.
+        let cp_defaults = match &code_predictor {
+            Some(p) => sampling_config(p, None, 0),
+            None => {
+                let sample = defaults.temperature.unwrap_or(0.9) > 1e-7;
+                SamplingConfig {
+                    do_sample: sample,
+                    temperature: 0.9,
+                    top_k: 50,
+                    ..SamplingConfig::greedy()
+                }
+            }
+        };
+        let talker = model.talker().talker();
+        let max_len = max_len
+            .min(talker.config().text_config.max_position_embeddings)
+            .max(2);
+        let graphs = (cuda_graphs && graphs::available(model.device()))
+            .then(|| TalkerGraphs::new(max_num_seqs));
+        let scratch = match graphs {
+            Some(_) => TalkerGraphs::scratch_slots(max_num_seqs),
+            None => 0,
+        };
+        let slots = talker.new_slots(max_num_seqs + scratch, max_len)?;
+        Ok(Self {
+            model,
+            tokenizer,
+            defaults,
+            cp_defaults,
+            default_voice,
+            max_num_seqs,
+            max_len,
+            reqs: HashMap::new(),
+            running: Vec::new(),
+            slots,
+            lost: Vec::new(),
+            graphs,
+        })
+    }
+
+    /// The voices a request may name: the checkpoint's preset speakers.
+    pub fn voice_names(model: &Qwen3Tts) -> Vec<String> {
+        model.config().speakers()
+    }
+
+    /// The text tokens of `text` as the reference tokenizes it (inside its chat
+    /// wrapping), and the role tokens before them.
+    fn tokens(&self, text: &str) -> Result<(Vec<u32>, Vec<u32>)> {
+        let ids = self.tokenizer.encode(&assistant_text(text))?;
+        if ids.len() < ROLE + CLOSE {
+            return Err(ModelError::Invalid(
+                "the tokenizer dropped the chat tokens".into(),
+            ));
+        }
+        let text = ids[ROLE..ids.len() - CLOSE].to_vec();
+        Ok((ids[..ROLE].to_vec(), text))
+    }
+
+    /// Builds the prompt once a first token is settled, and feeds settled tokens.
+    fn advance(&self, r: &mut Req) -> Result<()> {
+        if r.prompt.is_some() && r.fed.is_none() {
+            return Ok(());
+        }
+        let (role, text) = self.tokens(&r.text)?;
+        let settled = match r.upstream_done {
+            true => text.len(),
+            false => text.len().saturating_sub(1),
+        };
+        let tts = self.model.talker();
+        if r.prompt.is_none() {
+            if settled == 0 {
+                return Ok(());
+            }
+            let whole = r.upstream_done;
+            let take = if whole { &text[..] } else { &text[..1] };
+            let p = tts.prompt_parts(
+                &role,
+                take,
+                r.instruct_ids.as_deref(),
+                &r.voice,
+                &r.language,
+                whole,
+            )?;
+            r.prompt = Some(p.embeds);
+            r.taken = take.len();
+            r.fed = (!whole).then(Vec::new);
+        }
+        if let Some(fed) = &mut r.fed {
+            if settled > r.taken {
+                let v = tts.text(&text[r.taken..settled])?;
+                for i in 0..v.dim(1)? {
+                    fed.push(v.narrow(1, i, 1)?);
+                }
+                r.taken = settled;
+            }
+        }
+        Ok(())
+    }
+
+    fn is_ready(&self, r: &Req) -> bool {
+        if r.decode.is_none() {
+            return r.prompt.is_some() || r.upstream_done;
+        }
+        r.code0.is_none() || !matches!(self.text_for(r, r.frames), Text::Wait)
+    }
+
+    /// What frame `f` adds: the next settled text token, `tts_eos` right after the
+    /// last, `tts_pad` after that (and always, with the whole text in the prompt).
+    fn text_for(&self, r: &Req, f: usize) -> Text {
+        let Some(fed) = &r.fed else {
+            return Text::Pad;
+        };
+        if f < fed.len() {
+            Text::Fed(fed[f].clone())
+        } else if !r.upstream_done {
+            Text::Wait
+        } else if f == fed.len() {
+            Text::Eos
+        } else {
+            Text::Pad
+        }
+    }
+
+    fn text_vectors(&self, texts: Vec<Text>) -> Result<Tensor> {
+        let tts = self.model.talker();
+        let rows: Vec<Tensor> = texts
+            .into_iter()
+            .map(|t| -> Result<Tensor> {
+                Ok(match t {
+                    Text::Fed(v) => v.flatten_all()?,
+                    Text::Eos => tts.tts_eos().clone(),
+                    Text::Pad | Text::Wait => tts.tts_pad().clone(),
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Tensor::stack(&rows, 0)?.unsqueeze(1)?)
+    }
+
+    /// Prefills `batch` in one left-padded forward, each into the next free slot.
+    fn prefill(&mut self, batch: &mut [(RequestId, Req)]) -> Result<()> {
+        let talker = self.model.talker().talker();
+        let mut inputs = Vec::with_capacity(batch.len());
+        for (_, r) in batch.iter() {
+            let Some(p) = &r.prompt else {
+                return Err(ModelError::Invalid(
+                    "talker: prefill before the prompt".into(),
+                ));
+            };
+            inputs.push(p.clone());
+        }
+        let (x, mask) = left_padded(&inputs)?;
+        let (state, o) = talker.prefill(&x, Some(&mask), None)?;
+        let logits = o.logits.to_vec2::<f32>()?;
+        for (row, ((id, r), logits)) in batch.iter_mut().zip(logits).enumerate() {
+            let slot = self.running.len();
+            let (len, pos, hidden) = talker.load_slot(&self.slots, slot, &state, row)?;
+            r.decode = Some((len, pos, hidden));
+            r.logits = Some(logits);
+            r.max_frames = r.max_frames.min(self.max_len.saturating_sub(len));
+            self.running.push(*id);
+        }
+        Ok(())
+    }
+
+    /// Draws `r`'s next code 0 if it has none; returns whether the request is done.
+    fn draw_code0(&self, id: RequestId, r: &mut Req, out: &mut StepOutput) -> Result<bool> {
+        if r.code0.is_some() {
+            return Ok(false);
+        }
+        let mut logits = r
+            .logits
+            .take()
+            .ok_or_else(|| ModelError::Invalid("talker: no logits".into()))?;
+        let eos = self.model.talker().talker().config().codec_eos_token_id as usize;
+        if let Some(n) = r.fixed_frames {
+            if r.frames >= n {
+                end_of_speech(out, id);
+                return Ok(true);
+            }
+        }
+        if r.frames < MIN_FRAMES || r.fixed_frames.is_some() {
+            if let Some(l) = logits.get_mut(eos) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        let c = r.sampler.sample(&logits)?;
+        // As max_new_tokens: the budget's last code 0 is not spoken.
+        if c as usize == eos || r.frames + 1 >= r.max_frames {
+            end_of_speech(out, id);
+            return Ok(true);
+        }
+        r.code0 = Some(c);
+        Ok(false)
+    }
+
+    /// One frame for every running request whose text vector is there, batched.
+    fn step_running(
+        &self,
+        reqs: &mut HashMap<RequestId, Req>,
+        graphs: Option<&mut TalkerGraphs>,
+        out: &mut StepOutput,
+    ) -> Result<Vec<RequestId>> {
+        let (mut ids, mut finished) = (Vec::new(), Vec::new());
+        let (mut slots_of, mut lens, mut pos, mut code0, mut texts, mut hidden) = (
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+        );
+        for (slot, &id) in self.running.iter().enumerate() {
+            let Some(r) = reqs.get_mut(&id) else {
+                continue;
+            };
+            if self.draw_code0(id, r, out)? {
+                finished.push(id);
+                continue;
+            }
+            let text = self.text_for(r, r.frames);
+            if matches!(text, Text::Wait) {
+                continue;
+            }
+            let (Some(c), Some((len, p, h))) = (r.code0, &r.decode) else {
+                continue;
+            };
+            ids.push(id);
+            slots_of.push(slot);
+            lens.push(*len);
+            pos.push(*p);
+            code0.push(c);
+            texts.push(text);
+            hidden.push(h.clone());
+        }
+        out.batch = ids.len();
+        if ids.is_empty() {
+            return Ok(finished);
+        }
+        let last_hidden = Tensor::cat(&hidden, 0)?;
+        let text = self.text_vectors(texts)?;
+        let mut samplers = Vec::with_capacity(ids.len());
+        for id in &ids {
+            if let Some(r) = reqs.get_mut(id) {
+                let stand_in = Sampler::new(SamplingConfig::greedy());
+                samplers.push(std::mem::replace(&mut r.cp_sampler, stand_in));
+            }
+        }
+        let rows = SlotRows {
+            slots: &slots_of,
+            lens: &lens,
+            pos: &pos,
+            last_hidden: &last_hidden,
+        };
+        let result = self.model.talker().talker().step_slots(
+            &self.slots,
+            &rows,
+            &code0,
+            &text,
+            &mut samplers,
+            graphs,
+        );
+        for (id, sampler) in ids.iter().zip(samplers) {
+            if let Some(r) = reqs.get_mut(id) {
+                r.cp_sampler = sampler;
+            }
+        }
+        let (step, new_hidden) = result?;
+        let logits = step.logits.to_vec2::<f32>()?;
+        for (row, ((id, codes), logits)) in ids.iter().zip(step.codes).zip(logits).enumerate() {
+            let Some(r) = reqs.get_mut(id) else {
+                continue;
+            };
+            r.code0 = None;
+            r.frames += 1;
+            r.logits = Some(logits);
+            if let Some((len, p, h)) = &mut r.decode {
+                *len += 1;
+                *p += 1;
+                *h = new_hidden.narrow(0, row, 1)?;
+            }
+            let g = codes.len();
+            let frame =
+                Tensor::from_vec(codes, (g, 1), &candle_core::Device::Cpu)?.to_dtype(DType::U32)?;
+            out.downstream.push((
+                *id,
+                Payload::Frames(FrameChunk {
+                    frames: Some(frame),
+                    finished: false,
+                }),
+            ));
+        }
+        Ok(finished)
+    }
+
+    fn leave(&mut self, id: RequestId) {
+        for lost in super::leave_slot(&mut self.running, &self.slots, id) {
+            self.reqs.remove(&lost);
+            self.lost.push(lost);
+        }
+    }
+}
+
+impl StageModel for Qwen3TtsTalker {
+    fn admit(&mut self, ctx: Arc<RequestCtx>) -> Result<()> {
+        let cfg = self.model.config();
+        let name = ctx
+            .spec
+            .voice
+            .clone()
+            .or_else(|| self.default_voice.clone());
+        let voice = match name {
+            Some(n) => {
+                if !cfg.talker_config.spk_id.contains_key(&n.to_lowercase()) {
+                    return Err(ModelError::Invalid(format!(
+                        "unknown voice {n:?}; available voices: {}",
+                        cfg.speakers().join(", ")
+                    )));
+                }
+                Voice::Preset(n)
+            }
+            None if cfg.tts_model_type == ModelType::VoiceDesign => Voice::Described,
+            None => {
+                return Err(ModelError::Invalid(
+                    "this checkpoint has no preset voices: name one the server knows".into(),
+                ))
+            }
+        };
+        let style = &ctx.spec.style;
+        let language = style.language.clone().unwrap_or_else(|| "auto".into());
+        if language.to_lowercase() != "auto" && !cfg.languages().contains(&language.to_lowercase())
+        {
+            return Err(ModelError::Invalid(format!(
+                "unknown language {language:?}; available: {}",
+                cfg.languages().join(", ")
+            )));
+        }
+        let instruct_ids = match style
+            .instructions
+            .as_deref()
+            .filter(|s| !s.trim().is_empty())
+        {
+            Some(i) => Some(self.tokenizer.encode(&instruct_text(i))?),
+            None => None,
+        };
+        let t = self.model.talker().talker().config();
+        let mut code0 = sampling_config(&self.defaults, None, ctx.id);
+        code0.suppress_tokens = t.suppress_tokens();
+        let cp = self.cp_defaults.clone().with_seed(ctx.id.wrapping_add(1));
+        let sampling = &ctx.spec.sampling;
+        self.reqs.insert(
+            ctx.id,
+            Req {
+                voice,
+                instruct_ids,
+                language,
+                text: String::new(),
+                upstream_done: false,
+                prompt: None,
+                fed: None,
+                taken: 0,
+                decode: None,
+                logits: None,
+                code0: None,
+                frames: 0,
+                sampler: Sampler::new(code0),
+                cp_sampler: Sampler::new(cp),
+                // The profile's cap, and the request's where it sets a lower one.
+                max_frames: self
+                    .defaults
+                    .max_tokens
+                    .unwrap_or(DEFAULT_MAX_FRAMES)
+                    .min(sampling.max_tokens.unwrap_or(usize::MAX))
+                    .max(1),
+                fixed_frames: sampling
+                    .ignore_eos
+                    .then_some(sampling.audio_frames.or(sampling.max_tokens))
+                    .flatten(),
+            },
+        );
+        Ok(())
+    }
+
+    fn push(&mut self, id: RequestId, payload: Payload) -> Result<()> {
+        let Payload::Text(chunk) = payload else {
+            return Err(ModelError::Invalid(
+                "the Qwen3-TTS Talker speaks text".into(),
+            ));
+        };
+        let Some(mut r) = self.reqs.remove(&id) else {
+            return Ok(());
+        };
+        r.text.push_str(&chunk.text);
+        r.upstream_done |= chunk.finished;
+        let result = self.advance(&mut r);
+        self.reqs.insert(id, r);
+        result
+    }
+
+    fn step(&mut self, out: &mut StepOutput) {
+        let dev = self.model.device().clone();
+        for id in self.lost.drain(..) {
+            out.failed
+                .push((id, ModelError::Invalid("its KV slot was lost".into())));
+        }
+        let mut waiting: Vec<RequestId> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| r.decode.is_none() && self.is_ready(r))
+            .map(|(id, _)| *id)
+            .collect();
+        waiting.sort_unstable();
+        let free = self.max_num_seqs.saturating_sub(self.running.len());
+        let mut batch = Vec::new();
+        for id in waiting.into_iter().take(free) {
+            let Some(r) = self.reqs.remove(&id) else {
+                continue;
+            };
+            if r.prompt.is_none() {
+                // The text ended with nothing to say.
+                end_of_speech(out, id);
+                out.finished.push(id);
+            } else {
+                batch.push((id, r));
+            }
+        }
+        if !batch.is_empty() {
+            let running = self.running.len();
+            let result = self.prefill(&mut batch);
+            if let Err(e) = result {
+                self.running.truncate(running);
+                for (id, _) in batch.drain(..) {
+                    out.failed.push((id, ModelError::Invalid(e.to_string())));
+                }
+            }
+            for (id, r) in batch {
+                self.reqs.insert(id, r);
+            }
+        }
+        let mut reqs = std::mem::take(&mut self.reqs);
+        let mut graphs = self.graphs.take();
+        let _urgent = graphs::UrgentSection::step(&dev, graphs.is_some());
+        let result = self.step_running(&mut reqs, graphs.as_mut(), out);
+        self.reqs = reqs;
+        self.graphs = graphs;
+        match result {
+            Ok(done) => {
+                for id in done {
+                    self.reqs.remove(&id);
+                    self.leave(id);
+                    out.finished.push(id);
+                }
+            }
+            Err(e) => {
+                for id in self.running.clone() {
+                    self.reqs.remove(&id);
+                    self.leave(id);
+                    out.failed.push((id, ModelError::Invalid(e.to_string())));
+                }
+            }
+        }
+    }
+
+    fn remove(&mut self, id: RequestId) {
+        self.reqs.remove(&id);
+        self.leave(id);
+    }
+
+    fn has_ready_work(&self) -> bool {
+        self.reqs.values().any(|r| self.is_ready(r)) || !self.lost.is_empty()
+    }
+
+    fn start(&mut self) {
+        let Some(g) = &mut self.graphs else {
+            return;
+        };
+        let talker = self.model.talker().talker();
+        let t = std::time::Instant::now();
+        match talker.warm_up_graphs(g, &self.slots, self.max_num_seqs) {
+            Ok(n) => tracing::info!("Talker: {n} decode graphs captured in {:?}", t.elapsed()),
+            Err(e) => tracing::warn!("Talker: capturing decode graphs: {e}"),
+        }
+        if !samples_on_device(&self.cp_defaults) {
+            return;
+        }
+        let cp = talker.code_predictor();
+        if let Err(e) = cp.warm_up_graphs(&mut g.predictor, self.max_num_seqs, &self.cp_defaults) {
+            tracing::warn!("Talker: capturing code predictor graphs: {e}");
+        }
+    }
+
+    fn active(&self) -> usize {
+        self.reqs.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{Modalities, RequestInput, RequestSpec, SpeechStyle, TextChunk};
+    use crate::models::qwen3_tts::fixtures;
+    use crate::models::qwen3_tts::model::Weights;
+
+    fn stage() -> Qwen3TtsTalker {
+        let dev = candle_core::Device::Cpu;
+        let model = Qwen3Tts::load(
+            &fixtures::model_dir(),
+            DType::F32,
+            &dev,
+            Weights::Checkpoint,
+            None,
+        )
+        .unwrap();
+        let tok =
+            ChatTokenizer::from_hf_dir(&fixtures::dir().join("../qwen3_omni/tokenizer")).unwrap();
+        let greedy = SamplingParams {
+            temperature: Some(0.0),
+            repetition_penalty: Some(1.05),
+            max_tokens: Some(24),
+            ..Default::default()
+        };
+        let cp = SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        };
+        Qwen3TtsTalker::new(
+            Arc::new(model),
+            Arc::new(tok),
+            greedy,
+            Some(cp),
+            None,
+            4,
+            512,
+            false,
+        )
+        .unwrap()
+    }
+
+    fn ctx(id: RequestId, voice: &str, style: SpeechStyle) -> Arc<RequestCtx> {
+        let spec = RequestSpec {
+            input: RequestInput::Chat {
+                messages: Vec::new(),
+            },
+            modalities: Modalities::TEXT_AUDIO,
+            sampling: Default::default(),
+            voice: Some(voice.into()),
+            tools: None,
+            style,
+        };
+        Arc::new(RequestCtx::for_test(id, spec).0)
+    }
+
+    /// Steps until `id` is finished; its frames, in order.
+    fn run(stage: &mut Qwen3TtsTalker, id: RequestId) -> Vec<Vec<u32>> {
+        let mut frames = Vec::new();
+        for _ in 0..200 {
+            let mut out = StepOutput::default();
+            stage.step(&mut out);
+            assert!(out.failed.is_empty(), "{:?}", out.failed);
+            for (rid, p) in out.downstream {
+                if let (
+                    true,
+                    Payload::Frames(FrameChunk {
+                        frames: Some(f), ..
+                    }),
+                ) = (rid == id, p)
+                {
+                    frames.push(f.flatten_all().unwrap().to_vec1::<u32>().unwrap());
+                }
+            }
+            if out.finished.contains(&id) {
+                return frames;
+            }
+        }
+        panic!("request {id} never finished");
+    }
+
+    fn want(case: &str) -> Vec<Vec<u32>> {
+        fixtures::io("generate")[&format!("{case}.codes")]
+            .to_dtype(DType::U32)
+            .unwrap()
+            .to_vec2()
+            .unwrap()
+    }
+
+    /// A Thinker's text, arriving word by word, is spoken as the reference's
+    /// streaming-text `generate` speaks the whole text.
+    #[test]
+    fn text_in_deltas_is_the_reference_streaming_layout() {
+        let mut stage = stage();
+        let meta = fixtures::meta("generate");
+        let case = meta["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "custom_stream")
+            .unwrap();
+        let style = SpeechStyle {
+            instructions: case["instruct"].as_str().map(str::to_string),
+            language: Some("english".into()),
+        };
+        stage
+            .admit(ctx(2, case["speaker"].as_str().unwrap(), style))
+            .unwrap();
+        let text = case["text"].as_str().unwrap();
+        let words: Vec<&str> = text.split_inclusive(' ').collect();
+        let mut got = Vec::new();
+        for (i, w) in words.iter().enumerate() {
+            let chunk = TextChunk::text(w.to_string(), Vec::new(), i + 1 == words.len());
+            stage.push(2, Payload::Text(chunk)).unwrap();
+            // A step between deltas: frames whose text has not come wait for it.
+            let mut out = StepOutput::default();
+            stage.step(&mut out);
+            assert!(out.failed.is_empty());
+            for (_, p) in out.downstream {
+                if let Payload::Frames(FrameChunk {
+                    frames: Some(f), ..
+                }) = p
+                {
+                    got.push(f.flatten_all().unwrap().to_vec1::<u32>().unwrap());
+                }
+            }
+        }
+        got.extend(run(&mut stage, 2));
+        assert_eq!(got, want("custom_stream"));
+    }
+
+    /// The whole text at once is qwen-tts's default (non-streaming) prompt.
+    #[test]
+    fn whole_text_is_the_reference_default_layout() {
+        let mut stage = stage();
+        let meta = fixtures::meta("generate");
+        let case = meta["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "custom")
+            .unwrap();
+        stage
+            .admit(ctx(7, "Vivian", SpeechStyle::default()))
+            .unwrap();
+        let chunk = TextChunk::text(case["text"].as_str().unwrap().into(), Vec::new(), true);
+        stage.push(7, Payload::Text(chunk)).unwrap();
+        assert_eq!(run(&mut stage, 7), want("custom"));
+    }
+
+    #[test]
+    fn bad_voices_and_languages_are_refused_at_admission() {
+        let mut stage = stage();
+        let err = stage
+            .admit(ctx(1, "nobody", SpeechStyle::default()))
+            .unwrap_err();
+        assert!(err.to_string().contains("unknown voice"), "{err}");
+        let style = SpeechStyle {
+            language: Some("klingon".into()),
+            ..Default::default()
+        };
+        let err = stage.admit(ctx(2, "ryan", style)).unwrap_err();
+        assert!(err.to_string().contains("unknown language"), "{err}");
+        // Nothing to say: the request ends with no frames.
+        stage.admit(ctx(3, "ryan", SpeechStyle::default())).unwrap();
+        stage
+            .push(
+                3,
+                Payload::Text(TextChunk::text(String::new(), Vec::new(), true)),
+            )
+            .unwrap();
+        assert!(run(&mut stage, 3).is_empty());
+    }
+}

@@ -49,7 +49,10 @@ CASES = [
          instruct="A deep, calm voice.", non_streaming=True),
     dict(name="xvector", text="Speech streams in real time.", speaker=None, language="english",
          instruct=None, non_streaming=False, xvector=True),
-    # What `omnistream serve` does with a whole text: non-streaming, with a style.
+    # What `omnistream serve` does with a whole text: non-streaming; with a
+    # style, and with a cloned voice.
+    dict(name="xvector_whole", text="Speech streams in real time.", speaker=None, language="english",
+         instruct=None, non_streaming=True, xvector=True),
     dict(name="custom_style", text="The quick brown fox jumps over the lazy dog.", speaker="ryan",
          language="english", instruct="Speak happily.", non_streaming=True),
 ]

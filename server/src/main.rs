@@ -106,6 +106,10 @@ enum Command {
         /// profile's `server.sip.listen`; port 0 picks one).
         #[arg(long)]
         sip: Option<String>,
+        /// Where cloned voices are kept (overrides the profile's
+        /// `server.voice_store`; default `data/voices`).
+        #[arg(long, env = "OMNISTREAM_VOICE_STORE")]
+        voice_store: Option<std::path::PathBuf>,
     },
     /// Run one replica of a stage (or of several, sharing the process and their
     /// models) as its own process, joined to gateways and the other stages over NATS.
@@ -201,6 +205,7 @@ fn main() -> Result<()> {
             nats,
             wait_stages,
             sip,
+            voice_store,
         } => {
             let rt = tokio::runtime::Runtime::new().context("starting tokio")?;
             rt.block_on(serve::run(serve::ServeOptions {
@@ -216,6 +221,7 @@ fn main() -> Result<()> {
                 nats,
                 wait_stages: std::time::Duration::from_secs(wait_stages),
                 sip,
+                voice_store,
             }))
         }
         Command::Stage {

@@ -158,6 +158,10 @@ pub struct ServerSpec {
     /// here speaks in the pipeline's default voice.
     #[serde(default)]
     pub voice_aliases: std::collections::BTreeMap<String, String>,
+    /// Where cloned voices (`POST /v1/audio/voices`) are kept, relative to
+    /// the profile's folder; default `data/voices` in the working directory.
+    #[serde(default)]
+    pub voice_store: Option<std::path::PathBuf>,
 }
 
 fn default_drain_s() -> f64 {

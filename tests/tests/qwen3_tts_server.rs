@@ -2,18 +2,47 @@
 //! tiny reference checkpoint), driven by the official OpenAI Python SDK
 //! (tests/python/test_qwen3_tts.py): `/v1/audio/speech` in a preset voice, with
 //! instructions and a language, whole, streamed and as SSE, equal to the
-//! reference's audio; and bad requests, each a 400 naming its parameter. And
-//! Qwen3-TTS as the voice of a cascade.
+//! reference's audio; voices cloned from a clip, kept per API key and across a
+//! restart; and bad requests, each a 400 naming its parameter. And Qwen3-TTS as
+//! the voice of a cascade.
 
-use omnistream_e2e::{run_pytest, spawn_server};
+use omnistream_e2e::{curl, run_pytest, spawn_server};
 
 #[test]
 fn qwen3_tts_served_through_the_openai_sdk() {
-    let mut server = spawn_server(&["--profile", "deploy/qwen3-tts-tiny.yaml"]);
+    let store = tempfile::tempdir().unwrap();
+    let dir = store.path().to_str().unwrap();
+    let args = [
+        "--profile",
+        "deploy/qwen3-tts-tiny.yaml",
+        "--api-key",
+        "key-alice",
+        "--api-key",
+        "key-bob",
+        "--voice-store",
+        dir,
+    ];
+    let mut server = spawn_server(&args);
     let report = run_pytest(&server, "test_qwen3_tts.py");
-    assert!(report.contains("11 passed"), "{report}");
+    assert!(report.contains("18 passed"), "{report}");
     let log = server.log.lock().map(|l| l.clone()).unwrap_or_default();
     assert!(server.alive(), "the server died:\n{log}");
+    server.kill();
+    // The voice the test left behind is there after a restart, for its key only.
+    let server = spawn_server(&args);
+    let list = |key: &str| {
+        let auth = format!("Authorization: Bearer {key}");
+        curl(&format!("{}/v1/audio/voices", server.url), None, &[&auth]).json()
+    };
+    let alice = list("key-alice");
+    let names: Vec<&str> = alice["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert_eq!(names, ["kept"], "{alice}");
+    assert_eq!(list("key-bob")["data"], serde_json::json!([]));
 }
 
 /// Qwen3-TTS as the voice of a cascade (deploy/smollm2-qwen3-tts-tiny.yaml):

@@ -16,6 +16,7 @@ mod shutdown;
 mod state;
 mod tools;
 mod transport;
+mod voice_store;
 mod voices;
 mod web;
 
@@ -55,6 +56,8 @@ pub struct ServeOptions {
     pub wait_stages: Duration,
     /// `--sip`: answer SIP calls here (over the profile's `server.sip.listen`).
     pub sip: Option<String>,
+    /// `--voice-store`: where cloned voices are kept.
+    pub voice_store: Option<PathBuf>,
 }
 
 /// Loads the pipeline, warms it up, and serves until ctrl-c.
@@ -122,6 +125,12 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
         vad,
         devices: stage_devices(&profile),
         voice_aliases: server.voice_aliases.clone(),
+        voice_store: Some(
+            opts.voice_store
+                .clone()
+                .or_else(|| server.voice_store.as_ref().map(|p| profile.resolve(p)))
+                .unwrap_or_else(|| PathBuf::from("data/voices")),
+        ),
     };
     let limits =
         connections::Limits::new(&server.connections, connections::raise_open_file_limit());

@@ -29,6 +29,8 @@ pub struct ServerConfig {
     pub devices: Vec<StageDevice>,
     /// `server.voice_aliases`: other names for the pipeline's voices.
     pub voice_aliases: std::collections::BTreeMap<String, String>,
+    /// Where cloned voices are kept (used where the pipeline can clone).
+    pub voice_store: Option<std::path::PathBuf>,
 }
 
 /// One stage replica's device, as `/health` lists it.
@@ -69,6 +71,8 @@ pub struct AppState {
     pub shutdown: super::shutdown::Shutdown,
     /// The voices a client may name.
     pub voices: Voices,
+    /// Cloned voices, where the pipeline can clone (`None`: it cannot).
+    pub voice_store: Option<super::voice_store::VoiceStore>,
 }
 
 impl AppState {
@@ -92,10 +96,17 @@ impl AppState {
 
     pub fn new(pipeline: Pipeline, config: ServerConfig) -> Result<Arc<Self>> {
         let metrics = Metrics::new()?;
+        let voice_store = match (&config.voice_store, pipeline.voice_encoder()) {
+            (Some(dir), Some(_)) => {
+                Some(super::voice_store::VoiceStore::open(dir).map_err(anyhow::Error::msg)?)
+            }
+            _ => None,
+        };
         let voices = Voices::new(pipeline.voices().to_vec(), &config.voice_aliases)
             .map_err(anyhow::Error::msg)?;
         Ok(Arc::new(Self {
             voices,
+            voice_store,
             sessions: SessionManager::new(config.limits.clone(), metrics.clone()),
             pipeline,
             metrics,

@@ -7,7 +7,9 @@ use std::thread::JoinHandle;
 use super::connector::in_process;
 use super::payload::{Envelope, Payload, TextChunk};
 use super::replica::{LocalReplica, LocalReplicas, StageInput};
-use super::request::{Event, Outlet, RequestCtx, RequestHandle, RequestInput, RequestSpec};
+use super::request::{
+    Event, Outlet, RequestCtx, RequestHandle, RequestInput, RequestSpec, VoiceEncoder,
+};
 use super::stage::StageModel;
 use super::worker::{self, StageCounters, Worker};
 use super::EngineError;
@@ -163,6 +165,7 @@ pub struct Pipeline {
     sample_rate: Option<u32>,
     voices: Vec<String>,
     languages: Vec<String>,
+    voice_encoder: Option<Arc<dyn VoiceEncoder>>,
     thinker_hears: bool,
     speaks_text: bool,
 }
@@ -244,6 +247,7 @@ impl Pipeline {
             sample_rate,
             voices: Vec::new(),
             languages: Vec::new(),
+            voice_encoder: None,
             thinker_hears: false,
             speaks_text: true,
         })
@@ -272,6 +276,16 @@ impl Pipeline {
 
     pub fn set_languages(&mut self, languages: Vec<String>) {
         self.languages = languages;
+    }
+
+    /// What clones voices from reference clips, where the Talker can (a
+    /// Qwen3-TTS Base checkpoint loaded in this process).
+    pub fn voice_encoder(&self) -> Option<&Arc<dyn VoiceEncoder>> {
+        self.voice_encoder.as_ref()
+    }
+
+    pub fn set_voice_encoder(&mut self, encoder: Option<Arc<dyn VoiceEncoder>>) {
+        self.voice_encoder = encoder;
     }
 
     /// Whether the Thinker takes speech itself ([`RequestInput::Heard`]).

@@ -188,6 +188,20 @@ pub struct SpeechStyle {
     pub instructions: Option<String>,
     /// The language to speak; unset is "auto".
     pub language: Option<String>,
+    /// A cloned voice: the speaker embedding of a reference clip (Qwen3-TTS
+    /// Base's x-vector), spoken in place of a preset `voice`.
+    pub speaker_embedding: Option<Vec<f32>>,
+}
+
+/// Turns a reference clip into the speaker embedding a Talker clones a voice
+/// from (Qwen3-TTS Base's speaker encoder), for the server's voice registry.
+pub trait VoiceEncoder: Send + Sync {
+    /// The rate of the PCM [`Self::embed`] takes.
+    fn sample_rate(&self) -> u32;
+    /// The shortest clip it takes, in samples.
+    fn min_samples(&self) -> usize;
+    /// Mono PCM in [-1, 1] at [`Self::sample_rate`] to the embedding.
+    fn embed(&self, pcm: &[f32]) -> Result<Vec<f32>, crate::models::ModelError>;
 }
 
 /// Why a request stopped early.

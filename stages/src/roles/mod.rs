@@ -29,7 +29,7 @@ pub use qwen3_tts_talker::Qwen3TtsTalker;
 use crate::engine::remote::StageMeta;
 use crate::engine::{
     EngineError, Pipeline, RequestId, StageDef, StageInput, StageModel, StagePlacement, StageRole,
-    StepOutput,
+    StepOutput, VoiceEncoder,
 };
 use crate::models::piper::{PiperVoice, Scales};
 use crate::models::quantized_llama::QuantizedLlama;
@@ -204,6 +204,8 @@ pub struct BuiltStage {
     pub role: StageRole,
     pub model: Box<dyn StageModel>,
     pub meta: StageMeta,
+    /// What clones voices for this stage (a Qwen3-TTS Base Talker).
+    pub voice_encoder: Option<Arc<dyn VoiceEncoder>>,
 }
 
 /// The role a model type plays.
@@ -284,6 +286,7 @@ pub fn build_pipeline_placed(
     let mut cache = ModelCache::for_stages(profile, local);
     let mut defs = Vec::new();
     let mut metas = Vec::new();
+    let mut voice_encoder = None;
     for (i, s) in profile.stages.iter().enumerate() {
         let placement = match s.placement {
             Placement::Remote => {
@@ -302,6 +305,7 @@ pub fn build_pipeline_placed(
                     let b = build_stage(profile, i, r, &mut cache, progress.clone())?;
                     if r == 0 {
                         metas.push(b.meta);
+                        voice_encoder = voice_encoder.or(b.voice_encoder);
                     }
                     replicas.push(b.model);
                 }
@@ -333,6 +337,7 @@ pub fn build_pipeline_placed(
             .map(|m| m.languages.clone())
             .unwrap_or_default(),
     );
+    pipeline.set_voice_encoder(voice_encoder);
     pipeline.set_thinker_hears(metas.iter().any(|m| m.hears));
     // Piper's and Qwen3-TTS's Talkers speak given text; Qwen3-Omni's speaks its
     // Thinker's states.
@@ -393,6 +398,7 @@ pub fn build_stage(
         Ok(v)
     };
     let mut meta = StageMeta::default();
+    let mut voice_encoder: Option<Arc<dyn VoiceEncoder>> = None;
     let model: Box<dyn StageModel> = match s.model.model_type {
         ModelType::WhisperCt2 => {
             // The model file names its folder: config and tokenizer sit beside it.
@@ -527,6 +533,7 @@ pub fn build_stage(
                 .collect();
             meta.speaks_text = true;
             meta.languages = model.config().languages();
+            voice_encoder = XVectors::of(&model).map(|x| Arc::new(x) as Arc<dyn VoiceEncoder>);
             Box::new(
                 Qwen3TtsTalker::new(
                     model,
@@ -559,6 +566,7 @@ pub fn build_stage(
         role: role_of(s.model.model_type),
         model,
         meta,
+        voice_encoder,
     })
 }
 
@@ -617,6 +625,41 @@ fn gpu_name(_: usize) -> Option<String> {
 
 /// The Qwen3-Omni checkpoint at `path`, loaded once per device for all its
 /// stages and replicas there, with the parts the cache's plan names.
+/// Qwen3-TTS Base's speaker encoder as the pipeline's [`VoiceEncoder`].
+struct XVectors(Arc<Qwen3Tts>);
+
+impl XVectors {
+    /// Only where the checkpoint has a speaker encoder (Base).
+    fn of(model: &Arc<Qwen3Tts>) -> Option<Self> {
+        model.speaker_encoder().map(|_| Self(model.clone()))
+    }
+}
+
+impl VoiceEncoder for XVectors {
+    fn sample_rate(&self) -> u32 {
+        self.0
+            .config()
+            .speaker_encoder_config
+            .as_ref()
+            .map_or(24_000, |c| c.sample_rate)
+    }
+
+    fn min_samples(&self) -> usize {
+        self.0.speaker_encoder().map_or(0, |e| e.min_samples())
+    }
+
+    fn embed(&self, pcm: &[f32]) -> Result<Vec<f32>, ModelError> {
+        let enc = self
+            .0
+            .speaker_encoder()
+            .ok_or_else(|| ModelError::Invalid("this checkpoint clones no voices".into()))?;
+        Ok(enc
+            .embed_pcm(pcm)?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1::<f32>()?)
+    }
+}
+
 /// A Qwen3-TTS checkpoint, loaded once per folder and device for its stages.
 fn load_tts(
     cache: &mut ModelCache,

@@ -445,8 +445,25 @@ impl StageModel for Qwen3TtsTalker {
             .voice
             .clone()
             .or_else(|| self.default_voice.clone());
-        let voice = match name {
-            Some(n) => {
+        let voice = match (&ctx.spec.style.speaker_embedding, name) {
+            // A cloned voice (the server's registry, or a clip with the request).
+            (Some(e), _) => {
+                let hidden = self
+                    .model
+                    .talker()
+                    .talker()
+                    .config()
+                    .text_config
+                    .hidden_size;
+                if e.len() != hidden {
+                    return Err(ModelError::Invalid(format!(
+                        "a cloned voice of {} values; this Talker takes {hidden}",
+                        e.len()
+                    )));
+                }
+                Voice::Embedding(Tensor::from_slice(e, hidden, self.model.device())?)
+            }
+            (None, Some(n)) => {
                 if !cfg.talker_config.spk_id.contains_key(&n.to_lowercase()) {
                     return Err(ModelError::Invalid(format!(
                         "unknown voice {n:?}; available voices: {}",
@@ -455,8 +472,8 @@ impl StageModel for Qwen3TtsTalker {
                 }
                 Voice::Preset(n)
             }
-            None if cfg.tts_model_type == ModelType::VoiceDesign => Voice::Described,
-            None => {
+            (None, None) if cfg.tts_model_type == ModelType::VoiceDesign => Voice::Described,
+            (None, None) => {
                 return Err(ModelError::Invalid(
                     "this checkpoint has no preset voices: name one the server knows".into(),
                 ))
@@ -719,31 +736,13 @@ mod tests {
             .unwrap()
     }
 
-    /// A Thinker's text, arriving word by word, is spoken as the reference's
-    /// streaming-text `generate` speaks the whole text.
-    #[test]
-    fn text_in_deltas_is_the_reference_streaming_layout() {
-        let mut stage = stage();
-        let meta = fixtures::meta("generate");
-        let case = meta["cases"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["name"] == "custom_stream")
-            .unwrap();
-        let style = SpeechStyle {
-            instructions: case["instruct"].as_str().map(str::to_string),
-            language: Some("english".into()),
-        };
-        stage
-            .admit(ctx(2, case["speaker"].as_str().unwrap(), style))
-            .unwrap();
-        let text = case["text"].as_str().unwrap();
+    /// `text` pushed word by word, a step after each; then steps to the end.
+    fn speak_in_deltas(stage: &mut Qwen3TtsTalker, id: RequestId, text: &str) -> Vec<Vec<u32>> {
         let words: Vec<&str> = text.split_inclusive(' ').collect();
         let mut got = Vec::new();
         for (i, w) in words.iter().enumerate() {
             let chunk = TextChunk::text(w.to_string(), Vec::new(), i + 1 == words.len());
-            stage.push(2, Payload::Text(chunk)).unwrap();
+            stage.push(id, Payload::Text(chunk)).unwrap();
             // A step between deltas: frames whose text has not come wait for it.
             let mut out = StepOutput::default();
             stage.step(&mut out);
@@ -757,8 +756,60 @@ mod tests {
                 }
             }
         }
-        got.extend(run(&mut stage, 2));
+        got.extend(run(stage, id));
+        got
+    }
+
+    fn case(name: &str) -> serde_json::Value {
+        let meta = fixtures::meta("generate");
+        meta["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap()
+            .clone()
+    }
+
+    /// A Thinker's text, arriving word by word, is spoken as the reference's
+    /// streaming-text `generate` speaks the whole text.
+    #[test]
+    fn text_in_deltas_is_the_reference_streaming_layout() {
+        let mut stage = stage();
+        let c = case("custom_stream");
+        let style = SpeechStyle {
+            instructions: c["instruct"].as_str().map(str::to_string),
+            language: Some("english".into()),
+            ..Default::default()
+        };
+        stage
+            .admit(ctx(2, c["speaker"].as_str().unwrap(), style))
+            .unwrap();
+        let got = speak_in_deltas(&mut stage, 2, c["text"].as_str().unwrap());
         assert_eq!(got, want("custom_stream"));
+    }
+
+    /// A cloned voice (the speaker encoder's x-vector) in place of a preset.
+    #[test]
+    fn a_cloned_voice_is_the_reference_xvector_path() {
+        let mut stage = stage();
+        let c = case("xvector");
+        let xvector: Vec<f32> = fixtures::io("speaker")["embedding"].to_vec1().unwrap();
+        let style = SpeechStyle {
+            language: Some("english".into()),
+            speaker_embedding: Some(xvector.clone()),
+            ..Default::default()
+        };
+        stage.admit(ctx(3, "vivian", style)).unwrap();
+        let got = speak_in_deltas(&mut stage, 3, c["text"].as_str().unwrap());
+        assert_eq!(got, want("xvector"));
+        // The wrong width is refused at admission.
+        let style = SpeechStyle {
+            speaker_embedding: Some(xvector[1..].to_vec()),
+            ..Default::default()
+        };
+        let err = stage.admit(ctx(4, "vivian", style)).unwrap_err();
+        assert!(err.to_string().contains("cloned voice"), "{err}");
     }
 
     /// The whole text at once is qwen-tts's default (non-streaming) prompt.

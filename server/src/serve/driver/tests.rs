@@ -250,6 +250,7 @@ fn state() -> Arc<AppState> {
         vad: None,
         devices: vec![],
         voice_aliases: Default::default(),
+        voice_store: None,
     };
     AppState::new(pipeline, config).expect("state")
 }

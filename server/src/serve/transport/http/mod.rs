@@ -15,6 +15,7 @@ mod chat;
 mod requests;
 mod speech;
 mod transcriptions;
+mod voices;
 
 use std::sync::Arc;
 
@@ -50,6 +51,7 @@ pub fn routes() -> Router<Arc<AppState>> {
         .layer(Extension(Arc::new(AudioStore::default())))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .merge(transcriptions::routes())
+        .merge(voices::routes())
 }
 
 async fn chat_completions(

@@ -121,7 +121,53 @@ pub struct SpeechRequest {
     /// The language to speak (a Talker that takes one: Qwen3-TTS); "auto" by default.
     #[serde(default)]
     language: Option<String>,
+    /// A reference clip to clone the voice from (base64 WAV or Ogg Opus, or a
+    /// `data:` URI), for a Talker that clones (Qwen3-TTS Base).
+    #[serde(default)]
+    ref_audio: Option<String>,
+    /// The clip's words, for in-context cloning (not supported yet).
+    #[serde(default)]
+    ref_text: Option<String>,
 }
+
+impl SpeechRequest {
+    /// The id of a cloned voice (`voice: "voice_…"` or `{"id": "voice_…"}`).
+    pub fn cloned_voice_id(&self) -> Option<&str> {
+        let id = match &self.voice {
+            Some(Value::String(s)) => s.as_str(),
+            Some(Value::Object(o)) => o.get("id").and_then(Value::as_str)?,
+            _ => return None,
+        };
+        id.starts_with(CLONED_VOICE_PREFIX).then_some(id)
+    }
+
+    /// The request's own reference clip, checked against the other voice
+    /// fields first.
+    pub fn ref_audio(&self) -> Result<Option<&str>, ApiError> {
+        if self
+            .ref_text
+            .as_deref()
+            .is_some_and(|t| !t.trim().is_empty())
+        {
+            let msg = match self.ref_audio {
+                None => "`ref_text` needs `ref_audio` (the clip it transcribes)",
+                Some(_) => "in-context cloning (`ref_text`) is not supported yet: send `ref_audio` alone to clone from the clip's voice",
+            };
+            return Err(param("ref_text", invalid(msg)));
+        }
+        match (&self.ref_audio, self.cloned_voice_id()) {
+            (Some(_), Some(_)) => Err(param(
+                "ref_audio",
+                invalid("give a cloned `voice` or a `ref_audio`, not both"),
+            )),
+            (Some(a), None) => Ok(Some(a.as_str())),
+            (None, _) => Ok(None),
+        }
+    }
+}
+
+/// The ids the voice store gives cloned voices start with this.
+pub const CLONED_VOICE_PREFIX: &str = "voice_";
 
 /// The longest `instructions` a speech request may give.
 pub const MAX_INSTRUCTIONS_CHARS: usize = 4096;
@@ -426,10 +472,13 @@ pub struct SpeechPlan {
 impl SpeechPlan {
     /// `languages`: what the pipeline's Talker takes (none: it takes no
     /// language and no instructions).
+    /// `cloned`: the speaker embedding of the request's cloned voice (looked
+    /// up or computed by the caller), which then stands for `voice`.
     pub fn from_request(
         r: SpeechRequest,
         voices: &Voices,
         languages: &[String],
+        cloned: Option<Vec<f32>>,
     ) -> Result<Self, ApiError> {
         if r.input.trim().is_empty() {
             return Err(param("input", invalid("`input` must not be empty")));
@@ -454,7 +503,10 @@ impl SpeechPlan {
                 )),
             ));
         }
-        let voice = check_voice(r.voice.as_ref(), voices).map_err(|e| param("voice", e))?;
+        let voice = match cloned {
+            Some(_) => None,
+            None => check_voice(r.voice.as_ref(), voices).map_err(|e| param("voice", e))?,
+        };
         let format = output_format(
             // OpenAI's default.
             r.response_format.as_deref().unwrap_or("mp3"),
@@ -492,7 +544,8 @@ impl SpeechPlan {
                 ))
             }
         };
-        let style = speech_style(r.instructions, r.language, languages)?;
+        let mut style = speech_style(r.instructions, r.language, languages)?;
+        style.speaker_embedding = cloned;
         let mut spec = crate::run::speech_spec(&r.input, voice, speed);
         spec.style = style;
         Ok(Self { spec, format, sse })
@@ -557,6 +610,7 @@ fn speech_style(
     Ok(SpeechStyle {
         instructions,
         language,
+        speaker_embedding: None,
     })
 }
 
@@ -771,7 +825,7 @@ mod tests {
     fn speech_requests_are_validated() {
         let plan = |v: Value| {
             let r: SpeechRequest = serde_json::from_value(v).map_err(|e| invalid(e.to_string()))?;
-            SpeechPlan::from_request(r, &voices(), &[])
+            SpeechPlan::from_request(r, &voices(), &[], None)
         };
         let p = plan(json!({"model": "tts-1", "input": "Hello.", "voice": "joe", "speed": 1.5, "stream_format": "sse"})).unwrap();
         assert!(p.sse);

@@ -8,7 +8,8 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use super::requests::{read_json, SpeechPlan};
+use super::requests::{read_json, SpeechPlan, SpeechRequest};
+use super::voices;
 use super::Codec;
 use super::{answer_body, b64, cut, refuse, sample_rate, sse, sse_end_error, sse_response, start};
 use crate::serve::answer::Meter;
@@ -17,14 +18,55 @@ use crate::serve::error::ApiError;
 use crate::serve::metrics::TaskGuard;
 use crate::serve::state::AppState;
 
+/// The speaker embedding of the request's cloned voice: a stored voice of the
+/// caller's (`voice: "voice_…"`), or its own `ref_audio` clip encoded now.
+async fn cloned_voice(
+    state: &AppState,
+    owner: &str,
+    body: &SpeechRequest,
+) -> Result<Option<Vec<f32>>, ApiError> {
+    let param = |p: &'static str, e: ApiError| ApiError {
+        param: Some(p),
+        ..e
+    };
+    if let Some(clip) = body.ref_audio()? {
+        let Some(encoder) = state.pipeline.voice_encoder() else {
+            return Err(param(
+                "ref_audio",
+                ApiError::bad_request(
+                    "voice_cloning_unsupported",
+                    "this server's voice cannot be cloned: `ref_audio` needs a Qwen3-TTS Base checkpoint",
+                ),
+            ));
+        };
+        let bytes = voices::ref_audio_bytes(clip)?;
+        return Ok(Some(
+            voices::embed_clip(encoder, &bytes, "ref_audio").await?.0,
+        ));
+    }
+    let Some(id) = body.cloned_voice_id() else {
+        return Ok(None);
+    };
+    match state.voice_store.as_ref().and_then(|s| s.get(owner, id)) {
+        Some(v) => Ok(Some(v.embedding)),
+        None => Err(param(
+            "voice",
+            ApiError::bad_request("voice_not_found", format!("no cloned voice {id:?}")),
+        )),
+    }
+}
+
 pub(super) async fn handle(
     state: &Arc<AppState>,
     req: Request,
     meter: Meter,
 ) -> Result<Response, ApiError> {
     let plan = async {
-        let body = read_json(req).await?;
-        let plan = SpeechPlan::from_request(body, &state.voices, state.pipeline.languages())?;
+        let owner = voices::caller(req.headers());
+        let body: SpeechRequest = read_json(req).await?;
+        let cloned = cloned_voice(state, &owner, &body).await?;
+        let plan =
+            SpeechPlan::from_request(body, &state.voices, state.pipeline.languages(), cloned)?;
         sample_rate(state)?;
         Ok(plan)
     };

@@ -76,7 +76,7 @@ fn upload_too_large() -> ApiError {
 
 /// A multipart error: 413 past the size limit (a body sent without its
 /// length), else 400.
-fn multipart_error(e: MultipartError, what: String) -> ApiError {
+pub(super) fn multipart_error(e: MultipartError, what: String) -> ApiError {
     if let Some(m) = too_slow(&e) {
         return ApiError::request_timeout(m);
     }

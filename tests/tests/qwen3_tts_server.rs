@@ -3,8 +3,9 @@
 //! (tests/python/test_qwen3_tts.py): `/v1/audio/speech` in a preset voice, with
 //! instructions and a language, whole, streamed and as SSE, equal to the
 //! reference's audio; voices cloned from a clip, kept per API key and across a
-//! restart; and bad requests, each a 400 naming its parameter. And Qwen3-TTS as
-//! the voice of a cascade.
+//! restart; bad requests, each a 400 naming its parameter; and text streamed in
+//! over `WS /v1/audio/speech/stream` (tests/python/test_speech_stream.py). And
+//! Qwen3-TTS as the voice of a cascade.
 
 use omnistream_e2e::{curl, run_pytest, spawn_server};
 
@@ -25,6 +26,8 @@ fn qwen3_tts_served_through_the_openai_sdk() {
     let mut server = spawn_server(&args);
     let report = run_pytest(&server, "test_qwen3_tts.py");
     assert!(report.contains("18 passed"), "{report}");
+    let report = run_pytest(&server, "test_speech_stream.py");
+    assert!(report.contains("4 passed"), "{report}");
     let log = server.log.lock().map(|l| l.clone()).unwrap_or_default();
     assert!(server.alive(), "the server died:\n{log}");
     server.kill();

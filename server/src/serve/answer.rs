@@ -7,7 +7,7 @@ use std::time::Instant;
 use tokio::sync::watch;
 
 use omnistream_stages::engine::{
-    CancelReason, EngineError, Event, RequestHandle, RequestSpec, ToolCall,
+    CancelReason, EngineError, Event, RequestHandle, RequestSpec, TextFeed, ToolCall,
 };
 
 use super::audio::{AudioEncoder, OutputFormat};
@@ -171,6 +171,23 @@ pub async fn submit(
     Ok((handle, in_flight))
 }
 
+/// [`submit`] for a speech request whose text comes as it is written.
+pub async fn submit_text_stream(
+    state: &Arc<AppState>,
+    spec: RequestSpec,
+) -> Result<(RequestHandle, TextFeed, InFlightGuard), ClientError> {
+    if state.shutdown.draining() {
+        return Err(ClientError::shutting_down());
+    }
+    let in_flight = state.sessions.begin_request().map_err(ClientError::from)?;
+    let st = state.clone();
+    let (handle, feed) = tokio::task::spawn_blocking(move || st.pipeline.submit_text_stream(spec))
+        .await
+        .map_err(|e| ClientError::server("internal_error", e.to_string()))?
+        .map_err(submit_error)?;
+    Ok((handle, feed, in_flight))
+}
+
 /// One request through the pipeline as a client sees it: text deltas,
 /// audio converted to the client's format, the end; measured by its
 /// [`Meter`]. Every endpoint that answers uses it: the connections through
@@ -245,6 +262,33 @@ impl Answer {
     pub fn abandon(&mut self) {
         self.handle = None;
         self.record("cancelled");
+    }
+
+    /// [`Self::start`] for a speech request whose text comes as it is written,
+    /// with the feed its text goes through.
+    pub async fn start_text_stream(
+        state: &Arc<AppState>,
+        meter: Meter,
+        spec: RequestSpec,
+        format: Option<OutputFormat>,
+    ) -> Result<(Self, TextFeed), ClientError> {
+        let (handle, feed, in_flight) = match submit_text_stream(state, spec).await {
+            Ok(h) => h,
+            Err(e) => return Err(meter.refuse(e)),
+        };
+        let answer = Self {
+            handle: Some(handle),
+            _in_flight: in_flight,
+            control: None,
+            phase: state.shutdown.watch(),
+            meter,
+            format,
+            encoder: None,
+            pipeline_seconds: 0.0,
+            pending: None,
+            out_bytes: 0,
+        };
+        Ok((answer, feed))
     }
 
     /// Call after an audio step of `bytes` was queued for the client.

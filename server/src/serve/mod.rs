@@ -276,6 +276,7 @@ pub fn router(
         .merge(transport::http::routes())
         .merge(transport::realtime_routes(links))
         .merge(transport::stream::routes())
+        .merge(transport::speech_stream::routes())
         .merge(transport::webrtc::routes(rtc.clone()))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),

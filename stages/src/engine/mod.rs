@@ -19,7 +19,7 @@ mod worker;
 pub use connector::{in_process, Closed, ConnectorRx, ConnectorTx, InProcessRx, InProcessTx};
 pub use payload::{Envelope, FrameChunk, Payload, PromptStates, TextChunk, ThinkerStates};
 pub use pipeline::{
-    Pipeline, PipelineStats, StageDef, StagePlacement, StageRole, StageStats, WireStats,
+    Pipeline, PipelineStats, StageDef, StagePlacement, StageRole, StageStats, TextFeed, WireStats,
     DEFAULT_EVENT_CAPACITY, MAX_SPEECH_CHARS,
 };
 pub use replica::{ReplicaId, StageInput};

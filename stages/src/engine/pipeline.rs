@@ -332,6 +332,35 @@ impl Pipeline {
     /// Starts a request. Its events arrive on the handle; dropping the handle
     /// cancels it in every stage.
     pub fn submit(&self, spec: RequestSpec) -> Result<RequestHandle, EngineError> {
+        self.start_request(spec, false).map(|(h, _)| h)
+    }
+
+    /// Starts a speech request ([`RequestInput::Speech`]) whose text comes as
+    /// it is written: its `text` (possibly empty) is the start, the rest goes
+    /// through the returned [`TextFeed`], to a Talker that speaks text as it
+    /// comes (Piper's, Qwen3-TTS's).
+    pub fn submit_text_stream(
+        &self,
+        spec: RequestSpec,
+    ) -> Result<(RequestHandle, TextFeed), EngineError> {
+        match (&spec.input, self.start_request(spec.clone(), true)?) {
+            (RequestInput::Speech { .. }, (h, Some(feed))) => Ok((h, feed)),
+            _ => Err(EngineError::BadRequest(
+                "a text stream is a speech request".into(),
+            )),
+        }
+    }
+
+    fn start_request(
+        &self,
+        spec: RequestSpec,
+        stream: bool,
+    ) -> Result<(RequestHandle, Option<TextFeed>), EngineError> {
+        if stream && !matches!(spec.input, RequestInput::Speech { .. }) {
+            return Err(EngineError::BadRequest(
+                "a text stream is a speech request".into(),
+            ));
+        }
         let first = match &spec.input {
             RequestInput::Chat { messages } => {
                 if messages.is_empty() {
@@ -360,7 +389,7 @@ impl Pipeline {
                         "this pipeline's Talker speaks the Thinker's answers, not given text: ask for audio from a chat instead".into(),
                     ));
                 }
-                if text.trim().is_empty() {
+                if text.trim().is_empty() && !stream {
                     return Err(EngineError::BadRequest(
                         "nothing to say: the text is empty".into(),
                     ));
@@ -442,25 +471,45 @@ impl Pipeline {
                 },
             )
             .map_err(gone)?;
-        if let Some(text) = speech {
+        let feed = match (speech, stream) {
             // Speech input is the whole text at once.
-            ctx.emit(Event::TextDelta(text.clone()));
-            input
-                .send(
+            (Some(text), false) => {
+                ctx.emit(Event::TextDelta(text.clone()));
+                input
+                    .send(
+                        replica,
+                        Envelope {
+                            request: id,
+                            payload: Payload::Text(TextChunk::text(text, Vec::new(), true)),
+                        },
+                    )
+                    .map_err(gone)?;
+                None
+            }
+            (text, true) => {
+                let feed = TextFeed(Arc::new(FeedInner {
+                    input: input.clone(),
                     replica,
-                    Envelope {
-                        request: id,
-                        payload: Payload::Text(TextChunk::text(text, Vec::new(), true)),
-                    },
-                )
-                .map_err(gone)?;
-        }
+                    ctx: ctx.clone(),
+                    stage: self.names[first].clone(),
+                    finished: AtomicBool::new(false),
+                }));
+                if let Some(t) = text.filter(|t| !t.is_empty()) {
+                    feed.push(&t)?;
+                }
+                Some(feed)
+            }
+            (None, false) => None,
+        };
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        Ok(RequestHandle {
-            ctx,
-            events: erx,
-            in_flight: self.in_flight.clone(),
-        })
+        Ok((
+            RequestHandle {
+                ctx,
+                events: erx,
+                in_flight: self.in_flight.clone(),
+            },
+            feed,
+        ))
     }
 
     pub fn stats(&self) -> PipelineStats {
@@ -477,6 +526,67 @@ impl Pipeline {
             wire: self.inputs.iter().find_map(|i| i.wire()),
             requests_in_flight: self.in_flight.load(Ordering::Relaxed),
             requests_submitted: self.next_id.load(Ordering::Relaxed) - self.first_id,
+        }
+    }
+}
+
+/// The text of a speech request that comes as it is written
+/// ([`Pipeline::submit_text_stream`]): each push goes to the Talker (and to the
+/// client's events, as the transcript), `finish` ends the text, and dropping
+/// the last clone ends it too, so a Talker never waits on a feed that is gone.
+#[derive(Clone)]
+pub struct TextFeed(Arc<FeedInner>);
+
+struct FeedInner {
+    input: Arc<dyn StageInput>,
+    replica: super::ReplicaId,
+    ctx: Arc<RequestCtx>,
+    stage: String,
+    finished: AtomicBool,
+}
+
+impl FeedInner {
+    fn send(&self, text: String, finished: bool) -> Result<(), EngineError> {
+        let env = Envelope {
+            request: self.ctx.id,
+            payload: Payload::Text(TextChunk::text(text, Vec::new(), finished)),
+        };
+        self.input.send(self.replica, env).map_err(|_| {
+            EngineError::Unavailable(format!("stage {}: its replica is gone", self.stage))
+        })
+    }
+}
+
+impl TextFeed {
+    /// More of the text. Blocks while the Talker's connector is full.
+    pub fn push(&self, text: &str) -> Result<(), EngineError> {
+        let f = &self.0;
+        if f.finished.load(Ordering::Acquire) {
+            return Err(EngineError::BadRequest(
+                "the text is already finished".into(),
+            ));
+        }
+        if f.ctx.is_cancelled() {
+            return Err(EngineError::BadRequest("the request has ended".into()));
+        }
+        f.ctx.emit(Event::TextDelta(text.to_string()));
+        f.send(text.to_string(), false)
+    }
+
+    /// The text is complete (again: nothing).
+    pub fn finish(&self) -> Result<(), EngineError> {
+        let f = &self.0;
+        if f.finished.swap(true, Ordering::AcqRel) || f.ctx.is_cancelled() {
+            return Ok(());
+        }
+        f.send(String::new(), true)
+    }
+}
+
+impl Drop for FeedInner {
+    fn drop(&mut self) {
+        if !self.finished.swap(true, Ordering::AcqRel) && !self.ctx.is_cancelled() {
+            let _ = self.send(String::new(), true);
         }
     }
 }

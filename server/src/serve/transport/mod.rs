@@ -9,6 +9,7 @@ pub mod media;
 pub mod realtime;
 pub mod sideband;
 pub mod sip;
+pub mod speech_stream;
 pub mod stream;
 pub mod twilio;
 pub mod webrtc;

@@ -38,6 +38,7 @@ use crate::serve::metrics::TaskGuard;
 use crate::serve::state::AppState;
 use omnistream_stages::engine::RequestSpec;
 
+pub(crate) use requests::speech_session;
 use requests::{AudioStore, MAX_BODY_BYTES};
 
 /// Metric labels.

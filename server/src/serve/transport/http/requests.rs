@@ -552,6 +552,19 @@ impl SpeechPlan {
     }
 }
 
+/// A speech session's `voice`, `instructions` and `language` (the speech
+/// stream's `session.update`), checked as `/v1/audio/speech` checks them.
+pub(crate) fn speech_session(
+    voice: Option<&Value>,
+    instructions: Option<String>,
+    language: Option<String>,
+    voices: &Voices,
+    languages: &[String],
+) -> Result<(Option<String>, SpeechStyle), ApiError> {
+    let voice = check_voice(voice, voices).map_err(|e| param("voice", e))?;
+    Ok((voice, speech_style(instructions, language, languages)?))
+}
+
 /// `e`, naming the request parameter it is about.
 fn param(p: &'static str, e: ApiError) -> ApiError {
     ApiError {
@@ -567,14 +580,10 @@ fn speech_style(
     languages: &[String],
 ) -> Result<SpeechStyle, ApiError> {
     let param = |p: &'static str, msg: String| param(p, invalid(msg));
-    let instructions = instructions.filter(|i| !i.trim().is_empty());
+    // OpenAI's field: a Talker that takes none (Piper) ignores it, as OpenAI's
+    // tts-1 does (the Agents SDK sends it to every voice).
+    let instructions = instructions.filter(|i| !i.trim().is_empty() && !languages.is_empty());
     if let Some(i) = &instructions {
-        if languages.is_empty() {
-            return Err(param(
-                "instructions",
-                "this server's voice takes no `instructions`".into(),
-            ));
-        }
         let n = i.chars().count();
         if n > MAX_INSTRUCTIONS_CHARS {
             return Err(param(

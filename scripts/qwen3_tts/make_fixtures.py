@@ -5,6 +5,9 @@ Run from the repo root with the qwen-tts virtualenv (see tiny.py):
 
 Writes under tests/fixtures/qwen3_tts/:
   model/                 the checkpoint, laid out as a downloaded one
+  model_design/          the same weights as a VoiceDesign checkpoint (its
+                         config.json: no preset speakers; the weights and the
+                         speech tokenizer are links to model/'s)
   generate/io.safetensors + io.json
       per case c (io.json lists each case's text, speaker, language, instruct,
       non_streaming and x-vector flag):
@@ -75,6 +78,7 @@ def main():
     model = tiny.tiny_model()
     tok = tiny.tiny_tokenizer()
     tiny.save_checkpoint(model, tok)
+    tiny.save_design_checkpoint(model)
     text_tok = Tokenizer.from_file(tiny.TOKENIZER)
 
     def ids(s: str) -> torch.Tensor:

@@ -914,6 +914,8 @@ connectors:
             [ModelType::Qwen3TtsTalker, ModelType::Qwen3TtsCode2wav]
         );
         assert_eq!(tts.connector_kind(0), Some(ConnectorKind::Frames));
+        let design = Profile::load(&root.join("qwen3-tts-design-tiny.yaml")).unwrap();
+        assert_eq!(design.stages[0].voice, None);
         let cascade = Profile::load(&root.join("smollm2-qwen3-tts-tiny.yaml")).unwrap();
         assert_eq!(
             cascade.stages[2].model.model_type,

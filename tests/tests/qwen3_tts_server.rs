@@ -48,6 +48,18 @@ fn qwen3_tts_served_through_the_openai_sdk() {
     assert_eq!(list("key-bob")["data"], serde_json::json!([]));
 }
 
+/// A VoiceDesign checkpoint (deploy/qwen3-tts-design-tiny.yaml): the voice
+/// `instructions` describe, equal to the reference's
+/// (tests/python/test_qwen3_tts_design.py).
+#[test]
+fn qwen3_tts_voice_design_through_the_openai_sdk() {
+    let mut server = spawn_server(&["--profile", "deploy/qwen3-tts-design-tiny.yaml"]);
+    let report = run_pytest(&server, "test_qwen3_tts_design.py");
+    assert!(report.contains("3 passed"), "{report}");
+    let log = server.log.lock().map(|l| l.clone()).unwrap_or_default();
+    assert!(server.alive(), "the server died:\n{log}");
+}
+
 /// Qwen3-TTS as the voice of a cascade (deploy/smollm2-qwen3-tts-tiny.yaml):
 /// SmolLM2's answer spoken as it is written, on chat completions (whole and
 /// streamed) and Realtime (tests/python/test_qwen3_tts_cascade.py).

@@ -38,6 +38,8 @@ use crate::profile::SamplingParams;
 const DEFAULT_MAX_FRAMES: usize = 8192;
 /// The reference's `min_new_tokens`: no end code in the first frames.
 const MIN_FRAMES: usize = 2;
+/// A VoiceDesign checkpoint's voice: the one the instructions describe.
+pub const DESCRIBED: &str = "described";
 /// Tokens of [`assistant_text`] before and after the text itself.
 const ROLE: usize = 3;
 const CLOSE: usize = 5;
@@ -117,7 +119,10 @@ impl Qwen3TtsTalker {
         cuda_graphs: bool,
     ) -> Result<Self> {
         let cfg = model.config();
-        if let Some(v) = &default_voice {
+        let described = |v: &str| {
+            cfg.tts_model_type == ModelType::VoiceDesign && v.eq_ignore_ascii_case(DESCRIBED)
+        };
+        if let Some(v) = default_voice.as_deref().filter(|v| !described(v)) {
             if !cfg.talker_config.spk_id.contains_key(&v.to_lowercase()) {
                 return Err(ModelError::Invalid(format!(
                     "unknown voice {v:?}; the model has {:?}",
@@ -175,9 +180,15 @@ impl Qwen3TtsTalker {
         })
     }
 
-    /// The voices a request may name: the checkpoint's preset speakers.
+    /// The voices a request may name: the checkpoint's preset speakers, or a
+    /// VoiceDesign checkpoint's one voice, [`DESCRIBED`] (the one its
+    /// `instructions` describe).
     pub fn voice_names(model: &Qwen3Tts) -> Vec<String> {
-        model.config().speakers()
+        let cfg = model.config();
+        match (cfg.tts_model_type, cfg.speakers()) {
+            (ModelType::VoiceDesign, s) if s.is_empty() => vec![DESCRIBED.to_string()],
+            (_, s) => s,
+        }
     }
 
     /// The text tokens of `text` as the reference tokenizes it (inside its chat
@@ -462,6 +473,12 @@ impl StageModel for Qwen3TtsTalker {
                     )));
                 }
                 Voice::Embedding(Tensor::from_slice(e, hidden, self.model.device())?)
+            }
+            (None, Some(n))
+                if cfg.tts_model_type == ModelType::VoiceDesign
+                    && n.eq_ignore_ascii_case(DESCRIBED) =>
+            {
+                Voice::Described
             }
             (None, Some(n)) => {
                 if !cfg.talker_config.spk_id.contains_key(&n.to_lowercase()) {

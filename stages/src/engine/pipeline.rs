@@ -343,9 +343,10 @@ impl Pipeline {
         &self,
         spec: RequestSpec,
     ) -> Result<(RequestHandle, TextFeed), EngineError> {
-        match (&spec.input, self.start_request(spec.clone(), true)?) {
-            (RequestInput::Speech { .. }, (h, Some(feed))) => Ok((h, feed)),
-            _ => Err(EngineError::BadRequest(
+        match self.start_request(spec, true)? {
+            (h, Some(feed)) => Ok((h, feed)),
+            // start_request refused every other input already.
+            (_, None) => Err(EngineError::BadRequest(
                 "a text stream is a speech request".into(),
             )),
         }

@@ -167,7 +167,7 @@ impl SimpleBackend for Counting {
 ///
 /// Scale-like parameters get their neutral value so activations stay finite
 /// through dozens of layers: norms' weights 1, biases 0, SnakeBeta's log-scale
-/// alpha/beta 0, LayerScale 0.01; everything else N(0, 0.02).
+/// alpha/beta 0, LayerScale 0.01, codebook usage 1; everything else N(0, 0.02).
 pub fn random(dtype: DType, device: &Device) -> VarBuilder<'static> {
     VarBuilder::from_backend(Box::new(Random), dtype, device.clone())
 }
@@ -184,6 +184,9 @@ impl Random {
             "alpha" | "beta" => Some(0.0),
             "scale" => Some(0.01),
             "gamma" => Some(1e-6),
+            // Qwen3-TTS's codebooks are `embedding_sum / cluster_usage`: a
+            // usage near 0 would blow the rows up.
+            "cluster_usage" => Some(1.0),
             "weight" if is_norm => Some(1.0),
             _ => None,
         };

@@ -126,3 +126,73 @@ impl Qwen3Tts {
         &self.device
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::qwen3_omni::sampling::{Sampler, SamplingConfig};
+    use crate::models::qwen3_tts::fixtures;
+    use crate::models::qwen3_tts::talker::{Prompt, Voice};
+
+    /// Random weights at a checkpoint's shapes (benchmarks at released shapes
+    /// run this way): the whole path runs and the audio is finite.
+    #[test]
+    fn random_weights_speak_finite_audio() {
+        let m = Qwen3Tts::load(
+            &fixtures::model_dir(),
+            DType::F32,
+            &Device::Cpu,
+            Weights::Random,
+            None,
+        )
+        .unwrap();
+        assert!(m.speaker_encoder().is_some(), "a Base checkpoint");
+        let tts = m.talker();
+        let Prompt { embeds, trailing } = tts
+            .prompt_parts(
+                &[1, 2, 3],
+                &[10, 11, 12],
+                None,
+                &Voice::Preset("ryan".into()),
+                "auto",
+                false,
+            )
+            .unwrap();
+        let talker = tts.talker();
+        let (mut state, out) = talker.prefill(&embeds, None, None).unwrap();
+        let mut code0 = Sampler::new(SamplingConfig {
+            suppress_tokens: talker.config().suppress_tokens(),
+            ..SamplingConfig::greedy()
+        });
+        let mut cp = vec![Sampler::new(SamplingConfig::greedy())];
+        let mut logits = out.logits;
+        let mut frames = Vec::new();
+        for f in 0..4 {
+            let c0 = code0
+                .sample(&logits.get(0).unwrap().to_vec1::<f32>().unwrap())
+                .unwrap();
+            let text = match f < trailing.dim(1).unwrap() {
+                true => trailing.narrow(1, f, 1).unwrap(),
+                false => tts.tts_pad().reshape((1, 1, ())).unwrap(),
+            };
+            let step = talker.step(&mut state, &[c0], &text, &mut cp).unwrap();
+            frames.extend(step.codes[0].clone());
+            logits = step.logits;
+        }
+        let groups = talker.config().num_code_groups;
+        let codes = candle_core::Tensor::from_vec(frames, (1, 4, groups), &Device::Cpu)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap();
+        let wav = m.decoder().decode(&codes).unwrap().flatten_all().unwrap();
+        let v = wav.to_vec1::<f32>().unwrap();
+        assert_eq!(v.len(), 4 * 1920);
+        assert!(v.iter().all(|x| x.is_finite()));
+        let x = m
+            .speaker_encoder()
+            .unwrap()
+            .embed_pcm(&vec![0.1; 24_000])
+            .unwrap();
+        assert!(x.to_vec1::<f32>().unwrap().iter().all(|v| v.is_finite()));
+    }
+}

@@ -152,8 +152,9 @@ if has chunks; then
   for n in ${CHUNKS:-4 16}; do
     # Beside the profile: its paths are relative to its folder.
     p=deploy/.qwen3-omni-h200-chunk$n.yaml
-    sed -E "s/codec_chunk_frames: [0-9]+ /codec_chunk_frames: $n /" deploy/qwen3-omni-h200.yaml >"$p"
-    grep -q "codec_chunk_frames: $n " "$p" || echo "no codec_chunk_frames in the profile"
+    # Not initial_codec_chunk_frames: the key right after a space.
+    sed -E "s/ codec_chunk_frames: [0-9]+/ codec_chunk_frames: $n/" deploy/qwen3-omni-h200.yaml >"$p"
+    grep -q " codec_chunk_frames: $n[ ,]" "$p" || echo "no codec_chunk_frames in the profile"
     bench "${CHAT_S:-200}" --profile "$p" --name "chat-chunk$n" "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
     bench "${CHAT_S:-200}" --profile "$p" --name "speech-chunk$n" "${CHAT[@]}" --audio-frames "${SPEECH_FRAMES:-768}" --concurrency "${CHAT_C:-1,8,32}"
     rm -f "$p"

@@ -743,7 +743,14 @@ mod tests {
     fn random_weights_run_at_any_config() {
         let cfg = Qwen3OmniConfig::from_value(fixtures::config()).unwrap();
         let m = Qwen3Omni::random(&cfg, DType::F32, &Device::Cpu).unwrap();
-        let out = m.generate(&request(&m, 2, 3, 3)).unwrap();
+        // Random weights (unseeded on the CPU) may draw an end early: barred,
+        // so the lengths are the budgets.
+        let mut req = request(&m, 2, 3, 3);
+        req.thinker_sampling.suppress_tokens = vec![cfg.ids.im_end_token_id];
+        req.talker_sampling
+            .suppress_tokens
+            .push(cfg.talker.codec_eos_token_id);
+        let out = m.generate(&req).unwrap();
         assert_eq!(
             (out.tokens.len(), out.frames.len(), out.audio.len()),
             (3, 2, 2 * 1920)
@@ -781,9 +788,16 @@ mod tests {
                 speaker: "chelsie".into(),
                 thinker_max_new_tokens: 3,
                 talker_max_new_tokens: 3,
-                thinker_sampling: greedy.clone(),
+                thinker_sampling: SamplingConfig {
+                    suppress_tokens: vec![ids.im_end_token_id],
+                    ..greedy.clone()
+                },
                 talker_sampling: SamplingConfig {
-                    suppress_tokens: real.talker.suppress_tokens(),
+                    suppress_tokens: [
+                        real.talker.suppress_tokens(),
+                        vec![real.talker.codec_eos_token_id],
+                    ]
+                    .concat(),
                     ..greedy.clone()
                 },
                 code_predictor_sampling: greedy,

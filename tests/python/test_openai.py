@@ -435,6 +435,10 @@ def test_invalid_requests_are_openai_errors(client):
             client.audio.speech.create(model="tts-1", voice="joe", input="Hi", **kw)
     with pytest.raises(openai.BadRequestError):
         client.audio.speech.create(model="tts-1", voice="joe", input="x" * 4097)
+    # Piper speaks a sentence at once: no frame budget to set.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.speech.create(model="tts-1", voice="joe", input="Hi", extra_body={"max_tokens": 5})
+    assert e.value.body["param"] == "max_tokens", e.value.body
 
 
 def test_transcriptions_hear_wav_and_opus(client, tmp_path):

@@ -147,6 +147,21 @@ def test_instructions_and_language_streamed(client):
     assert n > 0 and np.abs(other[:n] - IO["custom_style.wav"][:n]).max() > 1e-2
 
 
+def test_max_tokens_and_ignore_eos_set_the_length(client):
+    """Benchmarks' extension: `max_tokens` codec frames, exactly that many with
+    `ignore_eos` (past the text's end), and the frames before the cap are the
+    reference's."""
+    c = CASES["custom"]
+    kw = dict(model="qwen3-tts", voice=c["speaker"], input=c["text"], response_format="pcm")
+    capped = pcm(client.audio.speech.create(**kw, extra_body={"max_tokens": 3}).content)
+    assert len(capped) == 3 * FRAME
+    assert np.abs(capped - IO["custom.wav"][: 3 * FRAME]).max() < TOL
+    frames = 60  # past the reference's 24-frame budget and the text's end
+    exact = pcm(client.audio.speech.create(**kw, extra_body={"max_tokens": frames, "ignore_eos": True}).content)
+    assert len(exact) == frames * FRAME
+    assert_reference(exact, "custom")
+
+
 def test_sse_stream(client):
     c = CASES["custom"]
     r = client.audio.speech.create(
@@ -181,6 +196,8 @@ def test_sse_stream(client):
         (dict(voice="ryan", input="x" * 10_001), "input"),
         (dict(voice="ryan", response_format="aac"), "response_format"),
         (dict(voice="ryan", speed=1.5), "speed"),
+        (dict(voice="ryan", extra_body={"ignore_eos": True}), "ignore_eos"),
+        (dict(voice="ryan", extra_body={"max_tokens": 0}), "max_tokens"),
     ],
 )
 def test_bad_requests_name_their_parameter(client, kw, param):

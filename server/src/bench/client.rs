@@ -37,9 +37,13 @@ pub struct RequestShape {
     pub voice: String,
     /// Ask for audio (chat and realtime); speech always returns audio.
     pub audio: bool,
-    /// Output token cap; with `ignore_eos` every answer is exactly this long.
+    /// Output token cap (speech: codec frames); with `ignore_eos` every answer
+    /// is exactly this long.
     pub max_tokens: Option<usize>,
     pub ignore_eos: bool,
+    /// Speech: a reference clip (base64 WAV) that every request clones.
+    #[serde(skip)]
+    pub ref_audio: Option<Arc<String>>,
     pub temperature: Option<f64>,
     #[serde(skip)]
     pub timeout: Duration,
@@ -235,13 +239,22 @@ impl Client {
     }
 
     async fn speech(&self, shape: &RequestShape, prompt: &str) -> Result<Timeline, String> {
-        let body = json!({
+        let mut body = json!({
             "model": shape.model,
             "input": prompt,
             "voice": shape.voice,
             "response_format": "pcm",
             "stream_format": "audio",
         });
+        if let Some(n) = shape.max_tokens {
+            body["max_tokens"] = json!(n);
+        }
+        if shape.ignore_eos {
+            body["ignore_eos"] = json!(true);
+        }
+        if let Some(clip) = &shape.ref_audio {
+            body["ref_audio"] = json!(clip.as_str());
+        }
         let (t0, resp) = self.post_json("/v1/audio/speech", &body).await?;
         let mut tl = Timeline::default();
         let mut stream = resp.bytes_stream();

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use base64::Engine as _;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::SeedableRng;
 use rand_distr::Distribution;
@@ -91,6 +92,15 @@ pub struct BenchArgs {
     /// Output tokens per answer (max_tokens); exact with ignore_eos.
     #[arg(long, default_value_t = 32)]
     pub output_len: usize,
+    /// Speech: every answer is exactly this many codec frames (`max_tokens`
+    /// with `ignore_eos`; a Talker that speaks frame by frame, Qwen3-TTS:
+    /// 12.5 a second). Without it each ends where the Talker ends it.
+    #[arg(long)]
+    pub speech_frames: Option<usize>,
+    /// Speech: a reference clip (WAV) sent as `ref_audio` with every request,
+    /// so each clones a voice (the server encodes it each time).
+    #[arg(long)]
+    pub ref_audio: Option<PathBuf>,
     /// Stop at the model's end of sequence instead of generating exactly --output-len.
     #[arg(long)]
     pub no_ignore_eos: bool,
@@ -183,13 +193,33 @@ impl BenchArgs {
             Some(p) => Some(Arc::new(dataset::questions(p)?)),
             None => None,
         };
+        if !speech && (self.speech_frames.is_some() || self.ref_audio.is_some()) {
+            bail!("--speech-frames and --ref-audio ask --endpoint speech");
+        }
+        let ref_audio = match &self.ref_audio {
+            Some(p) => {
+                let bytes = std::fs::read(p)
+                    .with_context(|| format!("--ref-audio: reading {}", p.display()))?;
+                Some(Arc::new(
+                    base64::engine::general_purpose::STANDARD.encode(bytes),
+                ))
+            }
+            None => None,
+        };
         Ok(RequestShape {
             endpoint: self.endpoint,
             model: self.model.clone(),
             voice: self.voice.clone(),
             audio: speech || !self.text_only,
-            max_tokens: (!speech).then_some(self.output_len),
-            ignore_eos: !speech && !self.no_ignore_eos,
+            max_tokens: match speech {
+                true => self.speech_frames,
+                false => Some(self.output_len),
+            },
+            ignore_eos: match speech {
+                true => self.speech_frames.is_some(),
+                false => !self.no_ignore_eos,
+            },
+            ref_audio,
             temperature: self.temperature,
             timeout: Duration::from_secs(self.timeout.max(1)),
             questions,

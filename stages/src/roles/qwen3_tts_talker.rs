@@ -21,7 +21,9 @@ use candle_core::{DType, Tensor};
 
 use super::qwen3_talker::{end_of_speech, left_padded};
 use super::qwen3_thinker::sampling_config;
-use crate::engine::{FrameChunk, Payload, RequestCtx, RequestId, StageModel, StepOutput};
+use crate::engine::{
+    FrameChunk, Payload, RequestCtx, RequestId, RequestInput, StageModel, StepOutput,
+};
 use crate::models::qwen3_omni::graphs;
 use crate::models::qwen3_omni::layers::KvSlots;
 use crate::models::qwen3_omni::sampling::{samples_on_device, Sampler, SamplingConfig};
@@ -518,6 +520,13 @@ impl StageModel for Qwen3TtsTalker {
         code0.suppress_tokens = t.suppress_tokens();
         let cp = self.cp_defaults.clone().with_seed(ctx.id.wrapping_add(1));
         let sampling = &ctx.spec.sampling;
+        // A request's `max_tokens` counts this Talker's frames only where it
+        // speaks the request's own text (/v1/audio/speech); in a cascade it is
+        // the Thinker's text budget.
+        let frame_cap = match ctx.spec.input {
+            RequestInput::Speech { .. } => sampling.max_tokens,
+            _ => None,
+        };
         self.reqs.insert(
             ctx.id,
             Req {
@@ -535,16 +544,18 @@ impl StageModel for Qwen3TtsTalker {
                 frames: 0,
                 sampler: Sampler::new(code0),
                 cp_sampler: Sampler::new(cp),
-                // The profile's cap, and the request's where it sets a lower one.
+                // The profile's cap (generate's max_new_tokens: its last code 0
+                // is not spoken), and the request's where it sets a lower one
+                // (`max_tokens` on /v1/audio/speech: frames spoken).
                 max_frames: self
                     .defaults
                     .max_tokens
                     .unwrap_or(DEFAULT_MAX_FRAMES)
-                    .min(sampling.max_tokens.unwrap_or(usize::MAX))
+                    .min(frame_cap.map_or(usize::MAX, |n| n.saturating_add(1)))
                     .max(1),
                 fixed_frames: sampling
                     .ignore_eos
-                    .then_some(sampling.audio_frames.or(sampling.max_tokens))
+                    .then_some(sampling.audio_frames.or(frame_cap))
                     .flatten(),
             },
         );
@@ -667,7 +678,7 @@ impl StageModel for Qwen3TtsTalker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::{Modalities, RequestInput, RequestSpec, SpeechStyle, TextChunk};
+    use crate::engine::{Modalities, RequestSpec, SpeechStyle, TextChunk};
     use crate::models::qwen3_tts::fixtures;
     use crate::models::qwen3_tts::model::Weights;
 

@@ -128,6 +128,14 @@ pub struct SpeechRequest {
     /// The clip's words, for in-context cloning (not supported yet).
     #[serde(default)]
     ref_text: Option<String>,
+    /// The most codec frames to speak (a Talker that speaks frame by frame:
+    /// Qwen3-TTS, 12.5 a second). Piper makes a sentence at once and takes none.
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    /// Benchmarks (vLLM's extension, as on chat): speak exactly `max_tokens`
+    /// frames, past the text's end, so that runs compare like for like.
+    #[serde(default)]
+    ignore_eos: Option<bool>,
 }
 
 impl SpeechRequest {
@@ -548,8 +556,44 @@ impl SpeechPlan {
         style.speaker_embedding = cloned;
         let mut spec = crate::run::speech_spec(&r.input, voice, speed);
         spec.style = style;
+        speech_length(&mut spec.sampling, r.max_tokens, r.ignore_eos, languages)?;
         Ok(Self { spec, format, sse })
     }
+}
+
+/// `max_tokens` and `ignore_eos` on `/v1/audio/speech`: frames of a Talker that
+/// speaks frame by frame (the one that takes languages: Qwen3-TTS).
+fn speech_length(
+    s: &mut SamplingOverrides,
+    max_tokens: Option<u64>,
+    ignore_eos: Option<bool>,
+    languages: &[String],
+) -> Result<(), ApiError> {
+    if max_tokens.is_some() && languages.is_empty() {
+        return Err(param(
+            "max_tokens",
+            invalid("this server's voice speaks a sentence at once: it takes no `max_tokens`"),
+        ));
+    }
+    if let Some(m) = max_tokens {
+        if m < 1 {
+            return Err(param(
+                "max_tokens",
+                invalid(format!("`max_tokens` must be at least 1, got {m}")),
+            ));
+        }
+        s.max_tokens = Some(usize::try_from(m).unwrap_or(usize::MAX));
+    }
+    if ignore_eos == Some(true) {
+        if max_tokens.is_none() {
+            return Err(param(
+                "ignore_eos",
+                invalid("`ignore_eos` needs `max_tokens`: the speech would never end"),
+            ));
+        }
+        s.ignore_eos = true;
+    }
+    Ok(())
 }
 
 /// A speech session's `voice`, `instructions` and `language` (the speech

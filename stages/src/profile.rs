@@ -947,6 +947,38 @@ connectors:
     }
 
     #[test]
+    fn the_released_qwen3_tts_profiles_parse_and_their_configs_load() {
+        use crate::models::qwen3_tts::config::{ModelType as Tts, Qwen3TtsConfig};
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/qwen3_tts_released");
+        for (name, kind, presets) in [
+            ("1.7b-customvoice", Tts::CustomVoice, true),
+            ("1.7b-voicedesign", Tts::VoiceDesign, false),
+            ("1.7b-base", Tts::Base, false),
+            ("0.6b-customvoice", Tts::CustomVoice, true),
+            ("0.6b-base", Tts::Base, false),
+        ] {
+            // On the CPU (a build without CUDA refuses `device: cuda`).
+            let file = root.join(format!("{name}.yaml"));
+            let text = std::fs::read_to_string(&file).unwrap();
+            assert!(text.contains("device: cuda"), "{name}");
+            let p = Profile::parse(&text.replace("device: cuda", "device: cpu"), &file).unwrap();
+            let types: Vec<ModelType> = p.stages.iter().map(|s| s.model.model_type).collect();
+            assert_eq!(
+                types,
+                [ModelType::Qwen3TtsTalker, ModelType::Qwen3TtsCode2wav],
+                "{name}"
+            );
+            assert_eq!(p.stages[0].voice.is_some(), presets, "{name}");
+            let cfg = Qwen3TtsConfig::load(&p.resolve(&p.stages[0].model.path)).unwrap();
+            assert_eq!(cfg.tts_model_type, kind, "{name}");
+            assert_eq!(cfg.talker_config.num_code_groups, 16, "{name}");
+            if kind == Tts::Base {
+                assert!(cfg.speaker_encoder_config.is_some(), "{name}");
+            }
+        }
+    }
+
+    #[test]
     fn the_shipped_qwen3_omni_profiles_parse() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
         // The tiny one points at the committed fixture checkpoint.

@@ -83,17 +83,25 @@ pub struct TtsTalkerConfig {
     pub codec_language_id: HashMap<String, u32>,
 }
 
-/// `Qwen3TTSSpeakerEncoderConfig` (ECAPA-TDNN; Base checkpoints).
+/// `Qwen3TTSSpeakerEncoderConfig` (ECAPA-TDNN; Base checkpoints). The released
+/// Base configs write only `enc_dim` and `sample_rate`: the rest are the
+/// reference class's defaults.
 #[derive(Debug, Clone, Deserialize)]
 pub struct SpeakerEncoderConfig {
     #[serde(default = "d_mel")]
     pub mel_dim: usize,
     pub enc_dim: usize,
+    #[serde(default = "d_channels")]
     pub enc_channels: Vec<usize>,
+    #[serde(default = "d_kernel_sizes")]
     pub enc_kernel_sizes: Vec<usize>,
+    #[serde(default = "d_dilations")]
     pub enc_dilations: Vec<usize>,
+    #[serde(default = "d_128")]
     pub enc_attention_channels: usize,
+    #[serde(default = "d_res2net_scale")]
     pub enc_res2net_scale: usize,
+    #[serde(default = "d_128")]
     pub enc_se_channels: usize,
     #[serde(default = "d_rate")]
     pub sample_rate: u32,
@@ -104,6 +112,21 @@ fn d_mel() -> usize {
 }
 fn d_rate() -> u32 {
     24000
+}
+fn d_channels() -> Vec<usize> {
+    vec![512, 512, 512, 512, 1536]
+}
+fn d_kernel_sizes() -> Vec<usize> {
+    vec![5, 3, 3, 3, 1]
+}
+fn d_dilations() -> Vec<usize> {
+    vec![1, 2, 3, 4, 1]
+}
+fn d_128() -> usize {
+    128
+}
+fn d_res2net_scale() -> usize {
+    8
 }
 
 /// What a checkpoint was trained for (`tts_model_type`).

@@ -23,6 +23,18 @@ Writes under tests/fixtures/qwen3_tts/:
   codec/io.safetensors:  codes_{F} (1, groups, F) int64 and wav_{F} (1, 1, F*1920),
       the decoder's waveform before the final clamp, for F in LENGTHS; chunked_{F}
       its `chunked_decode(codes, CHUNK, LEFT)`.
+  encoder/io.safetensors: per clip of n samples in CLIPS (io.json lists them):
+      pcm16_{n}          (n,) int16: the clip as 16-bit PCM (the encoder sees pcm16 / 32768)
+      codes_{n}          (ceil(n / 1920), groups) int64: the speech tokenizer's `encode`
+  icl/io.safetensors + io.json: in-context voice cloning (`generate` with
+      `voice_clone_prompt`'s icl_mode, as `generate_voice_clone` calls it), per case c
+      (io.json: text, ref_text, ref_clip (an encoder clip), language, non_streaming;
+      ref_frames, frames and the waveform's cut):
+      {c}.input_ids, {c}.prompt, {c}.trailing, {c}.codes, {c}.logits0  as for generate/
+      {c}.ref_ids        the tokenized `<|im_start|>assistant\n{ref_text}<|im_end|>\n`
+      {c}.xvector        (hidden,) the speaker encoder's x-vector of the ref clip
+      {c}.wav            `generate_voice_clone`'s waveform: the decode of the ref codes
+                         followed by the generated ones, the ref's share cut off
 """
 
 import math
@@ -37,6 +49,12 @@ import tiny  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 MAX_FRAMES = 24
+# In-context cases stop sooner: their waveforms are the bulk of the fixture.
+ICL_MAX_FRAMES = 12
+# Encoder clips, in samples: 0.5 s, 1.17 s (not a whole number of 1920-sample
+# frames) and 3 s (75 encoder steps: past the tiny transformer's sliding_window
+# of 16, which the reference's eager/sdpa attention does not apply).
+CLIPS = [12000, 28000, 72000]
 LENGTHS = [1, 5, 20]
 CHUNK = 5
 LEFT = 3
@@ -60,11 +78,28 @@ CASES = [
          language="english", instruct="Speak happily.", non_streaming=True),
 ]
 
+# In-context cloning (Base): a reference clip's codes and transcript before the text.
+ICL_CASES = [
+    # The ref's 7 frames are fewer than the ref and target text tokens: the rest of
+    # the text trails, one token a frame.
+    dict(name="icl_stream", text="The quick brown fox jumps over the lazy dog.", ref_text="Hi there.",
+         ref_clip=12000, language="english", non_streaming=False),
+    # 38 frames outnumber the text: the text side is padded, nothing trails.
+    dict(name="icl_stream_long_ref", text="Speech streams in real time.",
+         ref_text="This is how I sound on a good day.", ref_clip=72000, language="auto",
+         non_streaming=False),
+    # Whole text. 15 ref frames of 26: the reference's float cut, int(15 / 26 * 26 * 1920),
+    # is 28799, one sample short of the ref's 28800.
+    dict(name="icl_whole", text="Paris is the capital of France.", ref_text="A short reference clip.",
+         ref_clip=28000, language="english", non_streaming=True),
+]
 
-def speech_like(seconds: float, seed: int) -> torch.Tensor:
+
+def speech_like(seconds: float, seed: int, samples: int | None = None) -> torch.Tensor:
     """A voiced, syllable-paced test signal in [-1, 1] (no real recordings here)."""
     g = torch.Generator().manual_seed(seed)
-    t = torch.arange(int(24000 * seconds), dtype=torch.float64) / 24000
+    n = samples if samples is not None else int(24000 * seconds)
+    t = torch.arange(n, dtype=torch.float64) / 24000
     f0 = 140 + 30 * torch.sin(2 * math.pi * 0.7 * t)
     phase = 2 * math.pi * torch.cumsum(f0, 0) / 24000
     voiced = sum(torch.sin(k * phase) / k for k in range(1, 12))
@@ -148,16 +183,69 @@ def main():
     tensors = {}
     for frames in LENGTHS:
         codes = torch.randint(0, tiny.CODEBOOK, (1, tiny.NUM_GROUPS, frames), generator=g)
-        captured = []
-        hook = dec.decoder[-1].register_forward_hook(lambda _m, _i, out: captured.append(out))
+        last = []
+        hook = dec.decoder[-1].register_forward_hook(lambda _m, _i, out: last.append(out))
         out = dec(codes)
         hook.remove()
-        assert torch.equal(captured[0].clamp(-1, 1), out)
+        assert torch.equal(last[0].clamp(-1, 1), out)
         tensors[f"codes_{frames}"] = codes
-        tensors[f"wav_{frames}"] = captured[0]
+        tensors[f"wav_{frames}"] = last[0]
         tensors[f"chunked_{frames}"] = dec.chunked_decode(codes, CHUNK, LEFT)
-        print("codec", frames, tuple(out.shape), "peak", float(captured[0].abs().max()))
+        print("codec", frames, tuple(out.shape), "peak", float(last[0].abs().max()))
     tiny.save_io("codec", tensors, {"lengths": LENGTHS, "chunk": CHUNK, "left": LEFT})
+
+    # The codec encoder: 16-bit clips (stored at half the size; exact in f32) to codes.
+    tensors, clips = {}, {}
+    for i, n in enumerate(CLIPS):
+        pcm16 = (speech_like(0, seed=20 + i, samples=n) * 32767).round().to(torch.int16)
+        pcm = pcm16.float() / 32768
+        codes = tok.encode(pcm.unsqueeze(0), padding_mask=torch.ones(1, n, dtype=torch.long)).audio_codes[0]
+        assert codes.shape == (math.ceil(n / 1920), tiny.NUM_GROUPS), codes.shape
+        tensors[f"pcm16_{n}"] = pcm16
+        tensors[f"codes_{n}"] = codes
+        clips[n] = (pcm, codes)
+        print("encoder", n, tuple(codes.shape), "distinct codes per quantizer",
+              [len(set(c.tolist())) for c in codes.T])
+    tiny.save_io("encoder", tensors, {"clips": CLIPS})
+
+    # In-context cloning: ref codes from the encoder, the x-vector from the same clip.
+    tensors, meta = {}, {"max_frames": ICL_MAX_FRAMES, "cases": []}
+    for case in ICL_CASES:
+        c = case["name"]
+        pcm, ref_code = clips[case["ref_clip"]]
+        xvector = model.extract_speaker_embedding(pcm.numpy(), 24000)
+        input_ids = ids(f"<|im_start|>assistant\n{case['text']}<|im_end|>\n<|im_start|>assistant\n")
+        ref_ids = ids(f"<|im_start|>assistant\n{case['ref_text']}<|im_end|>\n")
+        codes, _ = model.generate(
+            input_ids=[input_ids],
+            ref_ids=[ref_ids],
+            voice_clone_prompt=dict(ref_code=[ref_code], ref_spk_embedding=[xvector],
+                                    x_vector_only_mode=[False], icl_mode=[True]),
+            languages=[case["language"]],
+            non_streaming_mode=case["non_streaming"],
+            max_new_tokens=ICL_MAX_FRAMES,
+            do_sample=False,
+            subtalker_dosample=False,
+        )
+        codes = codes[0]
+        # As generate_voice_clone: decode ref + new codes, cut the ref's share.
+        total = torch.cat([ref_code, codes], dim=0)
+        wav = tok.decode(total.unsqueeze(0), return_dict=True).audio_values[0]
+        ref_len, total_len = ref_code.shape[0], total.shape[0]
+        cut = int(ref_len / max(total_len, 1) * wav.shape[0])
+        tensors[f"{c}.input_ids"] = input_ids
+        tensors[f"{c}.ref_ids"] = ref_ids
+        tensors[f"{c}.xvector"] = xvector
+        tensors[f"{c}.prompt"] = captured["prompt"]
+        tensors[f"{c}.trailing"] = captured["trailing"]
+        tensors[f"{c}.codes"] = codes
+        tensors[f"{c}.logits0"] = captured["logits0"]
+        tensors[f"{c}.wav"] = wav[cut:]
+        meta["cases"].append({**case, "ref_frames": ref_len, "frames": int(codes.shape[0]),
+                              "samples": int(wav.shape[0]), "cut": cut})
+        print(c, "ref", ref_len, "frames", codes.shape[0], "prompt", tuple(captured["prompt"].shape),
+              "trailing", tuple(captured["trailing"].shape), "cut", cut, "of the ref's", ref_len * 1920)
+    tiny.save_io("icl", tensors, meta)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ SPEAKERS = {"vivian": CODEBOOK + 250, "ryan": CODEBOOK + 251, "eric": CODEBOOK +
 DIALECT = {"vivian": False, "ryan": False, "eric": "sichuan_dialect"}
 LANGUAGES = {"english": CODEBOOK + 200, "chinese": CODEBOOK + 201, "sichuan_dialect": CODEBOOK + 202}
 TALKER_HIDDEN = 48
+ENCODER_VQ_DIM = 48
 
 
 def tiny_config(model_type: str = "base") -> Qwen3TTSConfig:
@@ -154,8 +155,12 @@ def tokenizer_config() -> Qwen3TTSTokenizerV2Config:
         compress=2,
         trim_right_ratio=1.0,
         codebook_size=CODEBOOK,
-        codebook_dim=32,
-        num_quantizers=NUM_GROUPS,
+        # As the released encoder (hidden 512, codebooks of 256, 32 quantizers of
+        # which 16 are used): the quantizers work in their own width behind
+        # input_proj, and there are more of them than the Talker takes.
+        codebook_dim=ENCODER_VQ_DIM,
+        vector_quantization_hidden_dimension=ENCODER_VQ_DIM,
+        num_quantizers=2 * NUM_GROUPS,
         num_semantic_quantizers=1,
         upsample_groups=32,
         num_hidden_layers=2,
@@ -163,6 +168,8 @@ def tokenizer_config() -> Qwen3TTSTokenizerV2Config:
         num_attention_heads=4,
         num_key_value_heads=4,
         head_dim=8,
+        # Not applied by the reference (its eager and sdpa attention are plain
+        # causal); the fixture clips run past it to show that.
         sliding_window=16,
         max_position_embeddings=8000,
         rope_theta=10000.0,
@@ -212,7 +219,17 @@ def tiny_tokenizer(seed: int = 10) -> Qwen3TTSTokenizerV2Model:
     cfg.decoder_config._attn_implementation = "eager"
     cfg.encoder_config._attn_implementation = "eager"
     tok = Qwen3TTSTokenizerV2Model(cfg).float().eval()
-    _randomize(tok, torch.Generator().manual_seed(seed + 1))
+    g = torch.Generator().manual_seed(seed + 1)
+    _randomize(tok, g)
+    # The encoder's codebooks are buffers (`embed_sum`, `cluster_usage`), which
+    # `_randomize` leaves at zeros and ones: every code would be 0. Drawn at about
+    # the width of what they quantize (input_proj's outputs, std ~0.5 here).
+    with torch.no_grad():
+        for name, b in tok.encoder.quantizer.named_buffers():
+            if name.endswith("embed_sum"):
+                b.copy_(0.6 * torch.randn(b.shape, generator=g))
+            elif name.endswith("cluster_usage"):
+                b.copy_(1.0 + torch.rand(b.shape, generator=g))
     # As for Qwen3-Omni's tiny Code2Wav: at these widths the decoder gains ~1.5x
     # per conv and the waveform would peak near 50 (mostly clamped). Scaling its
     # convs by 0.7 gives speech-like levels (peak ~0.3, nothing clamped).

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use super::codec_encoder::CodecEncoderConfig;
 use crate::models::qwen3_omni::code2wav::{Code2WavConfig, Code2WavVariant};
 use crate::models::qwen3_omni::code_predictor::CodePredictorConfig;
 use crate::models::qwen3_omni::layers::DecoderConfig;
@@ -253,10 +254,22 @@ pub struct SpeechTokenizerConfig {
     pub output_sample_rate: u32,
     #[serde(default = "d_upsample")]
     pub decode_upsample_rate: usize,
+    /// The encoder (reference clips to codes, for in-context cloning); checked
+    /// only where it is built ([`super::codec_encoder::CodecEncoder::new`]).
+    #[serde(default)]
+    pub encoder_config: Option<CodecEncoderConfig>,
+    /// The encoder's leading quantizers that make a frame's codes.
+    #[serde(default = "d_valid")]
+    pub encoder_valid_num_quantizers: usize,
+    #[serde(default = "d_upsample")]
+    pub encode_downsample_rate: usize,
 }
 
 fn d_upsample() -> usize {
     1920
+}
+fn d_valid() -> usize {
+    16
 }
 
 impl SpeechTokenizerConfig {

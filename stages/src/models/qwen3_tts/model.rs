@@ -1,6 +1,7 @@
 //! A whole Qwen3-TTS checkpoint: the Talker with its prompts, the speaker
-//! encoder (Base), the speech tokenizer's decoder and the text tokenizer, loaded
-//! once and shared by the engine's Talker and Code2Wav stages.
+//! encoder and the speech tokenizer's encoder (Base), the speech tokenizer's
+//! decoder and the text tokenizer, loaded once and shared by the engine's Talker
+//! and Code2Wav stages.
 
 use std::path::Path;
 
@@ -8,6 +9,7 @@ use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 
 use super::codec::{load_decoder, CodecError};
+use super::codec_encoder::{load_encoder, CodecEncoder, EncodeError};
 use super::config::{ConfigError, ModelType, Qwen3TtsConfig, SpeechTokenizerConfig};
 use super::speaker_encoder::SpeakerEncoder;
 use super::talker::Qwen3TtsTalker;
@@ -24,11 +26,26 @@ pub enum Weights {
     Random,
 }
 
+/// Where qwen-tts's `generate_voice_clone` cuts the decode of a reference
+/// clip's `ref_frames` codes followed by the generated ones (`total_frames` in
+/// all, `samples_per_frame` samples each) to drop the clip's own audio:
+/// `int(ref / total * samples)` in float64. That is `ref_frames *
+/// samples_per_frame`, or one sample less where the product rounds below it
+/// (15 ref frames of 26, for one; about 4% of pairs): the reference then keeps
+/// the last sample of the clip's audio. So a streamed decoder seeded with the
+/// ref's codes drops what it says for them but its last
+/// `ref_frames * samples_per_frame - cut` samples (0 or 1).
+pub fn voice_clone_cut(ref_frames: usize, total_frames: usize, samples_per_frame: usize) -> usize {
+    let samples = (total_frames * samples_per_frame) as f64;
+    (ref_frames as f64 / total_frames.max(1) as f64 * samples) as usize
+}
+
 /// A loaded Qwen3-TTS checkpoint.
 pub struct Qwen3Tts {
     cfg: Qwen3TtsConfig,
     talker: Qwen3TtsTalker,
     speaker_encoder: Option<SpeakerEncoder>,
+    codec_encoder: Option<CodecEncoder>,
     decoder: Code2Wav,
     codec_cfg: SpeechTokenizerConfig,
     device: Device,
@@ -46,6 +63,15 @@ impl From<CodecError> for ModelError {
     }
 }
 
+impl From<EncodeError> for ModelError {
+    fn from(e: EncodeError) -> Self {
+        match e {
+            EncodeError::Model(e) => ModelError::Candle(e),
+            e => ModelError::Invalid(e.to_string()),
+        }
+    }
+}
+
 impl Qwen3Tts {
     /// Loads `dir` (`config.json`, the weights, `speech_tokenizer/`).
     pub fn load(
@@ -56,20 +82,35 @@ impl Qwen3Tts {
         progress: Option<Progress>,
     ) -> Result<Self, ModelError> {
         let cfg = Qwen3TtsConfig::load(dir)?;
-        let (vb, decoder, codec_cfg) = match source {
+        // Only a Base checkpoint takes reference clips (qwen-tts refuses
+        // `create_voice_clone_prompt` for the others); the encoder is kept in f32
+        // whatever `dtype` is (its codes are argmins: see codec_encoder).
+        let base = cfg.tts_model_type == ModelType::Base;
+        let (vb, decoder, codec_cfg, codec_encoder) = match source {
             Weights::Checkpoint => {
                 let vb = weights::from_checkpoint(dir, dtype, device, progress)?;
                 let (decoder, codec_cfg) = load_decoder(dir, dtype, device)?;
-                (vb, decoder, codec_cfg)
+                let encoder = match base {
+                    true => load_encoder(dir, &codec_cfg, device)?,
+                    false => None,
+                };
+                (vb, decoder, codec_cfg, encoder)
             }
             Weights::Random => {
                 let codec_cfg = SpeechTokenizerConfig::load(dir)?;
                 let vb = weights::random(dtype, device);
                 let decoder = Code2Wav::new(&codec_cfg.decoder_config, vb.pp("decoder"))?;
-                (vb, decoder, codec_cfg)
+                let encoder = match base && codec_cfg.encoder_config.is_some() {
+                    true => {
+                        let vb = weights::random(DType::F32, device).pp("encoder");
+                        Some(CodecEncoder::new(&codec_cfg, vb)?)
+                    }
+                    false => None,
+                };
+                (vb, decoder, codec_cfg, encoder)
             }
         };
-        Self::from_parts(cfg, vb, decoder, codec_cfg, device)
+        Self::from_parts(cfg, vb, decoder, codec_cfg, codec_encoder, device)
     }
 
     fn from_parts(
@@ -77,6 +118,7 @@ impl Qwen3Tts {
         vb: VarBuilder,
         decoder: Code2Wav,
         codec_cfg: SpeechTokenizerConfig,
+        codec_encoder: Option<CodecEncoder>,
         device: &Device,
     ) -> Result<Self, ModelError> {
         let groups = cfg.talker_config.num_code_groups;
@@ -91,10 +133,19 @@ impl Qwen3Tts {
             (Some(se), ModelType::Base) => Some(SpeakerEncoder::new(se, vb.pp("speaker_encoder"))?),
             _ => None,
         };
+        if let Some(e) = &codec_encoder {
+            if e.num_quantizers() != groups {
+                return Err(ModelError::Invalid(format!(
+                    "the Talker makes {groups} codes a frame, the speech tokenizer encodes {}",
+                    e.num_quantizers()
+                )));
+            }
+        }
         Ok(Self {
             cfg,
             talker,
             speaker_encoder,
+            codec_encoder,
             decoder,
             codec_cfg,
             device: device.clone(),
@@ -112,6 +163,12 @@ impl Qwen3Tts {
     /// Base checkpoints only.
     pub fn speaker_encoder(&self) -> Option<&SpeakerEncoder> {
         self.speaker_encoder.as_ref()
+    }
+
+    /// The speech tokenizer's encoder: a reference clip's codes for in-context
+    /// cloning. Base checkpoints whose speech tokenizer ships it only.
+    pub fn codec_encoder(&self) -> Option<&CodecEncoder> {
+        self.codec_encoder.as_ref()
     }
 
     pub fn decoder(&self) -> &Code2Wav {
@@ -194,5 +251,59 @@ mod tests {
             .embed_pcm(&vec![0.1; 24_000])
             .unwrap();
         assert!(x.to_vec1::<f32>().unwrap().iter().all(|v| v.is_finite()));
+        let codes = m.codec_encoder().unwrap().encode(&vec![0.1; 5000]).unwrap();
+        assert_eq!(codes.dims(), [3, groups]);
+    }
+
+    /// A Base checkpoint whose speech tokenizer ships no encoder weights loads,
+    /// without the codec encoder; other checkpoints never load it.
+    #[test]
+    fn the_codec_encoder_is_loaded_where_it_is_shipped() {
+        let dev = Device::Cpu;
+        let load = |dir: &Path| Qwen3Tts::load(dir, DType::F32, &dev, Weights::Checkpoint, None);
+        let m = load(&fixtures::model_dir()).unwrap();
+        assert_eq!(m.codec_encoder().unwrap().num_quantizers(), 4);
+        let design = load(&fixtures::dir().join("model_design")).unwrap();
+        assert!(design.codec_encoder().is_none());
+
+        let src = fixtures::model_dir();
+        let tmp = tempfile::tempdir().unwrap();
+        let st = tmp.path().join("speech_tokenizer");
+        std::fs::create_dir(&st).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
+        }
+        std::fs::copy(
+            src.join("speech_tokenizer/config.json"),
+            st.join("config.json"),
+        )
+        .unwrap();
+        let weights =
+            candle_core::safetensors::load(src.join("speech_tokenizer/model.safetensors"), &dev)
+                .unwrap();
+        let decoder_only: std::collections::HashMap<_, _> = weights
+            .into_iter()
+            .filter(|(k, _)| !k.starts_with("encoder."))
+            .collect();
+        candle_core::safetensors::save(&decoder_only, st.join("model.safetensors")).unwrap();
+        let m = load(tmp.path()).unwrap();
+        assert!(m.speaker_encoder().is_some());
+        assert!(m.codec_encoder().is_none());
+    }
+
+    /// The reference's cut is the ref's samples, or one less: the fixture's
+    /// in-context cases have both.
+    #[test]
+    fn the_voice_clone_cut_is_the_references() {
+        assert_eq!(voice_clone_cut(7, 18, 1920), 7 * 1920);
+        assert_eq!(voice_clone_cut(38, 49, 1920), 38 * 1920);
+        assert_eq!(voice_clone_cut(15, 26, 1920), 15 * 1920 - 1);
+        assert_eq!(voice_clone_cut(0, 0, 1920), 0);
+        let off = (1..=375)
+            .flat_map(|r| (r..r + 2048).map(move |t| (r, t)))
+            .filter(|&(r, t)| voice_clone_cut(r, t, 1920) != r * 1920)
+            .inspect(|&(r, t)| assert_eq!(voice_clone_cut(r, t, 1920), r * 1920 - 1))
+            .count();
+        assert!(off > 0 && off < 375 * 2048 / 20, "{off}");
     }
 }

@@ -19,6 +19,19 @@
 //! x-vector (Base), or nothing (VoiceDesign, whose `instructions` describe the
 //! voice). With streaming text, the rest of the text (then `tts_eos`) is fed one
 //! vector a frame as the trailing text; non-streaming, every frame gets `tts_pad`.
+//!
+//! In-context cloning (Base, the reference's `icl_mode`: [`Voice::InContext`])
+//! keeps the x-vector in the control part and replaces `first` with the
+//! reference clip's transcript and codes, which the Talker then continues
+//! (`generate_icl_prompt`):
+//!
+//! ```text
+//! text side   text(ref transcript + text), tts_eos                            T positions
+//! codec side  codec(bos), then each ref frame's codes embedded and summed     C positions
+//! streaming   text[..C] + codec side, the rest of the text side trailing      (T > C)
+//!   or        text side, tts_pad up to C, + codec side; nothing trails        (T <= C)
+//! whole text  text side + codec(pad) each, then codec side + tts_pad each
+//! ```
 
 use candle_core::{Module, Tensor};
 use candle_nn::{Embedding, VarBuilder};
@@ -37,6 +50,10 @@ pub enum PromptError {
     EmptyText,
     #[error("this checkpoint has no preset voices and no voice was given")]
     NoVoice,
+    #[error("the reference clip's transcript is empty")]
+    EmptyRefText,
+    #[error("the reference clip's codes: {0}")]
+    BadRefCodes(String),
     #[error(transparent)]
     Model(#[from] candle_core::Error),
 }
@@ -48,8 +65,24 @@ pub enum Voice {
     Preset(String),
     /// A speaker encoder's x-vector `(hidden,)` (Base, voice cloning).
     Embedding(Tensor),
+    /// A reference clip's x-vector, codes and transcript (Base, in-context
+    /// cloning): the speech continues the clip's.
+    InContext(RefClip),
     /// None: the instruction describes the voice (VoiceDesign).
     Described,
+}
+
+/// A reference clip for in-context cloning, as qwen-tts's
+/// `create_voice_clone_prompt` makes it (without `x_vector_only_mode`).
+#[derive(Debug, Clone)]
+pub struct RefClip {
+    /// The speaker encoder's x-vector of the clip, `(hidden,)`.
+    pub xvector: Tensor,
+    /// The speech tokenizer's codes of the clip, `(frames, groups)` (u32 or
+    /// i64), from [`super::codec_encoder::CodecEncoder::encode`].
+    pub codes: Tensor,
+    /// The tokens of [`ref_text`]`(transcript)`.
+    pub ref_ids: Vec<u32>,
 }
 
 /// One utterance to speak.
@@ -82,6 +115,12 @@ pub fn assistant_text(text: &str) -> String {
     format!("<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
 }
 
+/// The text qwen-tts tokenizes for a reference clip's transcript (the prompt
+/// takes the transcript's tokens from it by position, as the reference does).
+pub fn ref_text(text: &str) -> String {
+    format!("<|im_start|>assistant\n{text}<|im_end|>\n")
+}
+
 /// The text qwen-tts tokenizes for an instruction.
 pub fn instruct_text(instruct: &str) -> String {
     format!("<|im_start|>user\n{instruct}<|im_end|>\n")
@@ -90,6 +129,8 @@ pub fn instruct_text(instruct: &str) -> String {
 /// Tokens of [`assistant_text`] before and after the text itself.
 const ROLE: usize = 3;
 const CLOSE: usize = 5;
+/// Tokens of [`ref_text`] after the transcript.
+const REF_CLOSE: usize = 2;
 
 /// The Talker with Qwen3-TTS's text embedding and prompts.
 #[derive(Debug, Clone)]
@@ -184,8 +225,7 @@ impl Qwen3TtsTalker {
         Ok(id)
     }
 
-    /// The prompt `generate` builds for one request (its x-vector and preset
-    /// paths; in-context cloning needs the codec encoder's reference codes).
+    /// The prompt `generate` builds for one request.
     pub fn prompt(&self, req: &SpeechRequest) -> Result<Prompt, PromptError> {
         let ids = req.input_ids;
         if ids.len() <= ROLE + CLOSE {
@@ -204,7 +244,9 @@ impl Qwen3TtsTalker {
     /// [`Self::prompt`] from the role tokens (`<|im_start|>assistant\n`) and the
     /// text tokens. With `non_streaming` every token goes into the prompt; else
     /// only the first, the rest (then `tts_eos`) being the trailing text, so a
-    /// stream whose text is still coming can start from what it has.
+    /// stream whose text is still coming can start from what it has. With a
+    /// [`Voice::InContext`] the text must be whole: streaming, the prompt takes
+    /// as many transcript and text tokens as the clip has frames, plus one.
     pub fn prompt_parts(
         &self,
         role: &[u32],
@@ -227,7 +269,7 @@ impl Qwen3TtsTalker {
                     .ok_or_else(|| PromptError::UnknownSpeaker(name.clone()))?;
                 Some(self.codec(&[id])?)
             }
-            Voice::Embedding(e) => {
+            Voice::Embedding(e) | Voice::InContext(RefClip { xvector: e, .. }) => {
                 let h = e.elem_count();
                 Some(e.reshape((1, 1, h))?.to_dtype(self.tts.pad.dtype())?)
             }
@@ -265,6 +307,14 @@ impl Qwen3TtsTalker {
         }
         parts.push(self.text(role)?);
         parts.push((tts_side + codec)?);
+        if let Voice::InContext(clip) = voice {
+            let (icl, trailing) = self.in_context(text_ids, clip, non_streaming)?;
+            parts.push(icl);
+            return Ok(Prompt {
+                embeds: Tensor::cat(&parts, 1)?,
+                trailing,
+            });
+        }
         let bos = self.codec(&[c.codec_bos_id])?;
         let trailing = if non_streaming {
             let n = text_ids.len();
@@ -286,6 +336,83 @@ impl Qwen3TtsTalker {
             trailing,
         })
     }
+
+    /// `generate_icl_prompt`: the clip's transcript and codes after the control
+    /// part, and the trailing text (see the module doc).
+    fn in_context(
+        &self,
+        text_ids: &[u32],
+        clip: &RefClip,
+        non_streaming: bool,
+    ) -> Result<(Tensor, Tensor), PromptError> {
+        let c = &self.cfg.talker_config;
+        let ids = &clip.ref_ids;
+        if ids.len() <= ROLE + REF_CLOSE {
+            return Err(PromptError::EmptyRefText);
+        }
+        let all: Vec<u32> = ids[ROLE..ids.len() - REF_CLOSE]
+            .iter()
+            .chain(text_ids)
+            .copied()
+            .collect();
+        let text = Tensor::cat(&[self.text(&all)?, Self::rows(&self.tts.eos, 1)?], 1)?;
+        let codec = Tensor::cat(
+            &[
+                self.codec(&[c.codec_bos_id])?,
+                self.ref_frames(&clip.codes)?,
+            ],
+            1,
+        )?;
+        let (t, n) = (text.dim(1)?, codec.dim(1)?);
+        let pad = Self::rows(&self.tts.pad, 1)?;
+        Ok(if non_streaming {
+            let text = (text + self.codec(&vec![c.codec_pad_id; t])?)?;
+            let codec = (codec + Self::rows(&self.tts.pad, n)?)?;
+            (Tensor::cat(&[text, codec], 1)?, pad)
+        } else if t > n {
+            let trailing = text.narrow(1, n, t - n)?;
+            ((text.narrow(1, 0, n)? + codec)?, trailing)
+        } else {
+            let text = match n - t {
+                0 => text,
+                k => Tensor::cat(&[text, Self::rows(&self.tts.pad, k)?], 1)?,
+            };
+            ((text + codec)?, pad)
+        })
+    }
+
+    /// Each frame of `codes` `(frames, groups)` embedded as the Talker takes a
+    /// frame (code 0 by its codec embedding, code g by the code predictor's
+    /// `codec_embedding[g - 1]`) and summed: `(1, frames, hidden)`.
+    fn ref_frames(&self, codes: &Tensor) -> Result<Tensor, PromptError> {
+        let c = &self.cfg.talker_config;
+        let (groups, size) = (
+            c.num_code_groups,
+            c.code_predictor_config.decoder.vocab_size,
+        );
+        let shape = codes.dims();
+        if shape.len() != 2 || shape[0] == 0 || shape[1] != groups {
+            return Err(PromptError::BadRefCodes(format!(
+                "shape {shape:?}, not (frames, {groups})"
+            )));
+        }
+        // Negative i64 codes wrap to large u32s, refused with the rest.
+        let codes = codes
+            .to_dtype(candle_core::DType::U32)?
+            .to_device(self.text_embedding.embeddings().device())?;
+        let max = codes.max_all()?.to_scalar::<u32>()?;
+        if max as usize >= size {
+            return Err(PromptError::BadRefCodes(format!(
+                "code {max} outside the codebook of {size}"
+            )));
+        }
+        let group = |g: usize| codes.narrow(1, g, 1)?.t()?.contiguous();
+        let mut sum = self.talker.embed_codec(&group(0)?)?;
+        for g in 1..groups {
+            sum = (sum + self.talker.code_predictor().embed(g, &group(g)?)?)?;
+        }
+        Ok(sum.to_dtype(self.tts.pad.dtype())?)
+    }
 }
 
 #[cfg(test)]
@@ -294,7 +421,9 @@ mod tests {
     use crate::models::qwen3_omni::fixtures::max_abs_diff;
     use crate::models::qwen3_omni::sampling::{Sampler, SamplingConfig};
     use crate::models::qwen3_tts::fixtures;
+    use crate::models::qwen3_tts::model::{voice_clone_cut, Qwen3Tts, Weights};
     use candle_core::DType;
+    use std::collections::HashMap;
 
     fn load() -> Qwen3TtsTalker {
         let cfg = Qwen3TtsConfig::load(&fixtures::model_dir()).unwrap();
@@ -357,6 +486,44 @@ mod tests {
         }
     }
 
+    /// One reference `generate` case `c` of `io`: the prompt and trailing text
+    /// (within `tol`), the prefill's logits, the greedy codes and where EOS
+    /// comes (the reference stops at `max` frames). Returns the codes
+    /// `(1, groups, frames)`.
+    fn check_generate(
+        tts: &Qwen3TtsTalker,
+        io: &HashMap<String, Tensor>,
+        c: &str,
+        req: &SpeechRequest,
+        max: usize,
+        tol: f32,
+    ) -> Tensor {
+        let prompt = tts.prompt(req).unwrap();
+        let e = max_abs_diff(&prompt.embeds, &io[&format!("{c}.prompt")]);
+        assert!(e < tol, "{c}: prompt {e}");
+        let e = max_abs_diff(&prompt.trailing, &io[&format!("{c}.trailing")]);
+        assert!(e < tol, "{c}: trailing text {e}");
+
+        let want: Vec<Vec<u32>> = io[&format!("{c}.codes")]
+            .to_dtype(DType::U32)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        // The reference's last code 0 gets its other codes only from a further
+        // step, which max_new_tokens cuts: it returns max - 1 frames then.
+        let (ours, logits0, ended) = greedy(tts, &prompt, want.len());
+        let e = max_abs_diff(&logits0.squeeze(0).unwrap(), &io[&format!("{c}.logits0")]);
+        assert!(e < 1e-4, "{c}: prefill logits {e}");
+        assert_eq!(ours, want, "{c}: codes");
+        assert_eq!(ended, want.len() < max - 1, "{c}: where EOS comes");
+        let n = ours.len();
+        let flat: Vec<u32> = ours.concat();
+        Tensor::from_vec(flat, (1, n, ours[0].len()), &candle_core::Device::Cpu)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+    }
+
     #[test]
     fn every_voice_path_matches_reference() {
         let tts = load();
@@ -386,34 +553,116 @@ mod tests {
                 language: case["language"].as_str().unwrap(),
                 non_streaming: case["non_streaming"].as_bool().unwrap(),
             };
-            let prompt = tts.prompt(&req).unwrap();
-            let e = max_abs_diff(&prompt.embeds, &io[&format!("{c}.prompt")]);
-            assert!(e < 1e-5, "{c}: prompt {e}");
-            let e = max_abs_diff(&prompt.trailing, &io[&format!("{c}.trailing")]);
-            assert!(e < 1e-5, "{c}: trailing text {e}");
-
-            let want: Vec<Vec<u32>> = io[&format!("{c}.codes")]
-                .to_dtype(DType::U32)
-                .unwrap()
-                .to_vec2()
-                .unwrap();
-            // The reference's last code 0 gets its other codes only from a further
-            // step, which max_new_tokens cuts: it returns max - 1 frames then.
-            let (ours, logits0, ended) = greedy(&tts, &prompt, want.len());
-            let e = max_abs_diff(&logits0.squeeze(0).unwrap(), &io[&format!("{c}.logits0")]);
-            assert!(e < 1e-4, "{c}: prefill logits {e}");
-            assert_eq!(ours, want, "{c}: codes");
+            let codes = check_generate(&tts, &io, c, &req, max, 1e-5);
             // And the waveform the speech tokenizer makes of them.
-            let n = ours.len();
-            let flat: Vec<u32> = ours.concat();
-            let codes = Tensor::from_vec(flat, (1, n, ours[0].len()), &candle_core::Device::Cpu)
-                .unwrap()
-                .transpose(1, 2)
-                .unwrap();
             let wav = codec.decode(&codes).unwrap().flatten_all().unwrap();
             let e = max_abs_diff(&wav, &io[&format!("{c}.wav")]);
             assert!(e < 1e-4, "{c}: waveform {e}");
-            assert_eq!(ended, want.len() < max - 1, "{c}: where EOS comes");
+        }
+    }
+
+    /// In-context cloning from the reference clip up: our codec encoder's codes
+    /// and speaker encoder's x-vector of the clip make the prompt; the codes
+    /// generated after it, and `generate_voice_clone`'s waveform (the decode of
+    /// the ref's codes and the new ones, the ref's share cut off) from a
+    /// streamed decoder seeded with the ref's codes.
+    #[test]
+    fn in_context_cloning_matches_reference() {
+        let dir = fixtures::model_dir();
+        let dev = candle_core::Device::Cpu;
+        let m = Qwen3Tts::load(&dir, DType::F32, &dev, Weights::Checkpoint, None).unwrap();
+        let encoder = m
+            .codec_encoder()
+            .expect("a Base checkpoint's codec encoder");
+        let io = fixtures::io("icl");
+        let clips = fixtures::io("encoder");
+        let meta = fixtures::meta("icl");
+        let max = meta["max_frames"].as_u64().unwrap() as usize;
+        let cases = meta["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 3);
+        for case in cases {
+            let c = case["name"].as_str().unwrap();
+            let n = case["ref_clip"].as_u64().unwrap() as usize;
+            let pcm = fixtures::pcm16(&clips, n);
+            let ref_codes = encoder.encode(&pcm).unwrap();
+            let r = ref_codes.dim(0).unwrap();
+            assert_eq!(r, case["ref_frames"].as_u64().unwrap() as usize, "{c}");
+            let xvector = m.speaker_encoder().unwrap().embed_pcm(&pcm).unwrap();
+            let ex = max_abs_diff(&xvector, &io[&format!("{c}.xvector")]);
+            assert!(ex < 1e-4, "{c}: x-vector {ex}");
+            let input_ids = u32s(&io[&format!("{c}.input_ids")]);
+            let req = SpeechRequest {
+                input_ids: &input_ids,
+                instruct_ids: None,
+                voice: Voice::InContext(RefClip {
+                    xvector,
+                    codes: ref_codes.clone(),
+                    ref_ids: u32s(&io[&format!("{c}.ref_ids")]),
+                }),
+                language: case["language"].as_str().unwrap(),
+                non_streaming: case["non_streaming"].as_bool().unwrap(),
+            };
+            let codes = check_generate(m.talker(), &io, c, &req, max, 1e-5);
+            let frames = codes.dim(2).unwrap();
+
+            // The streamed decoder, seeded with the ref's codes: what it says for
+            // them is dropped but for the samples the reference's cut keeps.
+            let dec = m.decoder();
+            let mut state = dec.new_state();
+            let seed = dec
+                .step(&mut state, &ref_codes.t().unwrap().unsqueeze(0).unwrap())
+                .unwrap();
+            let wav = dec.step(&mut state, &codes).unwrap();
+            let cut = voice_clone_cut(r, r + frames, 1920);
+            assert_eq!(cut as u64, case["cut"].as_u64().unwrap(), "{c}: the cut");
+            let keep = r * 1920 - cut;
+            let wav = Tensor::cat(&[seed.narrow(2, r * 1920 - keep, keep).unwrap(), wav], 2)
+                .unwrap()
+                .flatten_all()
+                .unwrap();
+            let e = max_abs_diff(&wav, &io[&format!("{c}.wav")]);
+            assert!(e < 1e-4, "{c}: waveform {e}");
+        }
+    }
+
+    #[test]
+    fn bad_reference_clips_are_named() {
+        let tts = load();
+        let io = fixtures::io("icl");
+        let ids = u32s(&io["icl_whole.input_ids"]);
+        let clip = RefClip {
+            xvector: io["icl_whole.xvector"].clone(),
+            codes: Tensor::zeros((3, 4), DType::U32, &candle_core::Device::Cpu).unwrap(),
+            ref_ids: u32s(&io["icl_whole.ref_ids"]),
+        };
+        let req = |clip: RefClip| SpeechRequest {
+            input_ids: &ids,
+            instruct_ids: None,
+            voice: Voice::InContext(clip),
+            language: "auto",
+            non_streaming: false,
+        };
+        assert!(tts.prompt(&req(clip.clone())).is_ok());
+        let err = tts
+            .prompt(&req(RefClip {
+                ref_ids: clip.ref_ids[..5].to_vec(),
+                ..clip.clone()
+            }))
+            .unwrap_err();
+        assert!(matches!(err, PromptError::EmptyRefText), "{err}");
+        for codes in [
+            Tensor::zeros((3, 2), DType::U32, &candle_core::Device::Cpu).unwrap(),
+            Tensor::zeros((0, 4), DType::U32, &candle_core::Device::Cpu).unwrap(),
+            Tensor::full(64u32, (3, 4), &candle_core::Device::Cpu).unwrap(),
+            Tensor::full(-1i64, (3, 4), &candle_core::Device::Cpu).unwrap(),
+        ] {
+            let err = tts
+                .prompt(&req(RefClip {
+                    codes,
+                    ..clip.clone()
+                }))
+                .unwrap_err();
+            assert!(matches!(err, PromptError::BadRefCodes(_)), "{err}");
         }
     }
 

@@ -12,8 +12,9 @@
 #
 # Every request speaks exactly FRAMES codec frames (default 125: 10 s), so the
 # runs do equal work (random weights would end anywhere). Base variants clone a
-# new voice in every request: a 5 s clip sent as `ref_audio` and encoded by the
-# server each time (the reference: its speaker encoder, each run).
+# voice in context in every request: a 5 s clip and its words sent as
+# `ref_audio` and `ref_text`, encoded by the server each time (speaker encoder
+# and codec encoder; the reference: both of its own, each run).
 set -uo pipefail
 VARIANTS=${VARIANTS:-1.7b-customvoice 1.7b-base}
 FRAMES=${FRAMES:-125}
@@ -48,6 +49,7 @@ with wave.open(sys.argv[1], "wb") as w:
     w.writeframes((x * 32767).astype("<i2").tobytes())
 EOF
 
+REF_TEXT="The reference clip's words."
 PORT=8094
 for v in $VARIANTS; do
   step "serve $v"
@@ -60,7 +62,8 @@ for v in $VARIANTS; do
   done
   grep -E "listening|captured|rror" "$OUT/serve-$v.log" | tail -5
   case $v in
-    *base) ARGS=(--ref-audio "$OUT/ref.wav" --voice alloy); MODE=clone ;;
+    # In-context cloning (qwen-tts's default for a clip with its words).
+    *base) ARGS=(--ref-audio "$OUT/ref.wav" --ref-text "$REF_TEXT" --voice alloy); MODE=clone ;;
     *) ARGS=(--voice vivian); MODE=custom ;;
   esac
   for c in $LOADS; do
@@ -77,7 +80,7 @@ for v in $VARIANTS; do
   if [ "$REF_FRAMES" != 0 ]; then
     step "reference $v ($MODE, batch 1, $REF_FRAMES frames)"
     PYTHONPATH="$REF" timeout "${REF_S:-240}" python3 scripts/qwen3_tts/ref_bench.py \
-      --variant "deploy/qwen3_tts_released/$v" --mode "$MODE" --frames "$REF_FRAMES" \
+      --variant "deploy/qwen3_tts_released/$v" --mode "$MODE" $([ "$MODE" = clone ] && echo --icl) --frames "$REF_FRAMES" \
       --runs 3 --warmup 1 --out "$OUT/json/reference-$v.json" 2>&1 | grep -vE "pad_token_id|flash-attn" | tail -6
   fi
 done

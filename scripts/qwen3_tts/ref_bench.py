@@ -151,7 +151,9 @@ def main():
                 voice_clone_prompt=vcp,
                 languages=["english"],
                 speakers=[speaker],
-                non_streaming_mode=True,
+                # Each generate_* path's default: whole text for preset and
+                # described voices, the streamed layout for a cloned one.
+                non_streaming_mode=a.mode != "clone",
                 max_new_tokens=a.frames,
                 eos_token_id=suppressed,
             )

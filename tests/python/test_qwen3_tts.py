@@ -17,6 +17,7 @@ OMNISTREAM_URL."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+import websockets
 from openai import OpenAI
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +46,7 @@ def load_safetensors(path: Path) -> dict[str, np.ndarray]:
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8 : 8 + n])
     base = 8 + n
-    dtypes = {"F32": np.float32, "I64": np.int64}
+    dtypes = {"F32": np.float32, "I64": np.int64, "I16": np.int16}
     out = {}
     for k, v in header.items():
         if k == "__metadata__":
@@ -57,6 +59,23 @@ def load_safetensors(path: Path) -> dict[str, np.ndarray]:
 IO = load_safetensors(FIX / "io.safetensors")
 CLIP = load_safetensors(FIX.parent / "speaker" / "io.safetensors")["pcm"]
 CASES = {c["name"]: c for c in json.loads((FIX / "io.json").read_text())["cases"]}
+# In-context cloning: the reference's `generate` with a clip's codes and words
+# (icl/), the clip from the codec encoder's fixtures (16-bit, so a 16-bit WAV
+# carries it exactly).
+ICL = load_safetensors(FIX.parent / "icl" / "io.safetensors")
+ICL_CASES = {c["name"]: c for c in json.loads((FIX.parent / "icl" / "io.json").read_text())["cases"]}
+ENCODER = load_safetensors(FIX.parent / "encoder" / "io.safetensors")
+
+
+def icl_clip(case: dict) -> bytes:
+    pcm16 = ENCODER[f"pcm16_{case['ref_clip']}"]
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(RATE)
+        w.writeframes(pcm16.astype("<i2").tobytes())
+    return buf.getvalue()
 
 
 def make_client(key: str) -> OpenAI:
@@ -263,6 +282,68 @@ def test_bad_reference_clips_are_refused(client, sample, code):
     assert e.value.body["code"] == code and e.value.body["param"] == "audio_sample", e.value.body
 
 
+def assert_icl(samples: np.ndarray, case: str) -> None:
+    """The reference decodes the clip's codes and the new ones together and
+    cuts the clip's share; the server's decoder starts from the state after the
+    clip's codes: the same samples (its cut is the clip's frames x 1920 here)."""
+    c = ICL_CASES[case]
+    assert c["cut"] == c["ref_frames"] * FRAME, c
+    ref = ICL[f"{case}.wav"]
+    assert len(samples) % FRAME == 0 and len(samples) >= len(ref), (len(samples), len(ref))
+    err = float(np.abs(samples[: len(ref)] - ref).max())
+    assert err < TOL, f"{case}: {err}"
+
+
+def test_in_context_cloning_is_the_reference(client):
+    """`ref_audio` with `ref_text`: the clip's codes and words in the prompt, as
+    `generate_voice_clone` (its default, streamed layout); then the same voice
+    made once (`ref_text` with the upload) and spoken by id, and over the speech
+    stream with its text in pieces."""
+    c = ICL_CASES["icl_stream_long_ref"]
+    clip = icl_clip(c)
+    kw = dict(model="qwen3-tts", voice="alloy", input=c["text"], response_format="pcm")
+    inline = pcm(client.audio.speech.create(
+        **kw, extra_body={"ref_audio": base64.b64encode(clip).decode(), "ref_text": c["ref_text"]},
+    ).content)
+    assert_icl(inline, "icl_stream_long_ref")
+    # Without the words it is the x-vector alone: another voice.
+    alone = pcm(client.audio.speech.create(**kw, extra_body={"ref_audio": base64.b64encode(clip).decode()}).content)
+    n = min(len(alone), len(inline))
+    assert np.abs(alone[:n] - inline[:n]).max() > 1e-2
+    voice = client.audio.voices.create(
+        name="In context", consent="cons_test", audio_sample=("clip.wav", clip, "audio/wav"),
+        extra_body={"ref_text": c["ref_text"]},
+    )
+    by_id = pcm(client.audio.speech.create(**{**kw, "voice": voice.id}).content)
+    assert same_audio(by_id, inline)
+
+    async def stream() -> np.ndarray:
+        url = URL.replace("http", "ws", 1).rstrip("/") + "/v1/audio/speech/stream"
+        auth = {"Authorization": "Bearer key-alice"}
+        async with websockets.connect(url, additional_headers=auth, max_size=None) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            await ws.send(json.dumps({"type": "session.update", "session": {"voice": voice.id}}))
+            ev = json.loads(await ws.recv())
+            assert ev["type"] == "session.updated" and ev["session"]["voice"] == voice.id, ev
+            words = c["text"].split(" ")
+            for i, w in enumerate(words):
+                await ws.send(json.dumps({"type": "input.text.delta", "delta": w + (" " if i + 1 < len(words) else "")}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            audio = b""
+            while True:
+                ev = json.loads(await asyncio.wait_for(ws.recv(), 120))
+                assert ev["type"] != "error", ev
+                if ev["type"] == "speech.audio.delta":
+                    audio += base64.b64decode(ev["audio"])
+                if ev["type"] == "speech.audio.done":
+                    return pcm(audio)
+
+    # Its text in pieces: the prompt waits for the words that fill the clip's
+    # codec side (here the whole text), then speaks as the request did.
+    assert same_audio(asyncio.run(stream()), inline)
+    client.audio.voices.delete(voice.id)
+
+
 def test_bad_voice_requests_name_their_parameter(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.audio.voices.create(name="", consent="c", audio_sample=("x.wav", float_wav(CLIP), "audio/wav"))
@@ -275,7 +356,11 @@ def test_bad_voice_requests_name_their_parameter(client):
     assert e.value.body["param"] == "type"
     for extra, param in [
         ({"ref_text": "Hello."}, "ref_text"),
-        ({"ref_audio": base64.b64encode(float_wav(CLIP)).decode(), "ref_text": "Hello."}, "ref_text"),
+        ({"ref_audio": base64.b64encode(float_wav(CLIP)).decode(), "ref_text": "x" * 1001}, "ref_text"),
+        # In context, every frame of the clip is in the prompt: 20 s at most
+        # (22 s here, at 8 kHz to stay within the JSON body limit).
+        ({"ref_audio": base64.b64encode(pcm16_wav(np.tile(CLIP, 11)[::3], 8000)).decode(), "ref_text": "Hi."},
+         "ref_audio"),
         ({"ref_audio": "%%% not base64 %%%"}, "ref_audio"),
         ({"ref_audio": base64.b64encode(pcm16_wav(np.zeros(RATE * 3, dtype=np.float32))).decode()}, "ref_audio"),
     ]:

@@ -25,7 +25,7 @@ fn qwen3_tts_served_through_the_openai_sdk() {
     ];
     let mut server = spawn_server(&args);
     let report = run_pytest(&server, "test_qwen3_tts.py");
-    assert!(report.contains("21 passed"), "{report}");
+    assert!(report.contains("22 passed"), "{report}");
     let report = run_pytest(&server, "test_speech_stream.py");
     assert!(report.contains("4 passed"), "{report}");
     let log = server.log.lock().map(|l| l.clone()).unwrap_or_default();

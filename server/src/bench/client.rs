@@ -44,6 +44,8 @@ pub struct RequestShape {
     /// Speech: a reference clip (base64 WAV) that every request clones.
     #[serde(skip)]
     pub ref_audio: Option<Arc<String>>,
+    /// Speech: the clip's words (in-context cloning).
+    pub ref_text: Option<String>,
     pub temperature: Option<f64>,
     #[serde(skip)]
     pub timeout: Duration,
@@ -254,6 +256,9 @@ impl Client {
         }
         if let Some(clip) = &shape.ref_audio {
             body["ref_audio"] = json!(clip.as_str());
+        }
+        if let Some(t) = &shape.ref_text {
+            body["ref_text"] = json!(t);
         }
         let (t0, resp) = self.post_json("/v1/audio/speech", &body).await?;
         let mut tl = Timeline::default();

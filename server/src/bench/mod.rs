@@ -101,6 +101,10 @@ pub struct BenchArgs {
     /// so each clones a voice (the server encodes it each time).
     #[arg(long)]
     pub ref_audio: Option<PathBuf>,
+    /// Speech: the --ref-audio clip's words, sent as `ref_text`: in-context
+    /// cloning (the clip's codes in every prompt).
+    #[arg(long, requires = "ref_audio")]
+    pub ref_text: Option<String>,
     /// Stop at the model's end of sequence instead of generating exactly --output-len.
     #[arg(long)]
     pub no_ignore_eos: bool,
@@ -220,6 +224,7 @@ impl BenchArgs {
                 false => !self.no_ignore_eos,
             },
             ref_audio,
+            ref_text: self.ref_text.clone(),
             temperature: self.temperature,
             timeout: Duration::from_secs(self.timeout.max(1)),
             questions,

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use omnistream_stages::engine::VoiceReference;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -46,6 +47,18 @@ pub struct StoredVoice {
     pub seconds: f32,
     /// The speaker embedding the Talker speaks from.
     pub embedding: Vec<f32>,
+    /// In-context cloning: the clip's codes and transcript (a voice made with
+    /// `ref_text`); none for a voice cloned from the embedding alone.
+    #[serde(default)]
+    pub reference: Option<VoiceReference>,
+}
+
+/// What a reference clip gives a cloned voice.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClonedClip {
+    pub seconds: f32,
+    pub embedding: Vec<f32>,
+    pub reference: Option<VoiceReference>,
 }
 
 impl StoredVoice {
@@ -122,8 +135,7 @@ impl VoiceStore {
         owner: &str,
         name: &str,
         consent: Option<String>,
-        seconds: f32,
-        embedding: Vec<f32>,
+        clip: ClonedClip,
     ) -> Result<StoredVoice, StoreError> {
         let mut voices = self.lock();
         if voices.len() >= MAX_VOICES {
@@ -144,8 +156,9 @@ impl VoiceStore {
                 .map_or(0, |d| d.as_secs()),
             owner: owner.to_string(),
             consent,
-            seconds,
-            embedding,
+            seconds: clip.seconds,
+            embedding: clip.embedding,
+            reference: clip.reference,
         };
         let path = self.file(&voice.id);
         let tmp = path.with_extension("json.tmp");
@@ -198,6 +211,14 @@ impl VoiceStore {
 mod tests {
     use super::*;
 
+    fn clip(embedding: Vec<f32>) -> ClonedClip {
+        ClonedClip {
+            seconds: 3.0,
+            embedding,
+            reference: None,
+        }
+    }
+
     #[test]
     fn voices_survive_a_reopen_and_stay_with_their_owner() {
         let dir = tempfile::tempdir().unwrap();
@@ -205,8 +226,15 @@ mod tests {
         assert_ne!(a, b);
         assert!(!a.contains("key-a"), "keys are not stored");
         let store = VoiceStore::open(dir.path()).unwrap();
+        let in_context = ClonedClip {
+            reference: Some(VoiceReference {
+                text: "Hello there.".into(),
+                codes: vec![vec![1, 2], vec![3, 4]],
+            }),
+            ..clip(vec![0.5, -1.0])
+        };
         let v = store
-            .create(&a, "Mine", Some("cons_1".into()), 4.5, vec![0.5, -1.0])
+            .create(&a, "Mine", Some("cons_1".into()), in_context)
             .unwrap();
         assert!(v.id.starts_with("voice_"));
         assert_eq!(store.list(&a), vec![v.clone()]);
@@ -228,15 +256,15 @@ mod tests {
         let store = VoiceStore::open(dir.path()).unwrap();
         for i in 0..MAX_VOICES_PER_OWNER {
             store
-                .create("o", &format!("v{i}"), None, 3.0, vec![0.0])
+                .create("o", &format!("v{i}"), None, clip(vec![0.0]))
                 .unwrap();
         }
         let err = store
-            .create("o", "one more", None, 3.0, vec![0.0])
+            .create("o", "one more", None, clip(vec![0.0]))
             .unwrap_err();
         assert!(matches!(err, StoreError::Full(_)), "{err}");
         store
-            .create("other", "theirs", None, 3.0, vec![0.0])
+            .create("other", "theirs", None, clip(vec![0.0]))
             .unwrap();
     }
 }

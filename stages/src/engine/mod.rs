@@ -26,7 +26,7 @@ pub use replica::{ReplicaId, StageInput};
 pub use request::{
     CancelReason, ChatMessage, Event, Modalities, RemoteOutlet, RequestCtx, RequestHandle,
     RequestId, RequestInput, RequestSpec, Role, SamplingOverrides, SpeechStyle, Usage,
-    VoiceEncoder, TRANSCRIBE_RATE,
+    VoiceEncoder, VoiceReference, TRANSCRIBE_RATE,
 };
 pub use stage::{StageModel, StepOutput};
 pub use tools::{ToolCall, ToolChoice, Tools};

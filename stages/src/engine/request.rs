@@ -191,6 +191,20 @@ pub struct SpeechStyle {
     /// A cloned voice: the speaker embedding of a reference clip (Qwen3-TTS
     /// Base's x-vector), spoken in place of a preset `voice`.
     pub speaker_embedding: Option<Vec<f32>>,
+    /// In-context cloning (with `speaker_embedding`): the clip's codes and
+    /// transcript, which the speech continues.
+    #[serde(default)]
+    pub reference: Option<VoiceReference>,
+}
+
+/// A reference clip as in-context cloning takes it (Qwen3-TTS Base's
+/// `ref_code` and `ref_text`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VoiceReference {
+    /// What the clip says.
+    pub text: String,
+    /// The speech tokenizer's codes of the clip: one row of code groups a frame.
+    pub codes: Vec<Vec<u32>>,
 }
 
 /// Turns a reference clip into the speaker embedding a Talker clones a voice
@@ -202,6 +216,12 @@ pub trait VoiceEncoder: Send + Sync {
     fn min_samples(&self) -> usize;
     /// Mono PCM in [-1, 1] at [`Self::sample_rate`] to the embedding.
     fn embed(&self, pcm: &[f32]) -> Result<Vec<f32>, crate::models::ModelError>;
+    /// Whether it also makes a clip's codes ([`Self::codes`]): in-context
+    /// cloning (the checkpoint's speech tokenizer has its encoder).
+    fn in_context(&self) -> bool;
+    /// Mono PCM at [`Self::sample_rate`] to the speech tokenizer's codes, one
+    /// row a frame ([`VoiceReference::codes`]).
+    fn codes(&self, pcm: &[f32]) -> Result<Vec<Vec<u32>>, crate::models::ModelError>;
 }
 
 /// Why a request stopped early.

@@ -658,6 +658,20 @@ impl VoiceEncoder for XVectors {
             .to_dtype(candle_core::DType::F32)?
             .to_vec1::<f32>()?)
     }
+
+    fn in_context(&self) -> bool {
+        self.0.codec_encoder().is_some()
+    }
+
+    fn codes(&self, pcm: &[f32]) -> Result<Vec<Vec<u32>>, ModelError> {
+        let enc = self.0.codec_encoder().ok_or_else(|| {
+            ModelError::Invalid("this checkpoint's speech tokenizer has no encoder".into())
+        })?;
+        let codes = enc
+            .encode(pcm)
+            .map_err(|e| ModelError::Invalid(e.to_string()))?;
+        Ok(codes.to_dtype(candle_core::DType::U32)?.to_vec2::<u32>()?)
+    }
 }
 
 /// A Qwen3-TTS checkpoint, loaded once per folder and device for its stages.

@@ -17,7 +17,9 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 
 use super::{ChunkPolicy, Requests};
-use crate::engine::{Event, Payload, RequestCtx, RequestId, StageModel, StepOutput};
+use crate::engine::{
+    Event, Payload, RequestCtx, RequestId, StageModel, StepOutput, VoiceReference,
+};
 use crate::models::qwen3_omni::code2wav::Code2Wav;
 use crate::models::qwen3_omni::code2wav::{Code2WavGraphs, Code2WavSlots};
 use crate::models::qwen3_omni::graphs;
@@ -121,6 +123,31 @@ impl Qwen3OmniCode2Wav {
         self.owners[slot] = Some(id);
         self.slots.reset(slot);
         Ok(slot)
+    }
+
+    /// In-context cloning: the speech continues the reference clip's, so the
+    /// stream starts from the decoder state after the clip's codes, whose audio
+    /// is dropped (qwen-tts decodes the clip's codes and the new ones together
+    /// and cuts the clip's share: the same samples, F x 1920 of them, or one
+    /// more where its float cut rounds down; see `voice_clone_cut`).
+    fn seed(&mut self, slot: usize, reference: &VoiceReference) -> Result<()> {
+        let groups = self.model.groups();
+        let frames = reference.codes.len();
+        if frames == 0 || reference.codes.iter().any(|f| f.len() != groups) {
+            return Err(ModelError::Invalid(format!(
+                "a voice reference's codes must be frames of {groups} codes"
+            )));
+        }
+        // (frames, groups) to the decoder's (1, groups, frames).
+        let flat: Vec<u32> = reference.codes.iter().flatten().copied().collect();
+        let codes = Tensor::from_vec(flat, (frames, groups), &candle_core::Device::Cpu)?
+            .t()?
+            .contiguous()?
+            .unsqueeze(0)?;
+        self.model
+            .decoder()?
+            .step_slots(&mut self.slots, &[slot], &codes)?;
+        Ok(())
     }
 
     fn chunk(policy: &ChunkPolicy, r: &Req) -> usize {
@@ -232,6 +259,9 @@ impl Qwen3OmniCode2Wav {
 impl StageModel for Qwen3OmniCode2Wav {
     fn admit(&mut self, ctx: Arc<RequestCtx>) -> Result<()> {
         let slot = self.take_slot(ctx.id)?;
+        if let Some(reference) = &ctx.spec.style.reference {
+            self.seed(slot, reference)?;
+        }
         self.reqs.insert(
             ctx.id,
             Req {

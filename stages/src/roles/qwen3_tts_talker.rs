@@ -23,6 +23,7 @@ use super::qwen3_talker::{end_of_speech, left_padded};
 use super::qwen3_thinker::sampling_config;
 use crate::engine::{
     FrameChunk, Payload, RequestCtx, RequestId, RequestInput, StageModel, StepOutput,
+    VoiceReference,
 };
 use crate::models::qwen3_omni::graphs;
 use crate::models::qwen3_omni::layers::KvSlots;
@@ -30,7 +31,9 @@ use crate::models::qwen3_omni::sampling::{samples_on_device, Sampler, SamplingCo
 use crate::models::qwen3_omni::talker::{SlotRows, TalkerGraphs};
 use crate::models::qwen3_tts::config::ModelType;
 use crate::models::qwen3_tts::model::Qwen3Tts;
-use crate::models::qwen3_tts::talker::{assistant_text, instruct_text, PromptError, Voice};
+use crate::models::qwen3_tts::talker::{
+    assistant_text, instruct_text, ref_text, PromptError, RefClip, Voice,
+};
 use crate::models::tokenizer::ChatTokenizer;
 use crate::models::{ModelError, Result};
 use crate::profile::SamplingParams;
@@ -45,6 +48,8 @@ pub const DESCRIBED: &str = "described";
 /// Tokens of [`assistant_text`] before and after the text itself.
 const ROLE: usize = 3;
 const CLOSE: usize = 5;
+/// Tokens of [`ref_text`] after the transcript.
+const REF_CLOSE: usize = 2;
 
 impl From<PromptError> for ModelError {
     fn from(e: PromptError) -> Self {
@@ -206,7 +211,38 @@ impl Qwen3TtsTalker {
         Ok((ids[..ROLE].to_vec(), text))
     }
 
-    /// Builds the prompt once a first token is settled, and feeds settled tokens.
+    /// An in-context voice: the x-vector, the clip's codes and its transcript.
+    fn ref_clip(&self, xvector: Tensor, r: &VoiceReference) -> Result<RefClip> {
+        let groups = self.model.config().talker_config.num_code_groups;
+        if r.codes.is_empty() || r.codes.iter().any(|f| f.len() != groups) {
+            return Err(ModelError::Invalid(format!(
+                "a voice reference's codes must be frames of {groups} codes"
+            )));
+        }
+        let flat: Vec<u32> = r.codes.iter().flatten().copied().collect();
+        let codes = Tensor::from_vec(flat, (r.codes.len(), groups), self.model.device())?;
+        Ok(RefClip {
+            xvector,
+            codes,
+            ref_ids: self.tokenizer.encode(&ref_text(&r.text))?,
+        })
+    }
+
+    /// Text tokens a streamed prompt takes before its first frame: one, or
+    /// with an in-context voice as many as fill the clip's codec side (its
+    /// frames and `codec_bos`) after the transcript, as `generate_icl_prompt`
+    /// lays out a streamed prompt.
+    fn streamed_prompt_tokens(voice: &Voice) -> Result<usize> {
+        let Voice::InContext(clip) = voice else {
+            return Ok(1);
+        };
+        let transcript = clip.ref_ids.len().saturating_sub(ROLE + REF_CLOSE);
+        // At least one: a transcript longer than the clip's codec side leaves
+        // its own tail trailing, before the text.
+        Ok((clip.codes.dim(0)? + 1).saturating_sub(transcript).max(1))
+    }
+
+    /// Builds the prompt once enough tokens are settled, and feeds settled tokens.
     fn advance(&self, r: &mut Req) -> Result<()> {
         if r.prompt.is_some() && r.fed.is_none() {
             return Ok(());
@@ -218,22 +254,52 @@ impl Qwen3TtsTalker {
         };
         let tts = self.model.talker();
         if r.prompt.is_none() {
-            if settled == 0 {
+            let need = Self::streamed_prompt_tokens(&r.voice)?;
+            let whole = r.upstream_done;
+            if settled == 0 || (!whole && settled < need) {
                 return Ok(());
             }
-            let whole = r.upstream_done;
-            let take = if whole { &text[..] } else { &text[..1] };
+            let take = if whole { &text[..] } else { &text[..need] };
+            // A whole text is all in the prompt, as qwen-tts's default for
+            // preset and described voices; in context, its default is the
+            // streamed layout (`generate_voice_clone`), for a whole text too.
+            let in_context = match &r.voice {
+                Voice::InContext(clip) => Some(clip),
+                _ => None,
+            };
+            let non_streaming = whole && in_context.is_none();
             let p = tts.prompt_parts(
                 &role,
                 take,
                 r.instruct_ids.as_deref(),
                 &r.voice,
                 &r.language,
-                whole,
+                non_streaming,
             )?;
+            // In context, a text that ends within the clip's codec side has
+            // its `tts_eos` in the prompt: pads follow.
+            let eos_in_prompt = match in_context {
+                Some(clip) if whole => {
+                    let transcript = clip.ref_ids.len().saturating_sub(ROLE + REF_CLOSE);
+                    transcript + take.len() < clip.codes.dim(0)? + 1
+                }
+                _ => false,
+            };
             r.prompt = Some(p.embeds);
             r.taken = take.len();
-            r.fed = (!whole).then(Vec::new);
+            r.fed = match non_streaming || eos_in_prompt {
+                true => None,
+                // The trailing text before its `tts_eos` (an in-context voice's
+                // text past the codec side), then the text as it settles.
+                false => {
+                    let n = p.trailing.dim(1)?.saturating_sub(1);
+                    Some(
+                        (0..n)
+                            .map(|i| p.trailing.narrow(1, i, 1))
+                            .collect::<candle_core::Result<_>>()?,
+                    )
+                }
+            };
         }
         if let Some(fed) = &mut r.fed {
             if settled > r.taken {
@@ -474,7 +540,11 @@ impl StageModel for Qwen3TtsTalker {
                         e.len()
                     )));
                 }
-                Voice::Embedding(Tensor::from_slice(e, hidden, self.model.device())?)
+                let xvector = Tensor::from_slice(e, hidden, self.model.device())?;
+                match &ctx.spec.style.reference {
+                    Some(r) => Voice::InContext(self.ref_clip(xvector, r)?),
+                    None => Voice::Embedding(xvector),
+                }
             }
             (None, Some(n))
                 if cfg.tts_model_type == ModelType::VoiceDesign

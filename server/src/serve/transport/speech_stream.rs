@@ -40,13 +40,15 @@ use omnistream_stages::engine::{RequestSpec, TextFeed, MAX_SPEECH_CHARS};
 
 use crate::serve::answer::{Answer, Meter, Step};
 use crate::serve::audio::OutputFormat;
+use crate::serve::auth::bearer;
 use crate::serve::conn::{self, Outbox};
 use crate::serve::conversation::End;
 use crate::serve::driver::{websocket_inbound, Inbound};
 use crate::serve::error::{ApiError, ClientError};
 use crate::serve::sessions::SessionGuard;
 use crate::serve::state::AppState;
-use crate::serve::transport::http::speech_session;
+use crate::serve::transport::http::{cloned_voice_id, speech_session};
+use crate::serve::voice_store::owner_of;
 
 /// Utterances a socket may have in flight (open, queued or playing).
 pub const MAX_UTTERANCES: usize = 8;
@@ -62,13 +64,15 @@ async fn upgrade(
     headers: HeaderMap,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
+    // Whose cloned voices the session may speak in.
+    let owner = owner_of(bearer(&headers));
     conn::accept(
         state,
         &headers,
         ws,
         "speech_stream",
         &["omnistream.speech"],
-        serve,
+        move |state, socket, session| serve(state, socket, session, owner),
     )
 }
 
@@ -111,6 +115,8 @@ pub enum Do {
 /// The protocol's decisions, without sockets: fed each client message.
 pub struct Protocol {
     state: Arc<AppState>,
+    /// The caller's voice-store owner (a hash of its API key).
+    owner: String,
     session: SessionUpdate,
     voice: Option<String>,
     style: omnistream_stages::engine::SpeechStyle,
@@ -134,9 +140,10 @@ fn invalid(code: &'static str, message: impl Into<String>) -> Value {
 }
 
 impl Protocol {
-    pub fn new(state: Arc<AppState>) -> Self {
+    pub fn new(state: Arc<AppState>, owner: String) -> Self {
         Self {
             state,
+            owner,
             session: SessionUpdate::default(),
             voice: None,
             style: Default::default(),
@@ -214,13 +221,30 @@ impl Protocol {
             }
         };
         let st = &self.state;
-        match speech_session(
-            next.voice.as_ref(),
+        let cloned = cloned_voice_id(next.voice.as_ref());
+        let session = speech_session(
+            // A cloned voice stands for the named one.
+            next.voice.as_ref().filter(|_| cloned.is_none()),
             next.instructions.clone(),
             next.language.clone(),
             &st.voices,
             st.pipeline.languages(),
-        ) {
+        )
+        .and_then(|(voice, mut style)| {
+            let Some(id) = cloned else {
+                return Ok((voice, style));
+            };
+            let Some(v) = st.voice_store.as_ref().and_then(|s| s.get(&self.owner, id)) else {
+                return Err(ApiError {
+                    param: Some("voice"),
+                    ..ApiError::bad_request("voice_not_found", format!("no cloned voice {id:?}"))
+                });
+            };
+            style.speaker_embedding = Some(v.embedding);
+            style.reference = v.reference;
+            Ok((Some(id.to_string()), style))
+        });
+        match session {
             Ok((voice, style)) => {
                 self.session = next;
                 self.voice = voice;
@@ -300,7 +324,7 @@ struct Utterance {
 
 /// The session: client messages through [`Protocol`], each utterance's audio
 /// in order to the client.
-async fn serve(state: Arc<AppState>, socket: WebSocket, _session: SessionGuard) {
+async fn serve(state: Arc<AppState>, socket: WebSocket, _session: SessionGuard, owner: String) {
     let _conn = conn::ConnGauge::new(&state.metrics, "speech_stream");
     let (sink, stream) = socket.split();
     let slow = ClientError::slow_client();
@@ -314,7 +338,7 @@ async fn serve(state: Arc<AppState>, socket: WebSocket, _session: SessionGuard) 
         ),
     );
     let mut inbound = websocket_inbound(stream);
-    let mut proto = Protocol::new(state.clone());
+    let mut proto = Protocol::new(state.clone(), owner);
     let send = |v: Value| out.push(Message::Text(v.to_string().into()));
     if send(proto.created()).is_err() {
         return;

@@ -25,7 +25,7 @@ use crate::engine::tools::{ToolCall, ToolChoice, Tools};
 
 /// Bumped on every change of a message's layout: peers of another version are
 /// refused, never misread.
-pub const WIRE_VERSION: u16 = 4; // 2: stage stats carry cache_bytes; 3: tools; 4: speech style
+pub const WIRE_VERSION: u16 = 5; // 2: stage stats carry cache_bytes; 3: tools; 4: speech style; 5: its voice reference
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum WireError {

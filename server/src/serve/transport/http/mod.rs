@@ -38,7 +38,7 @@ use crate::serve::metrics::TaskGuard;
 use crate::serve::state::AppState;
 use omnistream_stages::engine::RequestSpec;
 
-pub(crate) use requests::speech_session;
+pub(crate) use requests::{cloned_voice_id, speech_session};
 use requests::{AudioStore, MAX_BODY_BYTES};
 
 /// Metric labels.

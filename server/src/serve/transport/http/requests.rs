@@ -23,6 +23,7 @@ use crate::serve::connections::read_body;
 use crate::serve::error::ApiError;
 use crate::serve::tools;
 use crate::serve::transport::unix_now;
+use crate::serve::voice_store::ClonedClip;
 use crate::serve::voices::Voices;
 
 /// Largest request body; more is a 413.
@@ -125,7 +126,7 @@ pub struct SpeechRequest {
     /// `data:` URI), for a Talker that clones (Qwen3-TTS Base).
     #[serde(default)]
     ref_audio: Option<String>,
-    /// The clip's words, for in-context cloning (not supported yet).
+    /// The clip's words: in-context cloning, the speech continuing the clip's.
     #[serde(default)]
     ref_text: Option<String>,
     /// The most codec frames to speak (a Talker that speaks frame by frame:
@@ -141,37 +142,36 @@ pub struct SpeechRequest {
 impl SpeechRequest {
     /// The id of a cloned voice (`voice: "voice_…"` or `{"id": "voice_…"}`).
     pub fn cloned_voice_id(&self) -> Option<&str> {
-        let id = match &self.voice {
-            Some(Value::String(s)) => s.as_str(),
-            Some(Value::Object(o)) => o.get("id").and_then(Value::as_str)?,
-            _ => return None,
-        };
-        id.starts_with(CLONED_VOICE_PREFIX).then_some(id)
+        cloned_voice_id(self.voice.as_ref())
     }
 
-    /// The request's own reference clip, checked against the other voice
-    /// fields first.
-    pub fn ref_audio(&self) -> Result<Option<&str>, ApiError> {
-        if self
-            .ref_text
-            .as_deref()
-            .is_some_and(|t| !t.trim().is_empty())
-        {
-            let msg = match self.ref_audio {
-                None => "`ref_text` needs `ref_audio` (the clip it transcribes)",
-                Some(_) => "in-context cloning (`ref_text`) is not supported yet: send `ref_audio` alone to clone from the clip's voice",
-            };
-            return Err(param("ref_text", invalid(msg)));
-        }
+    /// The request's own reference clip and its transcript (in-context
+    /// cloning), checked against the other voice fields first.
+    pub fn ref_audio(&self) -> Result<Option<(&str, Option<&str>)>, ApiError> {
+        let transcript = self.ref_text.as_deref().filter(|t| !t.trim().is_empty());
         match (&self.ref_audio, self.cloned_voice_id()) {
             (Some(_), Some(_)) => Err(param(
                 "ref_audio",
                 invalid("give a cloned `voice` or a `ref_audio`, not both"),
             )),
-            (Some(a), None) => Ok(Some(a.as_str())),
+            (Some(a), None) => Ok(Some((a.as_str(), transcript))),
+            (None, _) if transcript.is_some() => Err(param(
+                "ref_text",
+                invalid("`ref_text` needs `ref_audio` (the clip it transcribes); a cloned voice keeps the words it was made with"),
+            )),
             (None, _) => Ok(None),
         }
     }
+}
+
+/// The id of a cloned voice in a `voice` field (`"voice_…"` or `{"id": "voice_…"}`).
+pub(crate) fn cloned_voice_id(voice: Option<&Value>) -> Option<&str> {
+    let id = match voice {
+        Some(Value::String(s)) => s.as_str(),
+        Some(Value::Object(o)) => o.get("id").and_then(Value::as_str)?,
+        _ => return None,
+    };
+    id.starts_with(CLONED_VOICE_PREFIX).then_some(id)
 }
 
 /// The ids the voice store gives cloned voices start with this.
@@ -480,13 +480,13 @@ pub struct SpeechPlan {
 impl SpeechPlan {
     /// `languages`: what the pipeline's Talker takes (none: it takes no
     /// language and no instructions).
-    /// `cloned`: the speaker embedding of the request's cloned voice (looked
-    /// up or computed by the caller), which then stands for `voice`.
+    /// `cloned`: the request's cloned voice (looked up or computed by the
+    /// caller), which then stands for `voice`.
     pub fn from_request(
         r: SpeechRequest,
         voices: &Voices,
         languages: &[String],
-        cloned: Option<Vec<f32>>,
+        cloned: Option<ClonedClip>,
     ) -> Result<Self, ApiError> {
         if r.input.trim().is_empty() {
             return Err(param("input", invalid("`input` must not be empty")));
@@ -553,7 +553,10 @@ impl SpeechPlan {
             }
         };
         let mut style = speech_style(r.instructions, r.language, languages)?;
-        style.speaker_embedding = cloned;
+        if let Some(c) = cloned {
+            style.speaker_embedding = Some(c.embedding);
+            style.reference = c.reference;
+        }
         let mut spec = crate::run::speech_spec(&r.input, voice, speed);
         spec.style = style;
         speech_length(&mut spec.sampling, r.max_tokens, r.ignore_eos, languages)?;
@@ -663,7 +666,7 @@ fn speech_style(
     Ok(SpeechStyle {
         instructions,
         language,
-        speaker_embedding: None,
+        ..SpeechStyle::default()
     })
 }
 

@@ -17,19 +17,21 @@ use crate::serve::conversation::End;
 use crate::serve::error::ApiError;
 use crate::serve::metrics::TaskGuard;
 use crate::serve::state::AppState;
+use crate::serve::voice_store::ClonedClip;
 
-/// The speaker embedding of the request's cloned voice: a stored voice of the
-/// caller's (`voice: "voice_…"`), or its own `ref_audio` clip encoded now.
+/// The request's cloned voice: a stored voice of the caller's (`voice:
+/// "voice_…"`), or its own `ref_audio` clip (with `ref_text`, in context)
+/// encoded now.
 async fn cloned_voice(
     state: &AppState,
     owner: &str,
     body: &SpeechRequest,
-) -> Result<Option<Vec<f32>>, ApiError> {
+) -> Result<Option<ClonedClip>, ApiError> {
     let param = |p: &'static str, e: ApiError| ApiError {
         param: Some(p),
         ..e
     };
-    if let Some(clip) = body.ref_audio()? {
+    if let Some((clip, transcript)) = body.ref_audio()? {
         let Some(encoder) = state.pipeline.voice_encoder() else {
             return Err(param(
                 "ref_audio",
@@ -39,16 +41,21 @@ async fn cloned_voice(
                 ),
             ));
         };
+        let transcript = voices::ref_text(encoder, transcript.map(str::to_string))?;
         let bytes = voices::ref_audio_bytes(clip)?;
         return Ok(Some(
-            voices::embed_clip(encoder, &bytes, "ref_audio").await?.0,
+            voices::clone_clip(encoder, &bytes, "ref_audio", transcript).await?,
         ));
     }
     let Some(id) = body.cloned_voice_id() else {
         return Ok(None);
     };
     match state.voice_store.as_ref().and_then(|s| s.get(owner, id)) {
-        Some(v) => Ok(Some(v.embedding)),
+        Some(v) => Ok(Some(ClonedClip {
+            seconds: v.seconds,
+            embedding: v.embedding,
+            reference: v.reference,
+        })),
         None => Err(param(
             "voice",
             ApiError::bad_request("voice_not_found", format!("no cloned voice {id:?}")),

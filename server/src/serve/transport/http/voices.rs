@@ -1,9 +1,10 @@
 //! Cloned voices, on OpenAI's shapes: `POST /v1/audio/voices` (multipart
-//! `name`, `audio_sample`, `consent`) makes a voice from a reference clip,
+//! `name`, `audio_sample`, `consent`, and beyond OpenAI's `ref_text`, the
+//! clip's words, for in-context cloning) makes a voice from a reference clip,
 //! `GET /v1/audio/voices` lists the caller's, `DELETE /v1/audio/voices/{id}`
-//! removes one. The speaker embedding is computed once, at upload, by the
-//! pipeline's [`VoiceEncoder`] (a Qwen3-TTS Base Talker in this process) and
-//! kept in the [`VoiceStore`]; `/v1/audio/speech` then speaks with
+//! removes one. The speaker embedding (and with `ref_text` the clip's codes)
+//! is computed once, at upload, by the pipeline's [`VoiceEncoder`] (a
+//! Qwen3-TTS Base Talker in this process) and kept in the [`VoiceStore`]; `/v1/audio/speech` then speaks with
 //! `voice: "voice_…"` or `{"id": "voice_…"}`, or with a clip of its own
 //! (`ref_audio`).
 
@@ -19,14 +20,14 @@ use base64::Engine as _;
 use serde_json::json;
 
 use omnistream_codecs::StreamResampler;
-use omnistream_stages::engine::VoiceEncoder;
+use omnistream_stages::engine::{VoiceEncoder, VoiceReference};
 
 use super::transcriptions::{decode_upload, multipart_error};
 use crate::serve::auth::bearer;
 use crate::serve::connections::declared_length;
 use crate::serve::error::ApiError;
 use crate::serve::state::AppState;
-use crate::serve::voice_store::{owner_of, StoredVoice, VoiceStore, MAX_NAME_CHARS};
+use crate::serve::voice_store::{owner_of, ClonedClip, StoredVoice, VoiceStore, MAX_NAME_CHARS};
 
 /// Largest reference clip upload (OpenAI's limit for voice samples).
 pub const MAX_SAMPLE_BYTES: usize = 10 << 20;
@@ -34,6 +35,11 @@ pub const MAX_SAMPLE_BYTES: usize = 10 << 20;
 /// more than the encoder needs.
 pub const MIN_CLIP_SECONDS: f32 = 2.0;
 pub const MAX_CLIP_SECONDS: f32 = 60.0;
+/// In-context cloning puts the clip's every frame (12.5 a second) in each
+/// prompt: Qwen's advice is 3 to 10 s.
+pub const MAX_IN_CONTEXT_SECONDS: f32 = 20.0;
+/// The longest transcript of a reference clip.
+pub const MAX_REF_TEXT_CHARS: usize = 1000;
 /// Below this RMS (-50 dBFS) a clip is silence, and has no voice to clone.
 const SILENT_RMS: f32 = 0.003_16;
 
@@ -67,14 +73,44 @@ pub fn caller(headers: &HeaderMap) -> String {
     owner_of(bearer(headers))
 }
 
-/// A reference clip (WAV or Ogg Opus bytes) to its speaker embedding, with its
-/// length: checked for length and silence, resampled to the encoder's rate,
-/// encoded off the async threads. `param` names the field it came in.
-pub async fn embed_clip(
+/// A reference clip's transcript, for in-context cloning: `None` when absent
+/// or blank, else checked against the encoder and its length.
+pub fn ref_text(
+    encoder: &Arc<dyn VoiceEncoder>,
+    text: Option<String>,
+) -> Result<Option<String>, ApiError> {
+    let Some(text) = text.map(|t| t.trim().to_string()).filter(|t| !t.is_empty()) else {
+        return Ok(None);
+    };
+    if !encoder.in_context() {
+        return Err(bad(
+            "ref_text",
+            "in_context_unsupported",
+            "in-context cloning needs the speech tokenizer's encoder, which this checkpoint lacks: clone from the clip alone (no `ref_text`)",
+        ));
+    }
+    let n = text.chars().count();
+    if n > MAX_REF_TEXT_CHARS {
+        return Err(bad(
+            "ref_text",
+            "invalid_value",
+            format!("`ref_text` is {n} characters; the limit is {MAX_REF_TEXT_CHARS}"),
+        ));
+    }
+    Ok(Some(text))
+}
+
+/// A reference clip (WAV or Ogg Opus bytes) to a cloned voice: its speaker
+/// embedding, its length and, with its transcript (`ref_text`), its codes for
+/// in-context cloning. Checked for length and silence, resampled to the
+/// encoder's rate, encoded off the async threads. `param` names the field it
+/// came in.
+pub async fn clone_clip(
     encoder: &Arc<dyn VoiceEncoder>,
     bytes: &[u8],
     param: &'static str,
-) -> Result<(Vec<f32>, f32), ApiError> {
+    ref_text: Option<String>,
+) -> Result<ClonedClip, ApiError> {
     let (samples, rate) = decode_upload(bytes).map_err(|e| ApiError {
         param: Some(param),
         ..e
@@ -92,6 +128,15 @@ pub async fn embed_clip(
             param,
             "audio_too_long",
             format!("the reference clip is {seconds:.0} s; the limit is {MAX_CLIP_SECONDS} s"),
+        ));
+    }
+    if ref_text.is_some() && seconds > MAX_IN_CONTEXT_SECONDS {
+        return Err(bad(
+            param,
+            "audio_too_long",
+            format!(
+                "the reference clip is {seconds:.0} s; in-context cloning (`ref_text`) takes at most {MAX_IN_CONTEXT_SECONDS} s (every frame of it is in each prompt)"
+            ),
         ));
     }
     let rms = (samples.iter().map(|s| s * s).sum::<f32>() / samples.len().max(1) as f32).sqrt();
@@ -118,11 +163,30 @@ pub async fn embed_clip(
         out
     };
     let enc = encoder.clone();
-    let embedding = tokio::task::spawn_blocking(move || enc.embed(&pcm))
-        .await
-        .map_err(|e| ApiError::internal(format!("the speaker encoder stopped: {e}")))?
-        .map_err(|e| ApiError::internal(format!("the speaker encoder failed: {e}")))?;
-    Ok((embedding, seconds))
+    let in_context = ref_text.is_some();
+    let (embedding, codes) = tokio::task::spawn_blocking(move || {
+        let embedding = enc
+            .embed(&pcm)
+            .map_err(|e| format!("the speaker encoder failed: {e}"))?;
+        let codes = match in_context {
+            true => Some(
+                enc.codes(&pcm)
+                    .map_err(|e| format!("the codec encoder failed: {e}"))?,
+            ),
+            false => None,
+        };
+        Ok::<_, String>((embedding, codes))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("the voice encoders stopped: {e}")))?
+    .map_err(ApiError::internal)?;
+    Ok(ClonedClip {
+        seconds,
+        embedding,
+        reference: ref_text
+            .zip(codes)
+            .map(|(text, codes)| VoiceReference { text, codes }),
+    })
 }
 
 /// `ref_audio` of a speech request: base64 of a WAV or Ogg Opus file, or a
@@ -164,7 +228,7 @@ async fn create(State(state): State<Arc<AppState>>, req: Request) -> Response {
                 retry_after: None,
                 param: None,
             })?;
-        let (mut name, mut sample, mut consent) = (None, None, None);
+        let (mut name, mut sample, mut consent, mut transcript) = (None, None, None, None);
         while let Some(field) = form
             .next_field()
             .await
@@ -180,6 +244,8 @@ async fn create(State(state): State<Arc<AppState>>, req: Request) -> Response {
                 "name" => name = Some(text()),
                 "audio_sample" => sample = Some(data),
                 "consent" => consent = Some(text()),
+                // Beyond OpenAI's fields: the clip's words, for in-context cloning.
+                "ref_text" => transcript = Some(text()),
                 "type" if text() == "audio_sample" => {}
                 "type" => {
                     return Err(bad(
@@ -189,10 +255,11 @@ async fn create(State(state): State<Arc<AppState>>, req: Request) -> Response {
                     ))
                 }
                 other => {
-                    return Err(bad(
-                        "name",
+                    return Err(ApiError::bad_request(
                         "unknown_parameter",
-                        format!("unknown field {other:?}: use name, audio_sample, consent"),
+                        format!(
+                            "unknown field {other:?}: use name, audio_sample, consent, ref_text"
+                        ),
                     ))
                 }
             }
@@ -210,9 +277,10 @@ async fn create(State(state): State<Arc<AppState>>, req: Request) -> Response {
         let sample = sample.ok_or_else(|| {
             bad("audio_sample", "missing_file", "the `audio_sample` field is required")
         })?;
-        let (embedding, seconds) = embed_clip(encoder, &sample, "audio_sample").await?;
+        let transcript = ref_text(encoder, transcript)?;
+        let clip = clone_clip(encoder, &sample, "audio_sample", transcript).await?;
         let voice = store
-            .create(&owner, &name, consent.filter(|c| !c.is_empty()), seconds, embedding)
+            .create(&owner, &name, consent.filter(|c| !c.is_empty()), clip)
             .map_err(store_error)?;
         Ok::<_, ApiError>(Json(voice.to_json()).into_response())
     }

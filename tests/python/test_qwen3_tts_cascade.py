@@ -11,8 +11,14 @@ OMNISTREAM_URL."""
 from __future__ import annotations
 
 import base64
+import io
+import json
 import os
+import struct
+import wave
+from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 from openai import OpenAI
@@ -25,6 +31,41 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def client() -> OpenAI:
     return OpenAI(base_url=URL.rstrip("/") + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def clip_wav() -> bytes:
+    """The speaker encoder's fixture clip (2 s, tests/fixtures/qwen3_tts/speaker), 16-bit."""
+    path = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "qwen3_tts" / "speaker" / "io.safetensors"
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    meta = json.loads(raw[8 : 8 + n])["pcm"]
+    a, b = meta["data_offsets"]
+    pcm = np.frombuffer(raw[8 + n + a : 8 + n + b], dtype=np.float32)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(24_000)
+        w.writeframes((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def realtime_answer(client: OpenAI, voice: str):
+    with client.realtime.connect(model="omnistream") as conn:
+        conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": voice}}})
+        conn.conversation.item.create(item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "What is the capital of France?"}],
+        })
+        conn.response.create()
+        audio, done = b"", None
+        for ev in conn:
+            if ev.type == "response.output_audio.delta":
+                audio += base64.b64decode(ev.delta)
+            elif ev.type in ("response.done", "error"):
+                done = ev
+                break
+    return audio, done
 
 
 def test_chat_answer_is_spoken_in_each_voice(client):
@@ -68,23 +109,44 @@ def test_streamed_chat_speaks_while_it_writes(client):
 
 
 def test_realtime_turn_is_spoken(client):
-    with client.realtime.connect(model="omnistream") as conn:
-        conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "eric"}}})
-        conn.conversation.item.create(item={
-            "type": "message", "role": "user",
-            "content": [{"type": "input_text", "text": "What is the capital of France?"}],
-        })
-        conn.response.create()
-        audio, done = b"", None
-        for ev in conn:
-            if ev.type == "response.output_audio.delta":
-                audio += base64.b64decode(ev.delta)
-            elif ev.type in ("response.done", "error"):
-                done = ev
-                break
+    audio, done = realtime_answer(client, "eric")
     assert done.type == "response.done" and done.response.status == "completed", done
     assert done.response.output[0].content[0].transcript.strip()
     assert audio and len(audio) % FRAME_BYTES == 0, len(audio)
+
+
+@pytest.mark.parametrize("in_context", [False, True])
+def test_a_cloned_voice_speaks_chat_and_realtime(client, in_context):
+    """A voice cloned once (`POST /v1/audio/voices`; with `ref_text`, in
+    context) speaks the cascade's answers by its id, on chat completions and
+    Realtime: other audio than the preset voices', whole frames; a voice id
+    that is not there is refused, naming the field."""
+    extra = {"ref_text": "This is how I sound."} if in_context else None
+    voice = client.audio.voices.create(
+        name="cloned", consent="cons_test", audio_sample=("clip.wav", clip_wav(), "audio/wav"), extra_body=extra,
+    )
+    try:
+        def chat(v):
+            r = client.chat.completions.create(
+                model="omnistream", messages=QUESTION, modalities=["text", "audio"],
+                audio={"voice": v, "format": "pcm16"},
+            )
+            return r.choices[0].message.audio
+
+        cloned, preset = chat(voice.id), chat("vivian")
+        assert cloned.transcript == preset.transcript
+        pcm = base64.b64decode(cloned.data)
+        assert pcm and len(pcm) % FRAME_BYTES == 0 and pcm != base64.b64decode(preset.data)
+        audio, done = realtime_answer(client, voice.id)
+        assert done.type == "response.done" and done.response.status == "completed", done
+        assert audio and len(audio) % FRAME_BYTES == 0
+    finally:
+        client.audio.voices.delete(voice.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(voice.id)
+    assert e.value.body["param"] == "audio.voice", e.value.body
+    _, err = realtime_answer(client, voice.id)
+    assert err.type == "error" and err.error.param == "voice", err
 
 
 def test_unknown_voice_is_refused(client):

@@ -62,12 +62,21 @@ fn qwen3_tts_voice_design_through_the_openai_sdk() {
 
 /// Qwen3-TTS as the voice of a cascade (deploy/smollm2-qwen3-tts-tiny.yaml):
 /// SmolLM2's answer spoken as it is written, on chat completions (whole and
-/// streamed) and Realtime (tests/python/test_qwen3_tts_cascade.py).
+/// streamed) and Realtime, in preset and cloned voices
+/// (tests/python/test_qwen3_tts_cascade.py).
 #[test]
 fn qwen3_tts_speaks_a_cascade() {
-    let mut server = spawn_server(&["--profile", "deploy/smollm2-qwen3-tts-tiny.yaml"]);
+    let store = tempfile::tempdir().unwrap();
+    let dir = store.path().to_str().unwrap();
+    let args = [
+        "--profile",
+        "deploy/smollm2-qwen3-tts-tiny.yaml",
+        "--voice-store",
+        dir,
+    ];
+    let mut server = spawn_server(&args);
     let report = run_pytest(&server, "test_qwen3_tts_cascade.py");
-    assert!(report.contains("4 passed"), "{report}");
+    assert!(report.contains("6 passed"), "{report}");
     let log = server.log.lock().map(|l| l.clone()).unwrap_or_default();
     assert!(server.alive(), "the server died:\n{log}");
 }

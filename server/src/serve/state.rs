@@ -4,10 +4,11 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Result;
-use omnistream_stages::engine::Pipeline;
+use omnistream_stages::engine::{Pipeline, RequestSpec};
 
 use super::metrics::Metrics;
 use super::sessions::{SessionLimits, SessionManager};
+use super::voice_store::{ClonedClip, CLONED_VOICE_PREFIX};
 use super::voices::Voices;
 
 #[derive(Debug, Clone)]
@@ -80,6 +81,36 @@ impl AppState {
     /// case) speaks in, or an error listing them.
     pub fn voice(&self, name: &str) -> Result<String, String> {
         self.voices.resolve(name)
+    }
+
+    /// `owner`'s cloned voice `id`, as a request speaks it.
+    pub fn cloned_voice(&self, owner: &str, id: &str) -> Option<ClonedClip> {
+        let v = self.voice_store.as_ref()?.get(owner, id)?;
+        Some(ClonedClip {
+            seconds: v.seconds,
+            embedding: v.embedding,
+            reference: v.reference,
+        })
+    }
+
+    /// A request whose `voice` is a cloned voice's id speaks it: its embedding
+    /// (and clip) in the style, no preset voice. `Err`: no such voice of
+    /// `owner`'s (deleted since it was chosen).
+    pub fn speak_cloned(&self, owner: &str, spec: &mut RequestSpec) -> Result<(), String> {
+        let Some(id) = spec
+            .voice
+            .as_deref()
+            .filter(|v| v.starts_with(CLONED_VOICE_PREFIX))
+        else {
+            return Ok(());
+        };
+        let clip = self
+            .cloned_voice(owner, id)
+            .ok_or_else(|| format!("no cloned voice {id:?}"))?;
+        spec.voice = None;
+        spec.style.speaker_embedding = Some(clip.embedding);
+        spec.style.reference = clip.reference;
+        Ok(())
     }
 
     /// Resolves once no session is open and no request is in flight.

@@ -18,6 +18,9 @@ use sha2::{Digest, Sha256};
 pub const MAX_VOICES_PER_OWNER: usize = 100;
 /// Voices the store keeps in all.
 pub const MAX_VOICES: usize = 10_000;
+/// The ids of cloned voices start with this (where a `voice` field may name
+/// a preset voice too).
+pub const CLONED_VOICE_PREFIX: &str = "voice_";
 /// The longest voice name.
 pub const MAX_NAME_CHARS: usize = 64;
 
@@ -149,7 +152,7 @@ impl VoiceStore {
             )));
         }
         let voice = StoredVoice {
-            id: format!("voice_{}", uuid::Uuid::new_v4().simple()),
+            id: format!("{CLONED_VOICE_PREFIX}{}", uuid::Uuid::new_v4().simple()),
             name: name.to_string(),
             created_at: SystemTime::now()
                 .duration_since(UNIX_EPOCH)

@@ -93,6 +93,11 @@ pub trait Transport: Send {
     fn endpoint(&self) -> &'static str;
     /// The conversation's settings before the client chose any.
     fn settings(&self) -> Settings;
+    /// Whose cloned voices its answers may speak in (a hash of the API key
+    /// it came with; none: the voices made with no key).
+    fn voice_owner(&self) -> &str {
+        ""
+    }
     /// What the client is told when the connection opens.
     fn opening(&mut self, conv: &Conversation) -> Vec<Message>;
     /// A client message, translated.
@@ -479,9 +484,19 @@ impl<T: Transport> Driver<T> {
             }
             Work::Submit {
                 response_id,
-                spec,
+                mut spec,
                 format,
             } => {
+                // A cloned voice, by id: its embedding (and clip) from the store.
+                if let Err(m) = self
+                    .state
+                    .speak_cloned(self.transport.voice_owner(), &mut spec)
+                {
+                    let _ = self
+                        .submitted_tx
+                        .send((response_id, Err(ClientError::param("voice", m))));
+                    return;
+                }
                 let (cancel, cancel_rx) = watch::channel(false);
                 self.cancels.insert(response_id.clone(), cancel);
                 let state = self.state.clone();

@@ -21,6 +21,7 @@ use serde_json::{json, Value};
 use omnistream_stages::engine::{ChatMessage, Modalities, Role, ToolCall};
 
 use crate::serve::audio::OutputFormat;
+use crate::serve::auth::bearer;
 use crate::serve::conn::{self, AudioSink, Outbox, Overflow};
 use crate::serve::conversation::history::Origin;
 use crate::serve::conversation::{
@@ -32,6 +33,7 @@ use crate::serve::error::ClientError;
 use crate::serve::sessions::SessionGuard;
 use crate::serve::state::AppState;
 use crate::serve::tools::{self, Shape};
+use crate::serve::voice_store::{owner_of, CLONED_VOICE_PREFIX};
 
 /// The only output (and input) audio format: pcm16, mono, 24 kHz.
 pub const RATE: u32 = 24_000;
@@ -45,13 +47,25 @@ pub fn accept(
     headers: &HeaderMap,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
-    conn::accept(state, headers, ws, "realtime", &["realtime"], serve)
+    let owner = owner_of(bearer(headers));
+    conn::accept(
+        state,
+        headers,
+        ws,
+        "realtime",
+        &["realtime"],
+        move |st, ws, s| serve(st, ws, s, owner),
+    )
 }
 
 /// Checks a session configuration as `session.update` would on a fresh
 /// session: the effective session, or the error naming the field.
-pub fn check_session(state: &Arc<AppState>, session: &Value) -> Result<Value, ClientError> {
-    let mut codec = Realtime::new(state.clone(), new_id("sess"), None);
+pub fn check_session(
+    state: &Arc<AppState>,
+    owner: &str,
+    session: &Value,
+) -> Result<Value, ClientError> {
+    let mut codec = Realtime::new(state.clone(), new_id("sess"), None).with_owner(owner.into());
     let conv = Conversation::new(driver::caps(state), codec.settings());
     let update = json!({"type": "session.update", "session": session});
     let settings = codec.session_update(update, &conv)?;
@@ -82,11 +96,11 @@ pub fn slow_client_event() -> Message {
     error_event(&ClientError::slow_client(), None)
 }
 
-async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
+async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard, owner: String) {
     let _conn = conn::ConnGauge::new(&state.metrics, "realtime");
     let (sink, stream) = socket.split();
     let out = Outbox::start(sink, &state.metrics, slow_client_event());
-    let rt = Realtime::new(state.clone(), session.id.clone(), None);
+    let rt = Realtime::new(state.clone(), session.id.clone(), None).with_owner(owner);
     driver::run(
         state,
         rt,
@@ -107,6 +121,8 @@ pub struct Realtime {
     /// The WebSocket's audio formats, in and out.
     wire_in: Wire,
     wire_out: Wire,
+    /// Whose cloned voices the session may speak in (a hash of its API key).
+    owner: String,
 }
 
 impl Realtime {
@@ -121,7 +137,14 @@ impl Realtime {
             speaker,
             wire_in: Wire::Pcm,
             wire_out: Wire::Pcm,
+            owner: String::new(),
         }
+    }
+
+    /// The session may speak `owner`'s cloned voices.
+    pub fn with_owner(mut self, owner: String) -> Self {
+        self.owner = owner;
+        self
     }
 }
 
@@ -154,7 +177,18 @@ fn check_temperature(t: f64) -> Result<f64, ClientError> {
     }
 }
 
-fn check_voice(state: &AppState, v: &str) -> Result<String, ClientError> {
+/// A voice of the pipeline's, or a cloned voice of `owner`'s (kept by its
+/// id: `AppState::speak_cloned` as each answer starts).
+fn check_voice(state: &AppState, owner: &str, v: &str) -> Result<String, ClientError> {
+    if v.starts_with(CLONED_VOICE_PREFIX) {
+        return match state.cloned_voice(owner, v) {
+            Some(_) => Ok(v.to_string()),
+            None => Err(ClientError::param(
+                "voice",
+                format!("no cloned voice {v:?}"),
+            )),
+        };
+    }
     state.voice(v).map_err(|m| ClientError::param("voice", m))
 }
 
@@ -687,7 +721,10 @@ impl Realtime {
                     .response
                     .unwrap_or_default()
                     .validate(conv.settings().audio_out, self.wire_out)?;
-                let voice = o.voice.map(|v| check_voice(&self.state, &v)).transpose()?;
+                let voice = o
+                    .voice
+                    .map(|v| check_voice(&self.state, &self.owner, &v))
+                    .transpose()?;
                 let tools = match (&o.tools, &o.tool_choice) {
                     (None, None) => None,
                     (t, c) => Some(Arc::new(tools::parse(
@@ -792,7 +829,7 @@ impl Realtime {
         }
         let voice = change
             .voice
-            .map(|v| check_voice(&self.state, &v))
+            .map(|v| check_voice(&self.state, &self.owner, &v))
             .transpose()?;
         let mut s = conv.settings().clone();
         if let Some(td) = &change.turn_detection {
@@ -1219,6 +1256,10 @@ fn item_input(item: ItemIn) -> Result<Input, ClientError> {
 impl Transport for Realtime {
     fn endpoint(&self) -> &'static str {
         "realtime"
+    }
+
+    fn voice_owner(&self) -> &str {
+        &self.owner
     }
 
     fn settings(&self) -> Settings {

@@ -29,8 +29,15 @@ pub(super) async fn handle(
     meter: Meter,
 ) -> Result<Response, ApiError> {
     let plan = async {
+        let owner = super::voices::caller(req.headers());
         let body = read_json(req).await?;
-        let plan = ChatPlan::from_request(body, store, &state.voices)?;
+        let mut plan = ChatPlan::from_request(body, store, &state.voices)?;
+        state
+            .speak_cloned(&owner, &mut plan.spec)
+            .map_err(|m| ApiError {
+                param: Some("audio.voice"),
+                ..ApiError::bad_request("voice_not_found", m)
+            })?;
         let rate = match plan.audio {
             Some(_) => Some(sample_rate(state)?),
             None => None,

@@ -23,7 +23,7 @@ use crate::serve::connections::read_body;
 use crate::serve::error::ApiError;
 use crate::serve::tools;
 use crate::serve::transport::unix_now;
-use crate::serve::voice_store::ClonedClip;
+use crate::serve::voice_store::{ClonedClip, CLONED_VOICE_PREFIX};
 use crate::serve::voices::Voices;
 
 /// Largest request body; more is a 413.
@@ -173,9 +173,6 @@ pub(crate) fn cloned_voice_id(voice: Option<&Value>) -> Option<&str> {
     };
     id.starts_with(CLONED_VOICE_PREFIX).then_some(id)
 }
-
-/// The ids the voice store gives cloned voices start with this.
-pub const CLONED_VOICE_PREFIX: &str = "voice_";
 
 /// The longest `instructions` a speech request may give.
 pub const MAX_INSTRUCTIONS_CHARS: usize = 4096;
@@ -670,8 +667,9 @@ fn speech_style(
     })
 }
 
-/// One of the pipeline's voices or an alias, by name or as `{"id": ...}`;
-/// none = the default.
+/// One of the pipeline's voices or an alias, by name or as `{"id": ...}`, or
+/// a cloned voice's id (the caller's voice store has it: `speak_cloned`, as
+/// the request is started); none = the default.
 fn check_voice(v: Option<&Value>, voices: &Voices) -> Result<Option<String>, ApiError> {
     let name = match v {
         None | Some(Value::Null) => return Ok(None),
@@ -679,6 +677,9 @@ fn check_voice(v: Option<&Value>, voices: &Voices) -> Result<Option<String>, Api
         Some(Value::Object(o)) => o.get("id").and_then(Value::as_str).unwrap_or(""),
         Some(other) => return Err(invalid(format!("`voice` must be a string, got {other}"))),
     };
+    if name.starts_with(CLONED_VOICE_PREFIX) {
+        return Ok(Some(name.to_string()));
+    }
     voices.resolve(name).map(Some).map_err(invalid)
 }
 

@@ -132,7 +132,7 @@ impl SipServer {
         // The session every call starts with is checked now: a bad one is
         // the profile's error, not every caller's.
         if let Some(s) = &spec.session {
-            realtime::check_session(&state, s)
+            realtime::check_session(&state, "", s)
                 .map_err(|e| anyhow::anyhow!("server.sip.session: {}", e.message))?;
         }
         let token = CancellationToken::new();

@@ -26,12 +26,13 @@ use dashmap::DashMap;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::{open_call, WebRtc, MAX_OFFER_BYTES};
+use super::{open_call, CallStart, WebRtc, MAX_OFFER_BYTES};
 use crate::serve::auth;
 use crate::serve::connections::read_body;
 use crate::serve::error::ApiError;
 use crate::serve::state::AppState;
 use crate::serve::transport::{realtime, unix_now};
+use crate::serve::voice_store::owner_of;
 
 /// An ephemeral key lives this long unless asked otherwise.
 const DEFAULT_TTL_S: u64 = 600;
@@ -45,6 +46,9 @@ struct Secret {
     expires: Instant,
     /// The session configuration the call starts with (already checked).
     session: Option<Value>,
+    /// The voice-store owner of the key that made it: the call speaks that
+    /// key's cloned voices.
+    owner: String,
 }
 
 /// The call flow's ephemeral keys not yet used.
@@ -116,9 +120,11 @@ fn no_webrtc() -> ApiError {
 pub async fn client_secrets(
     State(state): State<Arc<AppState>>,
     Extension(rtc): Extension<Option<Arc<WebRtc>>>,
+    headers: HeaderMap,
     body: Result<Json<Value>, JsonRejection>,
 ) -> Response {
-    match make_secret(&state, rtc, body).await {
+    let owner = owner_of(auth::bearer(&headers));
+    match make_secret(&state, rtc, owner, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -127,6 +133,7 @@ pub async fn client_secrets(
 async fn make_secret(
     state: &Arc<AppState>,
     rtc: Option<Arc<WebRtc>>,
+    owner: String,
     body: Result<Json<Value>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let rtc = rtc.ok_or_else(no_webrtc)?;
@@ -166,8 +173,8 @@ async fn make_secret(
     };
     // Checked now, as a session.update would be: a bad one is this call's 400.
     let effective = match &req.session {
-        Some(s) => realtime::check_session(state, s).map_err(|e| e.to_api())?,
-        None => realtime::check_session(state, &json!({})).map_err(|e| e.to_api())?,
+        Some(s) => realtime::check_session(state, &owner, s).map_err(|e| e.to_api())?,
+        None => realtime::check_session(state, &owner, &json!({})).map_err(|e| e.to_api())?,
     };
     let value = format!("ek_{}", uuid::Uuid::new_v4().simple());
     let now = Instant::now();
@@ -176,6 +183,7 @@ async fn make_secret(
         Secret {
             expires: now + Duration::from_secs(ttl),
             session: req.session,
+            owner,
         },
         now,
     )?;
@@ -232,6 +240,7 @@ async fn call(
 ) -> Result<Response, ApiError> {
     let rtc = rtc.ok_or_else(no_webrtc)?;
     let caller = authorize(&state, &rtc, req.headers())?;
+    let keyed_owner = owner_of(auth::bearer(req.headers()));
     let ctype = req
         .headers()
         .get(header::CONTENT_TYPE)
@@ -239,7 +248,7 @@ async fn call(
         .unwrap_or("")
         .to_ascii_lowercase();
     let (sdp, form_session) = if ctype.starts_with("multipart/form-data") {
-        read_form(&state, req).await?
+        read_form(&state, &keyed_owner, req).await?
     } else if ctype.starts_with("application/sdp") {
         let body = read_body(req, MAX_OFFER_BYTES).await?;
         let sdp = String::from_utf8(body.to_vec())
@@ -277,8 +286,13 @@ async fn call(
         }
     };
     let key_session = taken.as_ref().and_then(|(_, s)| s.session.clone());
+    let owner = match &taken {
+        Some((_, s)) => s.owner.clone(),
+        None => keyed_owner,
+    };
     let initial: Vec<Value> = key_session.into_iter().chain(form_session).collect();
-    let (id, answer) = match open_call(&state, &rtc, &sdp, codec, initial).await {
+    let start = CallStart { initial, owner };
+    let (id, answer) = match open_call(&state, &rtc, &sdp, codec, start).await {
         Ok(opened) => opened,
         Err(e) => {
             if let Some((key, secret)) = taken {
@@ -301,6 +315,7 @@ async fn call(
 /// The multipart form: `sdp` (the offer) and an optional `session` (JSON).
 async fn read_form(
     state: &Arc<AppState>,
+    owner: &str,
     req: Request,
 ) -> Result<(String, Option<Value>), ApiError> {
     let bad = |m: String| ApiError::bad_request("invalid_request", m);
@@ -328,7 +343,7 @@ async fn read_form(
                     param: Some("session"),
                     ..bad(format!("session is not JSON: {e}"))
                 })?;
-                realtime::check_session(state, &v).map_err(|e| e.to_api())?;
+                realtime::check_session(state, owner, &v).map_err(|e| e.to_api())?;
                 session = Some(v);
             }
             other => {
@@ -364,6 +379,7 @@ mod tests {
         let secret = |ttl: u64| Secret {
             expires: t0 + Duration::from_secs(ttl),
             session: Some(json!({"instructions": "hi"})),
+            owner: String::new(),
         };
         calls.insert("ek_a".into(), secret(60), t0).unwrap();
         calls.insert("ek_b".into(), secret(10), t0).unwrap();

@@ -50,6 +50,8 @@ use webrtc::track::track_local::TrackLocal;
 use webrtc::track::track_remote::TrackRemote;
 
 use crate::profile::WebRtcSpec;
+use crate::serve::auth::bearer;
+use crate::serve::voice_store::owner_of;
 
 use super::media::{self, AudioOut, Codec, Mic, Speaker, FRAME};
 use super::realtime::{slow_client_event, Realtime};
@@ -235,7 +237,12 @@ async fn answer(
     let Some(rtc) = rtc else {
         return Err(ApiError::internal("WebRTC is not available on this server"));
     };
-    let (id, sdp) = open_call(&state, &rtc, &offer_sdp, codec, Vec::new()).await?;
+    let owner = owner_of(bearer(headers));
+    let start = CallStart {
+        initial: Vec::new(),
+        owner,
+    };
+    let (id, sdp) = open_call(&state, &rtc, &offer_sdp, codec, start).await?;
     let location = format!("/v1/webrtc/{id}");
     Ok(match shape {
         Shape::Sdp => (
@@ -256,14 +263,21 @@ async fn answer(
     })
 }
 
-/// A call from an offer: its session id and the SDP answer. `initial`:
-/// session configurations applied first, as `session.update`s.
+/// What a call starts with.
+pub(super) struct CallStart {
+    /// Session configurations applied first, as `session.update`s.
+    pub initial: Vec<serde_json::Value>,
+    /// Whose cloned voices it may speak in (the key that opened it).
+    pub owner: String,
+}
+
+/// A call from an offer: its session id and the SDP answer.
 async fn open_call(
     state: &Arc<AppState>,
     rtc: &Arc<WebRtc>,
     offer_sdp: &str,
     codec: Codec,
-    initial: Vec<serde_json::Value>,
+    start: CallStart,
 ) -> Result<(String, String), ApiError> {
     // The session first: at the cap, refuse before any network work.
     let session = state.sessions.open("webrtc")?;
@@ -287,7 +301,7 @@ async fn open_call(
                 codec,
                 session,
                 local.tracks,
-                initial,
+                start,
             ));
             Ok((id, local.sdp))
         }
@@ -432,8 +446,9 @@ async fn run_peer(
     codec: Codec,
     session: crate::serve::sessions::SessionGuard,
     tracks: Tracks,
-    initial: Vec<serde_json::Value>,
+    start: CallStart,
 ) {
+    let CallStart { initial, owner } = start;
     let _task = TaskGuard::new(&state.metrics);
     let _conn = ConnGauge::new(&state.metrics, "webrtc");
     let id = session.id.clone();
@@ -521,7 +536,8 @@ async fn run_peer(
         });
     }
     let stream = tokio_stream::wrappers::ReceiverStream::new(in_rx);
-    let codec = Realtime::new(state.clone(), id.clone(), Some(Box::new(speaker_out)));
+    let codec =
+        Realtime::new(state.clone(), id.clone(), Some(Box::new(speaker_out))).with_owner(owner);
     driver::run(
         state.clone(),
         codec,

@@ -7,9 +7,10 @@
 //! (`non_streaming_mode`); one whose text is still coming starts as soon as its
 //! first token is settled, with the rest fed one token a frame (the reference's
 //! streaming-text layout), a frame whose token has not arrived waiting for it.
-//! A token counts as settled once text follows it: the text is re-tokenized as
-//! it grows (as the reference tokenizes the whole string), and only its last
-//! token may still change.
+//! A token counts as settled once text follows it: the text is tokenized as
+//! the reference tokenizes the whole string, and only its last token may still
+//! change. Only the text after its last word boundary is re-tokenized as it
+//! grows (`TextTokens`).
 //!
 //! Requests run batched on KV slots, as Qwen3-Omni's Talker does (the same
 //! frame loop, code predictor and CUDA graphs).
@@ -51,6 +52,107 @@ const CLOSE: usize = 5;
 /// Tokens of [`ref_text`] after the transcript.
 const REF_CLOSE: usize = 2;
 
+/// The text tokens of `text` as the reference tokenizes it (inside its chat
+/// wrapping), and the role tokens before them.
+fn tokens(tokenizer: &ChatTokenizer, text: &str) -> Result<(Vec<u32>, Vec<u32>)> {
+    let ids = tokenizer.encode(&assistant_text(text))?;
+    if ids.len() < ROLE + CLOSE {
+        return Err(ModelError::Invalid(
+            "the tokenizer dropped the chat tokens".into(),
+        ));
+    }
+    let text = ids[ROLE..ids.len() - CLOSE].to_vec();
+    Ok((ids[..ROLE].to_vec(), text))
+}
+
+/// The tokens of a text that arrives in pieces, equal to [`tokens`] of the
+/// text so far at every push, with each byte tokenized about once:
+/// re-tokenizing the whole text at each piece is quadratic in its length.
+///
+/// The tokens of `text[..base]` are final: `base` is a pre-token boundary that
+/// no later text moves, so the tokens of the text are those of `text[..base]`
+/// followed by those of `text[base..]` alone (BPE merges stay within pre-tokens).
+#[derive(Default)]
+struct TextTokens {
+    /// Bytes of the text whose tokens are final; 0 or a cut (see [`last_cut`]).
+    base: usize,
+    /// The text's length at the last push: no cut lies before it.
+    seen: usize,
+    /// The role tokens before the text.
+    role: Vec<u32>,
+    /// The tokens of `text[..base]` (`ids[..fixed]`), then those of the rest.
+    ids: Vec<u32>,
+    fixed: usize,
+}
+
+impl TextTokens {
+    /// Tokenizes `text` (the text so far: the last push's text and more) and
+    /// returns how many of [`Self::ids`] are settled: all of them once `done`,
+    /// else all but the last.
+    fn push(&mut self, tokenizer: &ChatTokenizer, text: &str, done: bool) -> Result<usize> {
+        // A whole text (or the end of one) needs no cut: its rest is
+        // tokenized once.
+        if !done {
+            if let Some(cut) = last_cut(text, self.seen.max(self.base + 1)) {
+                let ids = self.encode(tokenizer, &text[self.base..cut])?;
+                self.ids.truncate(self.fixed);
+                self.ids.extend(ids);
+                self.fixed = self.ids.len();
+                self.base = cut;
+            }
+        }
+        self.seen = text.len();
+        let rest = self.encode(tokenizer, &text[self.base..])?;
+        self.ids.truncate(self.fixed);
+        self.ids.extend(rest);
+        Ok(match done {
+            true => self.ids.len(),
+            false => self.ids.len().saturating_sub(1),
+        })
+    }
+
+    /// The tokens of `part`, text from `self.base` on: at the text's start in
+    /// its chat wrapping, as the reference tokenizes it (it follows
+    /// "assistant\n" there); from a cut (a space) on alone.
+    fn encode(&mut self, tokenizer: &ChatTokenizer, part: &str) -> Result<Vec<u32>> {
+        if self.base == 0 {
+            let (role, ids) = tokens(tokenizer, part)?;
+            self.role = role;
+            return Ok(ids);
+        }
+        let enc = tokenizer
+            .inner()
+            .encode(part, false)
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+}
+
+/// The last position `p >= from` in `text` where a space follows a character
+/// that is not whitespace: a boundary between Qwen2's pre-tokens whatever text
+/// follows. No alternative of its split regex
+/// `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`
+/// matches a non-space followed by a space (a space comes only first or in an
+/// all-whitespace run), so the match before `p` ends at `p` having looked at
+/// nothing past it, and the next starts there (no lookbehind). NFC keeps the
+/// boundary (a space is a starter that composes with nothing), and Qwen's
+/// added tokens hold no space. Control characters are left out too, in case the
+/// regex's `\s` counts one that Rust does not.
+fn last_cut(text: &str, from: usize) -> Option<usize> {
+    let mut next = None;
+    for (i, c) in text.char_indices().rev() {
+        let p = i + c.len_utf8();
+        if p < from {
+            return None;
+        }
+        if next == Some(' ') && !c.is_whitespace() && !c.is_control() {
+            return Some(p);
+        }
+        next = Some(c);
+    }
+    None
+}
+
 impl From<PromptError> for ModelError {
     fn from(e: PromptError) -> Self {
         match e {
@@ -65,6 +167,8 @@ struct Req {
     instruct_ids: Option<Vec<u32>>,
     language: String,
     text: String,
+    /// The tokens of `text`, kept up to date as it grows.
+    tokens: TextTokens,
     upstream_done: bool,
     /// The prompt `(1, s, hidden)` once its first text token is settled.
     prompt: Option<Tensor>,
@@ -198,19 +302,6 @@ impl Qwen3TtsTalker {
         }
     }
 
-    /// The text tokens of `text` as the reference tokenizes it (inside its chat
-    /// wrapping), and the role tokens before them.
-    fn tokens(&self, text: &str) -> Result<(Vec<u32>, Vec<u32>)> {
-        let ids = self.tokenizer.encode(&assistant_text(text))?;
-        if ids.len() < ROLE + CLOSE {
-            return Err(ModelError::Invalid(
-                "the tokenizer dropped the chat tokens".into(),
-            ));
-        }
-        let text = ids[ROLE..ids.len() - CLOSE].to_vec();
-        Ok((ids[..ROLE].to_vec(), text))
-    }
-
     /// An in-context voice: the x-vector, the clip's codes and its transcript.
     fn ref_clip(&self, xvector: Tensor, r: &VoiceReference) -> Result<RefClip> {
         let groups = self.model.config().talker_config.num_code_groups;
@@ -247,11 +338,8 @@ impl Qwen3TtsTalker {
         if r.prompt.is_some() && r.fed.is_none() {
             return Ok(());
         }
-        let (role, text) = self.tokens(&r.text)?;
-        let settled = match r.upstream_done {
-            true => text.len(),
-            false => text.len().saturating_sub(1),
-        };
+        let settled = r.tokens.push(&self.tokenizer, &r.text, r.upstream_done)?;
+        let (role, text) = (&r.tokens.role, &r.tokens.ids);
         let tts = self.model.talker();
         if r.prompt.is_none() {
             let need = Self::streamed_prompt_tokens(&r.voice)?;
@@ -269,7 +357,7 @@ impl Qwen3TtsTalker {
             };
             let non_streaming = whole && in_context.is_none();
             let p = tts.prompt_parts(
-                &role,
+                role,
                 take,
                 r.instruct_ids.as_deref(),
                 &r.voice,
@@ -604,6 +692,7 @@ impl StageModel for Qwen3TtsTalker {
                 instruct_ids,
                 language,
                 text: String::new(),
+                tokens: TextTokens::default(),
                 upstream_done: false,
                 prompt: None,
                 fed: None,
@@ -927,6 +1016,70 @@ mod tests {
         let chunk = TextChunk::text(case["text"].as_str().unwrap().into(), Vec::new(), true);
         stage.push(7, Payload::Text(chunk)).unwrap();
         assert_eq!(run(&mut stage, 7), want("custom"));
+    }
+
+    /// A text streamed in pieces of any size is tokenized as the whole text
+    /// is, and as today's whole-text tokenization at every push.
+    #[test]
+    fn streamed_text_tokens_are_the_whole_texts() {
+        use rand::{Rng, SeedableRng};
+        let tok =
+            ChatTokenizer::from_hf_dir(&fixtures::dir().join("../qwen3_omni/tokenizer")).unwrap();
+        let sentences = [
+            "Hello, world! It's 2024 and we're   testing: tokens, digits 1234567890.",
+            "\nNew line here;\n\n  indented  text (with parens) and \"quotes\" -- dashes...",
+            "Ünïcödé: café naïve façade, Straße größer,日本語のテキスト 中文 , Ελληνικά κείμενο.",
+            " tabs\tand\tspaces ,  punctuation !? ... 'quoted' I'll you've he'd.\r\n",
+            "e\u{301}t\u{301}e\u{301} combining , Kelvin \u{212a} 3.14 %@# end",
+        ];
+        let whole: String = sentences.concat().repeat(4);
+        let (_, want) = tokens(&tok, &whole).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let stream = |ends: &[usize], check_settled: bool| {
+            let mut t = TextTokens::default();
+            let mut cuts = 0;
+            for &end in ends {
+                let done = end == whole.len();
+                let settled = t.push(&tok, &whole[..end], done).unwrap();
+                let (role, now) = tokens(&tok, &whole[..end]).unwrap();
+                assert_eq!((&t.role, &t.ids), (&role, &now), "at byte {end}");
+                assert_eq!(&t.ids[..t.fixed], &want[..t.fixed], "at byte {end}");
+                if check_settled {
+                    assert_eq!(&t.ids[..settled], &want[..settled], "at byte {end}");
+                }
+                cuts += usize::from(t.base > 0);
+            }
+            assert_eq!(t.ids, want);
+            assert!(cuts > 0);
+        };
+        for _ in 0..20 {
+            let mut ends = Vec::new();
+            let mut end = 0;
+            while end < whole.len() {
+                end = (end + rng.gen_range(1..=12)).min(whole.len());
+                while !whole.is_char_boundary(end) {
+                    end += 1;
+                }
+                ends.push(end);
+            }
+            // Not every settled token: "all but the last" can change within
+            // a word cut in two (" n" is " ", "n"; " naïve" starts " na").
+            stream(&ends, false);
+        }
+        // Word by word, a space after each (the WS speech stream) or before
+        // (an LLM's tokens), every settled token is final.
+        let ends: Vec<usize> = whole
+            .split_inclusive(' ')
+            .scan(0, |end, w| {
+                *end += w.len();
+                Some(*end)
+            })
+            .collect();
+        stream(&ends, true);
+        let mut ends: Vec<usize> = whole.match_indices(' ').map(|(i, _)| i).collect();
+        ends.retain(|&i| i > 0);
+        ends.push(whole.len());
+        stream(&ends, true);
     }
 
     #[test]

@@ -80,7 +80,7 @@ for v in $VARIANTS; do
   if [ "$REF_FRAMES" != 0 ]; then
     step "reference $v ($MODE, batch 1, $REF_FRAMES frames)"
     PYTHONPATH="$REF" timeout "${REF_S:-240}" python3 scripts/qwen3_tts/ref_bench.py \
-      --variant "deploy/qwen3_tts_released/$v" --mode "$MODE" $([ "$MODE" = clone ] && echo --icl) --frames "$REF_FRAMES" \
+      --variant "deploy/qwen3_tts_released/bench/$v" --mode "$MODE" $([ "$MODE" = clone ] && echo --icl) --frames "$REF_FRAMES" \
       --runs 3 --warmup 1 --out "$OUT/json/reference-$v.json" 2>&1 | grep -vE "pad_token_id|flash-attn" | tail -6
   fi
 done

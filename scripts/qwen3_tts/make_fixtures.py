@@ -8,6 +8,8 @@ Writes under tests/fixtures/qwen3_tts/:
   model_design/          the same weights as a VoiceDesign checkpoint (its
                          config.json: no preset speakers; the weights and the
                          speech tokenizer are links to model/'s)
+  model_base/            the same as a Base checkpoint without preset speakers,
+                         as the released ones are (links likewise)
   generate/io.safetensors + io.json
       per case c (io.json lists each case's text, speaker, language, instruct,
       non_streaming and x-vector flag):
@@ -114,6 +116,7 @@ def main():
     tok = tiny.tiny_tokenizer()
     tiny.save_checkpoint(model, tok)
     tiny.save_design_checkpoint(model)
+    tiny.save_base_checkpoint(model)
     text_tok = Tokenizer.from_file(tiny.TOKENIZER)
 
     def ids(s: str) -> torch.Tensor:

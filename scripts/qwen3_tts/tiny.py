@@ -282,6 +282,22 @@ def save_design_checkpoint(model) -> str:
     return d
 
 
+def save_base_checkpoint(model) -> str:
+    """model/ as the released Base checkpoints are: no preset speakers, so it
+    speaks only voices cloned from a clip."""
+    d = out_dir("model_base")
+    cfg = model.config.to_dict()
+    cfg["talker_config"]["spk_id"] = {}
+    cfg["talker_config"]["spk_is_dialect"] = {}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    for name in ["model.safetensors", "generation_config.json", "speech_tokenizer"]:
+        link = os.path.join(d, name)
+        if not os.path.lexists(link):
+            os.symlink(os.path.join("..", "model", name), link)
+    return d
+
+
 def save_io(name: str, tensors: dict, meta: dict | None = None) -> None:
     d = out_dir(name)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}

@@ -969,8 +969,29 @@ connectors:
                 "{name}"
             );
             assert_eq!(p.stages[0].voice.is_some(), presets, "{name}");
-            let cfg = Qwen3TtsConfig::load(&p.resolve(&p.stages[0].model.path)).unwrap();
+            let dir = p.resolve(&p.stages[0].model.path);
+            let cfg = Qwen3TtsConfig::load(&dir).unwrap();
             assert_eq!(cfg.tts_model_type, kind, "{name}");
+            // The bench folder is the released config but for the text
+            // tokens' ids (scripts/qwen3_tts/bench_configs.py).
+            assert_eq!(dir, root.join("bench").join(name), "{name}");
+            let json = |d: &Path| -> serde_json::Value {
+                let mut v: serde_json::Value =
+                    serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap())
+                        .unwrap();
+                for k in [
+                    "im_start_token_id",
+                    "im_end_token_id",
+                    "tts_pad_token_id",
+                    "tts_bos_token_id",
+                    "tts_eos_token_id",
+                    "assistant_token_id",
+                ] {
+                    v.as_object_mut().unwrap().remove(k);
+                }
+                v
+            };
+            assert_eq!(json(&dir), json(&root.join(name)), "{name}");
             assert_eq!(cfg.talker_config.num_code_groups, 16, "{name}");
             if kind == Tts::Base {
                 assert!(cfg.speaker_encoder_config.is_some(), "{name}");

@@ -81,6 +81,17 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
                 false => crate::run::speech_spec("Hi.", None, None),
             };
             warm.sampling.max_tokens = Some(4);
+            // A Talker with no preset voice (Qwen3-TTS Base) speaks only cloned
+            // ones: a voice cloned from a synthetic clip, which warms the
+            // speaker encoder too.
+            if p.voices().is_empty() {
+                if let Some(enc) = p.voice_encoder() {
+                    warm.style.speaker_embedding = Some(
+                        enc.embed(&warm_up_clip(enc.sample_rate(), enc.min_samples()))
+                            .context("warm-up: the speaker encoder")?,
+                    );
+                }
+            }
             run_request(&p, warm, |_| {}).context("warm-up request")?;
             // A chat does not touch the Listener: half a second of silence does.
             if p.has_role(StageRole::Listener) {
@@ -381,4 +392,21 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
         }],
     }))
     .into_response()
+}
+
+/// A second (at least `min` samples) of a voiced tone at `rate`: a clip to
+/// clone a warm-up voice from.
+fn warm_up_clip(rate: u32, min: usize) -> Vec<f32> {
+    let n = (rate as usize).max(min);
+    (0..n)
+        .map(|i| {
+            let t = i as f32 / rate.max(1) as f32;
+            (0..8)
+                .map(|k| {
+                    (2.0 * std::f32::consts::PI * 150.0 * (k + 1) as f32 * t).sin() / (k + 1) as f32
+                })
+                .sum::<f32>()
+                * 0.3
+        })
+        .collect()
 }

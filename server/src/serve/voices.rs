@@ -9,6 +9,9 @@ pub const OPENAI_VOICES: &[&str] = &[
     "shimmer", "verse",
 ];
 
+/// Why a pipeline without preset voices refuses a voice by name.
+pub const NO_PRESET_VOICES: &str = "this server has no preset voices: speak a cloned one (a `voice_…` id from POST /v1/audio/voices, or `ref_audio` on /v1/audio/speech) where it clones voices";
+
 /// The pipeline's voices and their aliases (names compared in any case).
 #[derive(Debug, Clone, Default)]
 pub struct Voices {
@@ -60,7 +63,7 @@ impl Voices {
         }
         let aliases: Vec<&str> = self.aliases.keys().map(String::as_str).collect();
         Err(if self.names.is_empty() {
-            "this pipeline has no voices: it cannot speak".to_string()
+            NO_PRESET_VOICES.to_string()
         } else {
             format!(
                 "unsupported voice {name:?}; available voices: {} (also: {})",
@@ -71,6 +74,12 @@ impl Voices {
     }
 
     /// The voice used when a request names none.
+    /// Whether it has no voice of its own (a Qwen3-TTS Base checkpoint
+    /// speaks only cloned voices; a pipeline without a Talker, none).
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
     pub fn default_voice(&self) -> &str {
         self.names.first().map_or("", String::as_str)
     }

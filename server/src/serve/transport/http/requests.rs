@@ -512,6 +512,12 @@ impl SpeechPlan {
             Some(_) => None,
             None => check_voice(r.voice.as_ref(), voices).map_err(|e| param("voice", e))?,
         };
+        if cloned.is_none() && voice.is_none() && voices.is_empty() {
+            return Err(param(
+                "voice",
+                ApiError::bad_request("no_voice", crate::serve::voices::NO_PRESET_VOICES),
+            ));
+        }
         let format = output_format(
             // OpenAI's default.
             r.response_format.as_deref().unwrap_or("mp3"),

@@ -15,7 +15,6 @@ import base64
 import io
 import json
 import os
-import struct
 import wave
 from pathlib import Path
 
@@ -24,6 +23,8 @@ import openai
 import pytest
 from openai import OpenAI
 from tokenizers import Tokenizer
+
+from fixtures import float_wav, load_safetensors
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures" / "qwen3_omni"
@@ -37,19 +38,6 @@ REF_FRAMES = 32
 TOL = 2e-4
 
 
-def load_safetensors(path: Path) -> dict[str, np.ndarray]:
-    raw = path.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8 : 8 + n])
-    base = 8 + n
-    dtypes = {"F32": np.float32, "I64": np.int64, "F64": np.float64}
-    out = {}
-    for k, v in header.items():
-        if k == "__metadata__":
-            continue
-        a, b = v["data_offsets"]
-        out[k] = np.frombuffer(raw[base + a : base + b], dtype=dtypes[v["dtype"]]).reshape(v["shape"])
-    return out
 
 
 IO = load_safetensors(FIX / "generate" / "io.safetensors")
@@ -75,12 +63,6 @@ def wav_samples(data: bytes) -> np.ndarray:
     return np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
 
 
-def float_wav(samples: np.ndarray, rate: int) -> bytes:
-    """A 32-bit float WAV: the spoken turn reaches the server bit for bit."""
-    data = samples.astype("<f4").tobytes()
-    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
-    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
-    return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
 def assert_same_audio(got: np.ndarray, ref: np.ndarray) -> None:

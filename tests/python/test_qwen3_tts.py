@@ -22,7 +22,6 @@ import base64
 import io
 import json
 import os
-import struct
 import wave
 from pathlib import Path
 
@@ -31,6 +30,8 @@ import openai
 import pytest
 import websockets
 from openai import OpenAI
+
+from fixtures import float_wav, load_safetensors, pcm16_wav
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures" / "qwen3_tts" / "generate"
@@ -41,19 +42,6 @@ FRAME = 1920
 TOL = 1e-4
 
 
-def load_safetensors(path: Path) -> dict[str, np.ndarray]:
-    raw = path.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8 : 8 + n])
-    base = 8 + n
-    dtypes = {"F32": np.float32, "I64": np.int64, "I16": np.int16}
-    out = {}
-    for k, v in header.items():
-        if k == "__metadata__":
-            continue
-        a, b = v["data_offsets"]
-        out[k] = np.frombuffer(raw[base + a : base + b], dtype=dtypes[v["dtype"]]).reshape(v["shape"])
-    return out
 
 
 IO = load_safetensors(FIX / "io.safetensors")
@@ -67,15 +55,6 @@ ICL_CASES = {c["name"]: c for c in json.loads((FIX.parent / "icl" / "io.json").r
 ENCODER = load_safetensors(FIX.parent / "encoder" / "io.safetensors")
 
 
-def icl_clip(case: dict) -> bytes:
-    pcm16 = ENCODER[f"pcm16_{case['ref_clip']}"]
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(RATE)
-        w.writeframes(pcm16.astype("<i2").tobytes())
-    return buf.getvalue()
 
 
 def make_client(key: str) -> OpenAI:
@@ -92,22 +71,8 @@ def bob() -> OpenAI:
     return make_client("key-bob")
 
 
-def float_wav(samples: np.ndarray, rate: int = RATE) -> bytes:
-    """A 32-bit float WAV: the clip reaches the speaker encoder bit for bit."""
-    data = samples.astype("<f4").tobytes()
-    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
-    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
-    return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
-def pcm16_wav(samples: np.ndarray, rate: int = RATE) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return buf.getvalue()
 
 
 def pcm(data: bytes) -> np.ndarray:
@@ -300,7 +265,7 @@ def test_in_context_cloning_is_the_reference(client):
     made once (`ref_text` with the upload) and spoken by id, and over the speech
     stream with its text in pieces."""
     c = ICL_CASES["icl_stream_long_ref"]
-    clip = icl_clip(c)
+    clip = pcm16_wav(ENCODER[f"pcm16_{c['ref_clip']}"])
     kw = dict(model="qwen3-tts", voice="alloy", input=c["text"], response_format="pcm")
     inline = pcm(client.audio.speech.create(
         **kw, extra_body={"ref_audio": base64.b64encode(clip).decode(), "ref_text": c["ref_text"]},

@@ -11,17 +11,13 @@ OMNISTREAM_URL."""
 from __future__ import annotations
 
 import base64
-import io
-import json
 import os
-import struct
-import wave
-from pathlib import Path
 
-import numpy as np
 import openai
 import pytest
 from openai import OpenAI
+
+from fixtures import FIXTURES, load_safetensors, pcm16_wav
 
 URL = os.environ.get("OMNISTREAM_URL", "http://127.0.0.1:8000")
 FRAME_BYTES = 1920 * 2  # one 80 ms codec frame of 16-bit PCM at 24 kHz
@@ -33,21 +29,6 @@ def client() -> OpenAI:
     return OpenAI(base_url=URL.rstrip("/") + "/v1", api_key="x", max_retries=0, timeout=300)
 
 
-def clip_wav() -> bytes:
-    """The speaker encoder's fixture clip (2 s, tests/fixtures/qwen3_tts/speaker), 16-bit."""
-    path = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "qwen3_tts" / "speaker" / "io.safetensors"
-    raw = path.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    meta = json.loads(raw[8 : 8 + n])["pcm"]
-    a, b = meta["data_offsets"]
-    pcm = np.frombuffer(raw[8 + n + a : 8 + n + b], dtype=np.float32)
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(24_000)
-        w.writeframes((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes())
-    return buf.getvalue()
 
 
 def realtime_answer(client: OpenAI, voice: str):
@@ -123,7 +104,7 @@ def test_a_cloned_voice_speaks_chat_and_realtime(client, in_context):
     that is not there is refused, naming the field."""
     extra = {"ref_text": "This is how I sound."} if in_context else None
     voice = client.audio.voices.create(
-        name="cloned", consent="cons_test", audio_sample=("clip.wav", clip_wav(), "audio/wav"), extra_body=extra,
+        name="cloned", consent="cons_test", audio_sample=("clip.wav", pcm16_wav(load_safetensors(FIXTURES / "qwen3_tts" / "speaker" / "io.safetensors")["pcm"]), "audio/wav"), extra_body=extra,
     )
     try:
         def chat(v):

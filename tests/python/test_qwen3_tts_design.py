@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -19,22 +18,13 @@ import openai
 import pytest
 from openai import OpenAI
 
+from fixtures import load_safetensors
+
 FIX = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "qwen3_tts" / "generate"
 URL = os.environ.get("OMNISTREAM_URL", "http://127.0.0.1:8000")
 TOL = 1e-4
 
 
-def load_safetensors(path: Path) -> dict[str, np.ndarray]:
-    raw = path.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8 : 8 + n])
-    base = 8 + n
-    dtypes = {"F32": np.float32, "I64": np.int64}
-    return {
-        k: np.frombuffer(raw[base + v["data_offsets"][0] : base + v["data_offsets"][1]], dtype=dtypes[v["dtype"]]).reshape(v["shape"])
-        for k, v in header.items()
-        if k != "__metadata__"
-    }
 
 
 REF = load_safetensors(FIX / "io.safetensors")["design.wav"]

@@ -13,11 +13,12 @@ import asyncio
 import base64
 import json
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
 import websockets
+
+from fixtures import load_safetensors
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures" / "qwen3_tts" / "generate"
@@ -27,17 +28,6 @@ FRAME = 1920
 TOL = 1e-4
 
 
-def load_safetensors(path: Path) -> dict[str, np.ndarray]:
-    raw = path.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8 : 8 + n])
-    base = 8 + n
-    dtypes = {"F32": np.float32, "I64": np.int64}
-    return {
-        k: np.frombuffer(raw[base + v["data_offsets"][0] : base + v["data_offsets"][1]], dtype=dtypes[v["dtype"]]).reshape(v["shape"])
-        for k, v in header.items()
-        if k != "__metadata__"
-    }
 
 
 IO = load_safetensors(FIX / "io.safetensors")

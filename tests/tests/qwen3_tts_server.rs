@@ -60,6 +60,26 @@ fn qwen3_tts_voice_design_through_the_openai_sdk() {
     assert!(server.alive(), "the server died:\n{log}");
 }
 
+/// A Base checkpoint as released, with no preset speaker
+/// (deploy/qwen3-tts-base-tiny.yaml): it starts, speaks cloned voices only and
+/// refuses a request with none (tests/python/test_qwen3_tts_base.py).
+#[test]
+fn qwen3_tts_base_speaks_only_cloned_voices() {
+    let store = tempfile::tempdir().unwrap();
+    let dir = store.path().to_str().unwrap();
+    let args = [
+        "--profile",
+        "deploy/qwen3-tts-base-tiny.yaml",
+        "--voice-store",
+        dir,
+    ];
+    let mut server = spawn_server(&args);
+    let report = run_pytest(&server, "test_qwen3_tts_base.py");
+    assert!(report.contains("2 passed"), "{report}");
+    let log = server.log.lock().map(|l| l.clone()).unwrap_or_default();
+    assert!(server.alive(), "the server died:\n{log}");
+}
+
 /// Qwen3-TTS as the voice of a cascade (deploy/smollm2-qwen3-tts-tiny.yaml):
 /// SmolLM2's answer spoken as it is written, on chat completions (whole and
 /// streamed) and Realtime, in preset and cloned voices

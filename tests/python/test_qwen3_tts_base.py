@@ -1,0 +1,75 @@
+"""`omnistream serve --profile deploy/qwen3-tts-base-tiny.yaml`: a Qwen3-TTS
+Base checkpoint as the released ones are, with no preset speaker (the tiny
+reference weights, tests/fixtures/qwen3_tts/model_base). The server starts
+(its warm-up clones a voice), speaks only cloned voices, in context equal to
+the reference's `generate_voice_clone`, and refuses a request with none,
+naming `voice`.
+
+Run by tests/tests/qwen3_tts_server.rs, which starts the server and sets
+OMNISTREAM_URL."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+import numpy as np
+import openai
+import pytest
+from openai import OpenAI
+
+from fixtures import FIXTURES, load_safetensors, pcm16_wav
+
+URL = os.environ.get("OMNISTREAM_URL", "http://127.0.0.1:8000")
+FRAME = 1920
+TOL = 1e-4
+ICL = load_safetensors(FIXTURES / "qwen3_tts" / "icl" / "io.safetensors")
+CASE = next(
+    c for c in json.loads((FIXTURES / "qwen3_tts" / "icl" / "io.json").read_text())["cases"]
+    if c["name"] == "icl_stream_long_ref"
+)
+CLIP = pcm16_wav(load_safetensors(FIXTURES / "qwen3_tts" / "encoder" / "io.safetensors")[f"pcm16_{CASE['ref_clip']}"])
+
+
+@pytest.fixture(scope="module")
+def client() -> OpenAI:
+    return OpenAI(base_url=URL.rstrip("/") + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def pcm(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def test_it_speaks_only_cloned_voices(client):
+    # No preset voice: a named one (OpenAI's too) is refused, as is none.
+    for voice in ["alloy", "vivian"]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.audio.speech.create(model="qwen3-tts", voice=voice, input="Hello there.")
+        assert e.value.body["param"] == "voice" and "cloned" in e.value.body["message"], e.value.body
+    # A clip and its words: in context, the reference's audio after its cut.
+    got = pcm(client.audio.speech.create(
+        model="qwen3-tts", voice="alloy", input=CASE["text"], response_format="pcm",
+        extra_body={"ref_audio": base64.b64encode(CLIP).decode(), "ref_text": CASE["ref_text"]},
+    ).content)
+    ref = ICL["icl_stream_long_ref.wav"]
+    assert CASE["cut"] == CASE["ref_frames"] * FRAME
+    assert len(got) % FRAME == 0 and len(got) >= len(ref), (len(got), len(ref))
+    assert float(np.abs(got[: len(ref)] - ref).max()) < TOL
+    # Made once, spoken by id.
+    voice = client.audio.voices.create(
+        name="mine", consent="c", audio_sample=("clip.wav", CLIP, "audio/wav"),
+        extra_body={"ref_text": CASE["ref_text"]},
+    )
+    again = pcm(client.audio.speech.create(
+        model="qwen3-tts", voice=voice.id, input=CASE["text"], response_format="pcm").content)
+    assert again.shape == got.shape and float(np.abs(again - got).max()) < TOL
+
+
+def test_no_voice_at_all_is_refused(client):
+    import httpx
+
+    r = httpx.post(URL.rstrip("/") + "/v1/audio/speech", json={"input": "Hello there.", "response_format": "pcm"},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "voice", r.text

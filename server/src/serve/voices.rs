@@ -121,6 +121,6 @@ mod tests {
         );
         assert!(voices(&[("Ethan", "chelsie")]).is_err());
         let none = Voices::new(vec![], &BTreeMap::new()).unwrap();
-        assert!(none.resolve("alloy").unwrap_err().contains("cannot speak"));
+        assert!(none.resolve("alloy").unwrap_err().contains("no preset voices"));
     }
 }

@@ -121,6 +121,9 @@ mod tests {
         );
         assert!(voices(&[("Ethan", "chelsie")]).is_err());
         let none = Voices::new(vec![], &BTreeMap::new()).unwrap();
-        assert!(none.resolve("alloy").unwrap_err().contains("no preset voices"));
+        assert!(none
+            .resolve("alloy")
+            .unwrap_err()
+            .contains("no preset voices"));
     }
 }

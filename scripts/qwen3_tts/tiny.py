@@ -265,37 +265,35 @@ def save_checkpoint(model, tok) -> str:
     return d
 
 
-def save_design_checkpoint(model) -> str:
-    """model/ as a VoiceDesign checkpoint: its config says so and lists no
-    preset speakers; the prompt of a described voice uses no other weights."""
-    d = out_dir("model_design")
+def _variant_checkpoint(model, name: str, model_type: str | None) -> str:
+    """model/ under another config: no preset speakers (and `model_type` if
+    given); the weights, generation config and speech tokenizer are links to
+    model/'s."""
+    d = out_dir(name)
     cfg = model.config.to_dict()
-    cfg["tts_model_type"] = "voice_design"
+    if model_type is not None:
+        cfg["tts_model_type"] = model_type
     cfg["talker_config"]["spk_id"] = {}
     cfg["talker_config"]["spk_is_dialect"] = {}
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
-    for name in ["model.safetensors", "generation_config.json", "speech_tokenizer"]:
-        link = os.path.join(d, name)
+    for file in ["model.safetensors", "generation_config.json", "speech_tokenizer"]:
+        link = os.path.join(d, file)
         if not os.path.lexists(link):
-            os.symlink(os.path.join("..", "model", name), link)
+            os.symlink(os.path.join("..", "model", file), link)
     return d
+
+
+def save_design_checkpoint(model) -> str:
+    """model/ as a VoiceDesign checkpoint: its config says so and lists no
+    preset speakers; the prompt of a described voice uses no other weights."""
+    return _variant_checkpoint(model, "model_design", "voice_design")
 
 
 def save_base_checkpoint(model) -> str:
     """model/ as the released Base checkpoints are: no preset speakers, so it
     speaks only voices cloned from a clip."""
-    d = out_dir("model_base")
-    cfg = model.config.to_dict()
-    cfg["talker_config"]["spk_id"] = {}
-    cfg["talker_config"]["spk_is_dialect"] = {}
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-    for name in ["model.safetensors", "generation_config.json", "speech_tokenizer"]:
-        link = os.path.join(d, name)
-        if not os.path.lexists(link):
-            os.symlink(os.path.join("..", "model", name), link)
-    return d
+    return _variant_checkpoint(model, "model_base", None)
 
 
 def save_io(name: str, tensors: dict, meta: dict | None = None) -> None:

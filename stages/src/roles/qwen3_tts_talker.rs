@@ -7,10 +7,10 @@
 //! (`non_streaming_mode`); one whose text is still coming starts as soon as its
 //! first token is settled, with the rest fed one token a frame (the reference's
 //! streaming-text layout), a frame whose token has not arrived waiting for it.
-//! A token counts as settled once text follows it: the text is tokenized as
-//! the reference tokenizes the whole string, and only its last token may still
-//! change. Only the text after its last word boundary is re-tokenized as it
-//! grows (`TextTokens`).
+//! The text is tokenized as the reference tokenizes the whole string; a token
+//! counts as settled once its word has ended (a space, or sentence punctuation
+//! after letters), as the rest of a word can change its tokens. Only the text
+//! after the last such cut is re-tokenized as it grows (`TextTokens`).
 //!
 //! Requests run batched on KV slots, as Qwen3-Omni's Talker does (the same
 //! frame loop, code predictor and CUDA graphs).
@@ -88,7 +88,9 @@ struct TextTokens {
 impl TextTokens {
     /// Tokenizes `text` (the text so far: the last push's text and more) and
     /// returns how many of [`Self::ids`] are settled: all of them once `done`,
-    /// else all but the last.
+    /// else those before the last cut (`ids[..fixed]`). Not "all but the
+    /// last": a piece that ends inside a word can end in two tokens that the
+    /// rest of the word changes (" n" is " ", "n"; " naïve" starts " na").
     fn push(&mut self, tokenizer: &ChatTokenizer, text: &str, done: bool) -> Result<usize> {
         // A whole text (or the end of one) needs no cut: its rest is
         // tokenized once.
@@ -107,7 +109,7 @@ impl TextTokens {
         self.ids.extend(rest);
         Ok(match done {
             true => self.ids.len(),
-            false => self.ids.len().saturating_sub(1),
+            false => self.fixed,
         })
     }
 
@@ -129,15 +131,19 @@ impl TextTokens {
 }
 
 /// The last position `p >= from` in `text` where a space follows a character
-/// that is not whitespace: a boundary between Qwen2's pre-tokens whatever text
-/// follows. No alternative of its split regex
+/// that is not whitespace, or sentence punctuation ([`CUT_PUNCT`]) follows a
+/// letter (text without spaces, as Chinese and Japanese are, has cuts there):
+/// a boundary between Qwen2's pre-tokens whatever text follows. No alternative of its split regex
 /// `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`
 /// matches a non-space followed by a space (a space comes only first or in an
 /// all-whitespace run), so the match before `p` ends at `p` having looked at
 /// nothing past it, and the next starts there (no lookbehind). NFC keeps the
 /// boundary (a space is a starter that composes with nothing), and Qwen's
 /// added tokens hold no space. Control characters are left out too, in case the
-/// regex's `\s` counts one that Rust does not.
+/// regex's `\s` counts one that Rust does not. Likewise a run of letters ends
+/// where punctuation starts, and the punctuation starts the next match (the
+/// letters' optional prefix, or a run of its own); these marks are never part
+/// of an added token (`<|im_end|>`: the cut must not split one).
 fn last_cut(text: &str, from: usize) -> Option<usize> {
     let mut next = None;
     for (i, c) in text.char_indices().rev() {
@@ -145,13 +151,20 @@ fn last_cut(text: &str, from: usize) -> Option<usize> {
         if p < from {
             return None;
         }
-        if next == Some(' ') && !c.is_whitespace() && !c.is_control() {
+        let after_word = next == Some(' ') && !c.is_whitespace() && !c.is_control();
+        let ends_letters = c.is_alphabetic() && next.is_some_and(|n| CUT_PUNCT.contains(&n));
+        if after_word || ends_letters {
             return Some(p);
         }
         next = Some(c);
     }
     None
 }
+
+/// Punctuation that ends a run of letters at a cut ([`last_cut`]).
+const CUT_PUNCT: &[char] = &[
+    ',', '.', '!', '?', ';', ':', '，', '。', '！', '？', '；', '：', '、',
+];
 
 impl From<PromptError> for ModelError {
     fn from(e: PromptError) -> Self {
@@ -1035,18 +1048,19 @@ mod tests {
         let whole: String = sentences.concat().repeat(4);
         let (_, want) = tokens(&tok, &whole).unwrap();
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-        let stream = |ends: &[usize], check_settled: bool| {
+        let stream = |ends: &[usize]| {
             let mut t = TextTokens::default();
-            let mut cuts = 0;
+            let (mut cuts, mut last) = (0, 0);
             for &end in ends {
                 let done = end == whole.len();
                 let settled = t.push(&tok, &whole[..end], done).unwrap();
                 let (role, now) = tokens(&tok, &whole[..end]).unwrap();
                 assert_eq!((&t.role, &t.ids), (&role, &now), "at byte {end}");
                 assert_eq!(&t.ids[..t.fixed], &want[..t.fixed], "at byte {end}");
-                if check_settled {
-                    assert_eq!(&t.ids[..settled], &want[..settled], "at byte {end}");
-                }
+                // Every settled token is final, and settled ones stay settled.
+                assert_eq!(&t.ids[..settled], &want[..settled], "at byte {end}");
+                assert!(settled >= last, "at byte {end}");
+                last = settled;
                 cuts += usize::from(t.base > 0);
             }
             assert_eq!(t.ids, want);
@@ -1062,12 +1076,10 @@ mod tests {
                 }
                 ends.push(end);
             }
-            // Not every settled token: "all but the last" can change within
-            // a word cut in two (" n" is " ", "n"; " naïve" starts " na").
-            stream(&ends, false);
+            stream(&ends);
         }
         // Word by word, a space after each (the WS speech stream) or before
-        // (an LLM's tokens), every settled token is final.
+        // (an LLM's tokens).
         let ends: Vec<usize> = whole
             .split_inclusive(' ')
             .scan(0, |end, w| {
@@ -1075,11 +1087,25 @@ mod tests {
                 Some(*end)
             })
             .collect();
-        stream(&ends, true);
+        stream(&ends);
         let mut ends: Vec<usize> = whole.match_indices(' ').map(|(i, _)| i).collect();
         ends.retain(|&i| i > 0);
         ends.push(whole.len());
-        stream(&ends, true);
+        stream(&ends);
+        // Text without spaces settles at its punctuation, before its end.
+        let cjk = "你好，世界。今天天气很好！我们去公园吧？好的：走吧";
+        let (_, want) = tokens(&tok, cjk).unwrap();
+        let mut t = TextTokens::default();
+        let mut early = 0;
+        for (i, c) in cjk.char_indices() {
+            let end = i + c.len_utf8();
+            let settled = t.push(&tok, &cjk[..end], false).unwrap();
+            assert_eq!(&t.ids[..settled], &want[..settled], "at byte {end}");
+            early = settled;
+        }
+        assert!(early > 0 && early < want.len(), "{early} of {}", want.len());
+        assert_eq!(t.push(&tok, cjk, true).unwrap(), want.len());
+        assert_eq!(t.ids, want);
     }
 
     #[test]

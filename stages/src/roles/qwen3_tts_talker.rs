@@ -33,7 +33,7 @@ use crate::models::qwen3_omni::talker::{SlotRows, TalkerGraphs};
 use crate::models::qwen3_tts::config::ModelType;
 use crate::models::qwen3_tts::model::Qwen3Tts;
 use crate::models::qwen3_tts::talker::{
-    assistant_text, instruct_text, ref_text, PromptError, RefClip, Voice,
+    assistant_text, instruct_text, ref_text, PromptError, RefClip, Voice, CLOSE, ROLE,
 };
 use crate::models::tokenizer::ChatTokenizer;
 use crate::models::{ModelError, Result};
@@ -46,11 +46,6 @@ const DEFAULT_MAX_FRAMES: usize = 8192;
 const MIN_FRAMES: usize = 2;
 /// A VoiceDesign checkpoint's voice: the one the instructions describe.
 pub const DESCRIBED: &str = "described";
-/// Tokens of [`assistant_text`] before and after the text itself.
-const ROLE: usize = 3;
-const CLOSE: usize = 5;
-/// Tokens of [`ref_text`] after the transcript.
-const REF_CLOSE: usize = 2;
 
 /// The text tokens of `text` as the reference tokenizes it (inside its chat
 /// wrapping), and the role tokens before them.
@@ -340,10 +335,12 @@ impl Qwen3TtsTalker {
         let Voice::InContext(clip) = voice else {
             return Ok(1);
         };
-        let transcript = clip.ref_ids.len().saturating_sub(ROLE + REF_CLOSE);
         // At least one: a transcript longer than the clip's codec side leaves
         // its own tail trailing, before the text.
-        Ok((clip.codes.dim(0)? + 1).saturating_sub(transcript).max(1))
+        Ok(clip
+            .codec_positions()?
+            .saturating_sub(clip.transcript_len())
+            .max(1))
     }
 
     /// Builds the prompt once enough tokens are settled, and feeds settled tokens.
@@ -381,8 +378,7 @@ impl Qwen3TtsTalker {
             // its `tts_eos` in the prompt: pads follow.
             let eos_in_prompt = match in_context {
                 Some(clip) if whole => {
-                    let transcript = clip.ref_ids.len().saturating_sub(ROLE + REF_CLOSE);
-                    transcript + take.len() < clip.codes.dim(0)? + 1
+                    clip.transcript_len() + take.len() < clip.codec_positions()?
                 }
                 _ => false,
             };

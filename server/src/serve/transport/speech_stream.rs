@@ -234,7 +234,7 @@ impl Protocol {
             let Some(id) = cloned else {
                 return Ok((voice, style));
             };
-            let Some(v) = st.voice_store.as_ref().and_then(|s| s.get(&self.owner, id)) else {
+            let Some(v) = st.cloned_voice(&self.owner, id) else {
                 return Err(ApiError {
                     param: Some("voice"),
                     ..ApiError::bad_request("voice_not_found", format!("no cloned voice {id:?}"))

@@ -85,6 +85,18 @@ pub struct RefClip {
     pub ref_ids: Vec<u32>,
 }
 
+impl RefClip {
+    /// Tokens of the transcript itself (inside its chat wrapping).
+    pub fn transcript_len(&self) -> usize {
+        self.ref_ids.len().saturating_sub(ROLE + REF_CLOSE)
+    }
+
+    /// Positions of the prompt's codec side: `codec_bos` and the clip's frames.
+    pub fn codec_positions(&self) -> candle_core::Result<usize> {
+        Ok(self.codes.dim(0)? + 1)
+    }
+}
+
 /// One utterance to speak.
 #[derive(Debug, Clone)]
 pub struct SpeechRequest<'a> {
@@ -127,10 +139,10 @@ pub fn instruct_text(instruct: &str) -> String {
 }
 
 /// Tokens of [`assistant_text`] before and after the text itself.
-const ROLE: usize = 3;
-const CLOSE: usize = 5;
+pub(crate) const ROLE: usize = 3;
+pub(crate) const CLOSE: usize = 5;
 /// Tokens of [`ref_text`] after the transcript.
-const REF_CLOSE: usize = 2;
+pub(crate) const REF_CLOSE: usize = 2;
 
 /// The Talker with Qwen3-TTS's text embedding and prompts.
 #[derive(Debug, Clone)]

@@ -50,12 +50,8 @@ async fn cloned_voice(
     let Some(id) = body.cloned_voice_id() else {
         return Ok(None);
     };
-    match state.voice_store.as_ref().and_then(|s| s.get(owner, id)) {
-        Some(v) => Ok(Some(ClonedClip {
-            seconds: v.seconds,
-            embedding: v.embedding,
-            reference: v.reference,
-        })),
+    match state.cloned_voice(owner, id) {
+        Some(clip) => Ok(Some(clip)),
         None => Err(param(
             "voice",
             ApiError::bad_request("voice_not_found", format!("no cloned voice {id:?}")),

@@ -4,9 +4,9 @@
 //! `GET /v1/audio/voices` lists the caller's, `DELETE /v1/audio/voices/{id}`
 //! removes one. The speaker embedding (and with `ref_text` the clip's codes)
 //! is computed once, at upload, by the pipeline's [`VoiceEncoder`] (a
-//! Qwen3-TTS Base Talker in this process) and kept in the [`VoiceStore`]; `/v1/audio/speech` then speaks with
-//! `voice: "voice_…"` or `{"id": "voice_…"}`, or with a clip of its own
-//! (`ref_audio`).
+//! Qwen3-TTS Base Talker in this process) and kept in the [`VoiceStore`];
+//! `/v1/audio/speech` then speaks with `voice: "voice_…"` or
+//! `{"id": "voice_…"}`, or with a clip of its own (`ref_audio`).
 
 use std::sync::Arc;
 

@@ -2,7 +2,7 @@
 """A real WebRTC peer (aiortc) for `omnistream serve`'s POST /v1/webrtc.
 
     python3 webrtc_peer.py --url http://127.0.0.1:8091 --codec opus|PCMU|PCMA \
-        --prompt "What do bees make?" --out DIR [--hangup-after-audio-ms N]
+        --prompt "What do bees make?" --out DIR [--voice V] [--hangup-after-audio-ms N]
 
 Offers one sendrecv audio track (a 440 Hz tone as the microphone) restricted to
 --codec and an `oai-events` data channel; POSTs the offer as application/sdp;
@@ -182,6 +182,11 @@ async def run(args, out_dir):
 
     created = await next_event("session.created")
     result["session_id"] = created["session"]["id"]
+    if args.voice:
+        dc.send(json.dumps({"type": "session.update", "session": {
+            "audio": {"output": {"voice": args.voice}}}}))
+        updated = await next_event("session.updated", 20)
+        result["voice"] = updated["session"]["audio"]["output"]["voice"]
     if args.barge_in_wav:
         return await barge_in(args, pc, dc, mic, next_event, frames, audio_task, result)
     heard = ("conversation.item.input_audio_transcription.completed",
@@ -441,6 +446,7 @@ def main():
     p.add_argument("--out", default=".")
     p.add_argument("--api-key")
     p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--voice", help="the session's voice (a cloned voice's id too)")
     p.add_argument("--hangup-after-audio-ms", type=int)
     p.add_argument("--mic-wav", nargs="+",
                    help="say these WAVs into the microphone in turn; turns by server_vad")

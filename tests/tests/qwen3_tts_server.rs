@@ -96,7 +96,7 @@ fn qwen3_tts_speaks_a_cascade() {
     ];
     let mut server = spawn_server(&args);
     let report = run_pytest(&server, "test_qwen3_tts_cascade.py");
-    assert!(report.contains("6 passed"), "{report}");
+    assert!(report.contains("7 passed"), "{report}");
     let log = server.log.lock().map(|l| l.clone()).unwrap_or_default();
     assert!(server.alive(), "the server died:\n{log}");
 }

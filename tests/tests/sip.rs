@@ -143,9 +143,23 @@ impl Drop for Baresip {
     }
 }
 
-/// One HTTP request's body, answered 200 (the app server's webhook).
-fn accept_hook(listener: &TcpListener) -> Value {
-    let (mut s, _) = listener.accept().expect("the webhook");
+/// One HTTP request's body, answered 200 (the app server's webhook); `None`
+/// when none comes within `limit` (a blocking accept would hang the test run).
+fn accept_hook(listener: &TcpListener, limit: Duration) -> Option<Value> {
+    listener.set_nonblocking(true).expect("nonblocking");
+    let until = Instant::now() + limit;
+    let mut s = loop {
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(_) => return None,
+        }
+    };
+    s.set_nonblocking(false).expect("blocking");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
     let mut reader = BufReader::new(s.try_clone().expect("clone"));
     let mut len = 0usize;
     loop {
@@ -161,7 +175,7 @@ fn accept_hook(listener: &TcpListener) -> Value {
     let mut body = vec![0u8; len];
     reader.read_exact(&mut body).expect("webhook body");
     let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
-    serde_json::from_slice(&body).expect("webhook JSON")
+    Some(serde_json::from_slice(&body).expect("webhook JSON"))
 }
 
 /// A raw SIP peer on UDP: requests in, responses out, nothing else.
@@ -495,7 +509,13 @@ fn a_phone_calls_over_sip() {
     let mut phone = Baresip::dial(&format!("sip:agent@{sip_at};transport=tcp"), KEY, &wav);
     // (The raw peer's call was announced first.)
     let event = loop {
-        let e = accept_hook(&hook);
+        let Some(e) = accept_hook(&hook, Duration::from_secs(30)) else {
+            panic!(
+                "no realtime.call.incoming for baresip's call; baresip said:\n{}\nthe server said:\n{}",
+                phone.log(),
+                server.output()
+            );
+        };
         assert_eq!(e["type"], "realtime.call.incoming", "{e}");
         if e["data"]["sip_headers"].to_string().contains("caller@") {
             break e;
@@ -521,7 +541,14 @@ fn a_phone_calls_over_sip() {
             format!("Bearer {KEY}").parse().expect("header"),
         );
         let (ws, _) = rt
-            .block_on(tokio_tungstenite::connect_async(req))
+            .block_on(async {
+                tokio::time::timeout(
+                    Duration::from_secs(30),
+                    tokio_tungstenite::connect_async(req),
+                )
+                .await
+            })
+            .expect("the sideband within 30 s")
             .expect("the sideband");
         let events = events.clone();
         rt.spawn(async move {
@@ -579,6 +606,13 @@ fn a_phone_calls_over_sip() {
     phone.command("quit", "");
     assert!(phone.wait(Duration::from_secs(10)), "baresip did not quit");
     assert!(idle(&server), "the call left state");
+    // Its answers counted under SIP.
+    let answered = metric(
+        &server,
+        "omnistream_requests_total",
+        &[("endpoint", "sip"), ("outcome", "ok")],
+    );
+    assert!(answered >= 2.0, "{answered} answers counted under sip");
 
     // What the caller heard is what the model said.
     let said: Vec<String> = events

@@ -148,6 +148,16 @@ fn opus_and_pcmu_peers_hear_intelligible_answers() {
     let (wer, detail) = whisper_wer(&pairs);
     assert!(wer <= 0.15, "WER {wer:.3} > 15%: {detail}");
     settled(&server, Duration::from_secs(15));
+    // The calls' answers count under their own transport.
+    let ok = |endpoint| {
+        omnistream_e2e::metric(
+            &server,
+            "omnistream_requests_total",
+            &[("endpoint", endpoint), ("outcome", "ok")],
+        )
+    };
+    assert!(ok("webrtc") >= 2.0, "{}", server.metrics());
+    assert_eq!(ok("realtime"), 0.0, "{}", server.metrics());
 }
 
 /// Hands-free: a question said into the microphone (omnistream's own voice;

@@ -32,6 +32,19 @@ pub fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
         .any(|k| key_matches(keys, k))
 }
 
+/// The key a WebSocket upgrade presents: its Bearer credentials, else the
+/// key subprotocol a browser sends (whose voices its session may speak).
+pub fn presented_key(headers: &HeaderMap) -> Option<&str> {
+    bearer(headers).or_else(|| {
+        headers
+            .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .find_map(|p| p.trim().strip_prefix(KEY_SUBPROTOCOL_PREFIX))
+    })
+}
+
 /// Whether `key`, given in a protocol's own message (a phone stream's
 /// `start`), is accepted (always true when none are set).
 pub fn key_accepted(state: &AppState, key: &str) -> bool {

@@ -83,6 +83,19 @@ impl AppState {
         self.voices.resolve(name)
     }
 
+    /// The voice `name` names for `owner`: one of the pipeline's (or an
+    /// alias), or a cloned voice of `owner`'s, kept by its id (turned into
+    /// its clip by [`Self::speak_cloned`] as each answer starts).
+    pub fn check_voice(&self, owner: &str, name: &str) -> Result<String, String> {
+        if !name.starts_with(CLONED_VOICE_PREFIX) {
+            return self.voice(name);
+        }
+        match &self.voice_store {
+            Some(store) if store.has(owner, name) => Ok(name.to_string()),
+            _ => Err(format!("no cloned voice {name:?}")),
+        }
+    }
+
     /// `owner`'s cloned voice `id`, as a request speaks it.
     pub fn cloned_voice(&self, owner: &str, id: &str) -> Option<ClonedClip> {
         let v = self.voice_store.as_ref()?.get(owner, id)?;

@@ -193,6 +193,11 @@ impl VoiceStore {
         self.lock().get(id).filter(|v| v.owner == owner).cloned()
     }
 
+    /// Whether `owner` has a voice `id` (without copying its clip).
+    pub fn has(&self, owner: &str, id: &str) -> bool {
+        self.lock().get(id).is_some_and(|v| v.owner == owner)
+    }
+
     /// Deletes `owner`'s voice `id`; whether there was one.
     pub fn delete(&self, owner: &str, id: &str) -> Result<bool, StoreError> {
         let mut voices = self.lock();

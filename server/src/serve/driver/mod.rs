@@ -89,7 +89,8 @@ pub enum Action {
 /// conversation's inputs and outputs. It decides nothing about the
 /// conversation.
 pub trait Transport: Send {
-    /// The endpoint its requests count under (`realtime`, `stream`, `webrtc`).
+    /// The endpoint its requests count under (`realtime`, `stream`, `twilio`,
+    /// `webrtc`, `sip`).
     fn endpoint(&self) -> &'static str;
     /// The conversation's settings before the client chose any.
     fn settings(&self) -> Settings;

@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use omnistream_stages::engine::{ChatMessage, Modalities, Role, ToolCall};
 
 use crate::serve::audio::OutputFormat;
-use crate::serve::auth::bearer;
+use crate::serve::auth;
 use crate::serve::conn::{self, AudioSink, Outbox, Overflow};
 use crate::serve::conversation::history::Origin;
 use crate::serve::conversation::{
@@ -33,7 +33,7 @@ use crate::serve::error::ClientError;
 use crate::serve::sessions::SessionGuard;
 use crate::serve::state::AppState;
 use crate::serve::tools::{self, Shape};
-use crate::serve::voice_store::{owner_of, CLONED_VOICE_PREFIX};
+use crate::serve::voice_store::owner_of;
 
 /// The only output (and input) audio format: pcm16, mono, 24 kHz.
 pub const RATE: u32 = 24_000;
@@ -47,7 +47,7 @@ pub fn accept(
     headers: &HeaderMap,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
-    let owner = owner_of(bearer(headers));
+    let owner = owner_of(auth::presented_key(headers));
     conn::accept(
         state,
         headers,
@@ -123,6 +123,9 @@ pub struct Realtime {
     wire_out: Wire,
     /// Whose cloned voices the session may speak in (a hash of its API key).
     owner: String,
+    /// The endpoint its answers count under: `realtime`, or the call's
+    /// transport (`webrtc`, `sip`).
+    endpoint: &'static str,
 }
 
 impl Realtime {
@@ -138,12 +141,19 @@ impl Realtime {
             wire_in: Wire::Pcm,
             wire_out: Wire::Pcm,
             owner: String::new(),
+            endpoint: "realtime",
         }
     }
 
     /// The session may speak `owner`'s cloned voices.
     pub fn with_owner(mut self, owner: String) -> Self {
         self.owner = owner;
+        self
+    }
+
+    /// A call's session: its answers count under `endpoint`.
+    pub fn counted_as(mut self, endpoint: &'static str) -> Self {
+        self.endpoint = endpoint;
         self
     }
 }
@@ -177,19 +187,11 @@ fn check_temperature(t: f64) -> Result<f64, ClientError> {
     }
 }
 
-/// A voice of the pipeline's, or a cloned voice of `owner`'s (kept by its
-/// id: `AppState::speak_cloned` as each answer starts).
+/// A voice of the pipeline's, or a cloned voice of `owner`'s.
 fn check_voice(state: &AppState, owner: &str, v: &str) -> Result<String, ClientError> {
-    if v.starts_with(CLONED_VOICE_PREFIX) {
-        return match state.cloned_voice(owner, v) {
-            Some(_) => Ok(v.to_string()),
-            None => Err(ClientError::param(
-                "voice",
-                format!("no cloned voice {v:?}"),
-            )),
-        };
-    }
-    state.voice(v).map_err(|m| ClientError::param("voice", m))
+    state
+        .check_voice(owner, v)
+        .map_err(|m| ClientError::param("voice", m))
 }
 
 /// The audio a Realtime WebSocket carries, both ways: pcm16 at 24 kHz, or
@@ -1255,7 +1257,7 @@ fn item_input(item: ItemIn) -> Result<Input, ClientError> {
 
 impl Transport for Realtime {
     fn endpoint(&self) -> &'static str {
-        "realtime"
+        self.endpoint
     }
 
     fn voice_owner(&self) -> &str {

@@ -40,7 +40,7 @@ use omnistream_stages::engine::{RequestSpec, TextFeed, MAX_SPEECH_CHARS};
 
 use crate::serve::answer::{Answer, Meter, Step};
 use crate::serve::audio::OutputFormat;
-use crate::serve::auth::bearer;
+use crate::serve::auth;
 use crate::serve::conn::{self, Outbox};
 use crate::serve::conversation::End;
 use crate::serve::driver::{websocket_inbound, Inbound};
@@ -65,7 +65,7 @@ async fn upgrade(
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
     // Whose cloned voices the session may speak in.
-    let owner = owner_of(bearer(&headers));
+    let owner = owner_of(auth::presented_key(&headers));
     conn::accept(
         state,
         &headers,

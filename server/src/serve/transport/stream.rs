@@ -31,6 +31,7 @@ use omnistream_codecs::pcm::f32_to_pcm16_le;
 use omnistream_codecs::{CodecError, OggOpusDecoder};
 
 use crate::serve::audio::OutputFormat;
+use crate::serve::auth;
 use crate::serve::conn::{self, Outbox, Overflow};
 use crate::serve::conversation::{
     deaf, Conversation, End, Input, Output, Respond, Settings, TurnSettings,
@@ -40,6 +41,7 @@ use crate::serve::driver::{self, Action, Incoming, Transport};
 use crate::serve::error::ClientError;
 use crate::serve::sessions::SessionGuard;
 use crate::serve::state::AppState;
+use crate::serve::voice_store::owner_of;
 
 /// Sample rates a client may choose for both directions.
 pub const SAMPLE_RATES: [u32; 4] = [8_000, 16_000, 24_000, 48_000];
@@ -59,13 +61,15 @@ async fn upgrade(
     headers: HeaderMap,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
+    // Whose cloned voices the session may speak in.
+    let owner = owner_of(auth::presented_key(&headers));
     conn::accept(
         state,
         &headers,
         ws,
         "stream",
         &["omnistream.stream", "realtime"],
-        serve,
+        move |state, socket, session| serve(state, socket, session, owner),
     )
 }
 
@@ -128,13 +132,15 @@ pub struct PcmStream {
     format: Format,
     /// The Ogg Opus input stream being received, until `audio_end`.
     opus_in: Option<OggOpusDecoder>,
+    /// Whose cloned voices it may speak in (a hash of its API key).
+    owner: String,
 }
 
-async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard) {
+async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard, owner: String) {
     let _conn = conn::ConnGauge::new(&state.metrics, "stream");
     let (sink, stream) = socket.split();
     let out = Outbox::start(sink, &state.metrics, error_msg(&ClientError::slow_client()));
-    let codec = PcmStream::new(state.clone(), session.id.clone());
+    let codec = PcmStream::new(state.clone(), session.id.clone()).with_owner(owner);
     driver::run(
         state,
         codec,
@@ -175,7 +181,14 @@ impl PcmStream {
             rate: None,
             format: Format::Pcm16,
             opus_in: None,
+            owner: String::new(),
         }
+    }
+
+    /// The session may speak `owner`'s cloned voices.
+    pub fn with_owner(mut self, owner: String) -> Self {
+        self.owner = owner;
+        self
     }
 
     fn not_started() -> ClientError {
@@ -253,7 +266,7 @@ impl PcmStream {
         let voice = match s.voice.as_deref() {
             Some(v) => Some(
                 self.state
-                    .voice(v)
+                    .check_voice(&self.owner, v)
                     .map_err(|m| ClientError::invalid("unsupported_voice", m))?,
             ),
             None => None,
@@ -433,6 +446,10 @@ fn buffer_full(what: &str) -> ClientError {
 impl Transport for PcmStream {
     fn endpoint(&self) -> &'static str {
         "stream"
+    }
+
+    fn voice_owner(&self) -> &str {
+        &self.owner
     }
 
     fn settings(&self) -> Settings {

@@ -55,6 +55,7 @@ use crate::serve::driver::{self, Action, Incoming, Transport};
 use crate::serve::error::ClientError;
 use crate::serve::sessions::SessionGuard;
 use crate::serve::state::AppState;
+use crate::serve::voice_store::owner_of;
 
 /// G.711 on the phone network: 8 kHz both ways.
 pub const PHONE_RATE: u32 = 8_000;
@@ -80,15 +81,22 @@ async fn upgrade(
 ) -> Response {
     // The key may still come in `start`: decided there.
     let key_in_header = auth::authorized(&state, &headers);
+    let owner = owner_of(auth::presented_key(&headers));
     conn::accept(state, &headers, ws, "twilio", &[], move |s, w, g| {
-        serve(s, w, g, key_in_header)
+        serve(s, w, g, key_in_header, owner)
     })
 }
 
-async fn serve(state: Arc<AppState>, socket: WebSocket, session: SessionGuard, keyed: bool) {
+async fn serve(
+    state: Arc<AppState>,
+    socket: WebSocket,
+    session: SessionGuard,
+    keyed: bool,
+    owner: String,
+) {
     let _conn = conn::ConnGauge::new(&state.metrics, "twilio");
     let (sink, stream) = socket.split();
-    let codec = MediaStream::new(state.clone(), keyed, Instant::now());
+    let codec = MediaStream::new(state.clone(), keyed, Instant::now()).with_owner(owner);
     let out = Outbox::start(
         sink,
         &state.metrics,
@@ -291,6 +299,9 @@ pub struct MediaStream {
     state: Arc<AppState>,
     /// The handshake carried an accepted key (or none is needed).
     keyed: bool,
+    /// Whose cloned voices the call may speak in: the handshake's key, or
+    /// the `api_key` `<Parameter>`'s.
+    owner: String,
     opened: Instant,
     started: Option<Started>,
     /// `stop` came: the call is over, later frames are ignored.
@@ -334,12 +345,19 @@ impl MediaStream {
         Self {
             state,
             keyed,
+            owner: String::new(),
             opened,
             started: None,
             stopped: false,
             played: Played::default(),
             lead: PlayoutLead::new(PLAYOUT_LEAD),
         }
+    }
+
+    /// The handshake's key owns the call's voices (unless `start` names one).
+    pub fn with_owner(mut self, owner: String) -> Self {
+        self.owner = owner;
+        self
     }
 
     fn on_text(&mut self, text: &str, conv: &Conversation) -> Result<Vec<Action>, ClientError> {
@@ -390,9 +408,11 @@ impl MediaStream {
             ));
         }
         let p = &s.custom_parameters;
-        let keyed =
-            self.keyed || param(p, "api_key").is_some_and(|k| auth::key_accepted(&self.state, k));
-        if !keyed {
+        let key = param(p, "api_key").filter(|k| auth::key_accepted(&self.state, k));
+        if let Some(k) = key {
+            self.owner = owner_of(Some(k));
+        }
+        if !self.keyed && key.is_none() {
             return Ok(fatal(ClientError {
                 kind: "authentication_error",
                 ..ClientError::invalid(
@@ -494,7 +514,7 @@ impl MediaStream {
         if let Some(v) = param(p, "voice").filter(|v| !v.is_empty()) {
             settings.voice = Some(
                 self.state
-                    .voice(v)
+                    .check_voice(&self.owner, v)
                     .map_err(|m| ClientError::invalid("unsupported_voice", m).at("voice"))?,
             );
         }
@@ -655,6 +675,10 @@ fn close_reason(e: &ClientError) -> String {
 impl Transport for MediaStream {
     fn endpoint(&self) -> &'static str {
         "twilio"
+    }
+
+    fn voice_owner(&self) -> &str {
+        &self.owner
     }
 
     fn settings(&self) -> Settings {

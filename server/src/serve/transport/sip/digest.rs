@@ -30,7 +30,8 @@ pub struct DigestAuth {
 /// What an answer to a challenge turned out to be.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Verdict {
-    Ok,
+    /// The key at this index of those given answered.
+    Ok(usize),
     /// Right key, old nonce: challenge again with `stale=true`.
     Stale,
     /// Wrong, forged or malformed: the reason, for the log.
@@ -98,7 +99,7 @@ impl DigestAuth {
         }
         let ha2 = md5_hex(&[method, uri]);
         let qop = get("qop");
-        let matches = keys.iter().any(|key| {
+        let matched = keys.iter().position(|key| {
             let ha1 = md5_hex(&[user, realm, key]);
             let expected = match qop {
                 Some(q) => md5_hex(&[
@@ -115,10 +116,10 @@ impl DigestAuth {
             // a fresh nonce each time.
             expected.eq_ignore_ascii_case(response)
         });
-        match (matches, unix_s.saturating_sub(issued) > NONCE_TTL_S) {
-            (false, _) => Verdict::Refused("wrong credentials"),
-            (true, true) => Verdict::Stale,
-            (true, false) => Verdict::Ok,
+        match (matched, unix_s.saturating_sub(issued) > NONCE_TTL_S) {
+            (None, _) => Verdict::Refused("wrong credentials"),
+            (Some(_), true) => Verdict::Stale,
+            (Some(k), false) => Verdict::Ok(k),
         }
     }
 }
@@ -192,7 +193,7 @@ mod tests {
         let keys = vec!["k1".to_string(), "sk-test".to_string()];
         let t = 1_800_000_000;
         let ok = answer(&d, t, "sk-test", "sip:agent@127.0.0.1");
-        assert_eq!(d.verify(&ok, "INVITE", &keys, t + 1), Verdict::Ok);
+        assert_eq!(d.verify(&ok, "INVITE", &keys, t + 1), Verdict::Ok(1));
         assert_eq!(d.verify(&ok, "INVITE", &keys, t + 3600), Verdict::Stale);
         // Another method, a wrong key, a nonce of another server, garbage.
         assert!(matches!(

@@ -58,6 +58,7 @@ use crate::serve::driver::{self, Inbound};
 use crate::serve::metrics::TaskGuard;
 use crate::serve::sessions::SessionGuard;
 use crate::serve::state::AppState;
+use crate::serve::voice_store::owner_of;
 use digest::{DigestAuth, Verdict};
 
 /// The `User-Agent` and `Server` we send.
@@ -98,6 +99,9 @@ struct Answered {
     offer: sdp::Offer,
     session: SessionGuard,
     control: mpsc::UnboundedReceiver<Control>,
+    /// Whose cloned voices the call may speak in: the key that answered the
+    /// digest challenge (an allow-listed caller's: the keyless voices).
+    owner: String,
 }
 
 /// The SIP side of the server.
@@ -283,16 +287,17 @@ impl SipServer {
         tx.reply_with(status, vec![warning], None).await
     }
 
-    /// Whether the caller may call: `Err` is the refusal already sent.
-    async fn admit(&self, tx: &mut Transaction) -> Result<(), ()> {
+    /// Whether the caller may call, and the owner of the voices its call may
+    /// speak in (see [`Answered::owner`]): `Err` is the refusal already sent.
+    async fn admit(&self, tx: &mut Transaction) -> Result<String, ()> {
         let ip = source(tx).map(|a| a.ip());
         if ip.is_some_and(|ip| self.allow.iter().any(|c| c.contains(ip))) {
-            return Ok(());
+            return Ok(String::new());
         }
         let keys = &self.state.config.api_keys;
         if keys.is_empty() {
             if self.allow.is_empty() {
-                return Ok(());
+                return Ok(String::new());
             }
             let _ = self
                 .refuse(
@@ -313,7 +318,7 @@ impl SipServer {
             Header::Other("WWW-Authenticate".into(), self.digest.challenge(now, stale))
         };
         let r = match verdict {
-            Some(Verdict::Ok) => return Ok(()),
+            Some(Verdict::Ok(k)) => return Ok(owner_of(keys.get(k).map(String::as_str))),
             None => {
                 self.refused("sip_unauthorized");
                 tx.reply_with(StatusCode::Unauthorized, vec![challenge(false)], None)
@@ -350,9 +355,9 @@ impl SipServer {
                 )
                 .await;
         }
-        if self.admit(tx).await.is_err() {
+        let Ok(owner) = self.admit(tx).await else {
             return Ok(());
-        }
+        };
         let ctype = tx
             .original
             .header_value("Content-Type")
@@ -492,6 +497,7 @@ impl SipServer {
             offer,
             session,
             control: control_rx,
+            owner,
         }));
         // The INVITE transaction runs until the ACK (or a CANCEL).
         let mut d = dialog;
@@ -629,6 +635,7 @@ impl SipServer {
             offer,
             session,
             mut control,
+            owner,
         } = call;
         let state = self.state.clone();
         let _task = TaskGuard::new(&state.metrics);
@@ -727,7 +734,9 @@ impl SipServer {
             });
         }
         let stream = tokio_stream::wrappers::ReceiverStream::new(in_rx);
-        let codec = Realtime::new(state.clone(), id.clone(), Some(Box::new(speaker_out)));
+        let codec = Realtime::new(state.clone(), id.clone(), Some(Box::new(speaker_out)))
+            .with_owner(owner)
+            .counted_as("sip");
         driver::run(
             state.clone(),
             codec,

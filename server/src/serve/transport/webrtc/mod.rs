@@ -536,8 +536,9 @@ async fn run_peer(
         });
     }
     let stream = tokio_stream::wrappers::ReceiverStream::new(in_rx);
-    let codec =
-        Realtime::new(state.clone(), id.clone(), Some(Box::new(speaker_out))).with_owner(owner);
+    let codec = Realtime::new(state.clone(), id.clone(), Some(Box::new(speaker_out)))
+        .with_owner(owner)
+        .counted_as("webrtc");
     driver::run(
         state.clone(),
         codec,

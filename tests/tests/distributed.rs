@@ -62,10 +62,16 @@ fn max_pcm16_step(a: &[u8], b: &[u8]) -> i32 {
 
 /// `/v1/audio/speech` as SSE: Ok(pcm16 bytes), or Err(the body) on an error event.
 fn speak(url: &str, text: &str) -> Result<Vec<u8>, String> {
-    let body = serde_json::json!({
-        "model": "tts-1", "input": text, "voice": "joe",
-        "response_format": "pcm", "stream_format": "sse",
-    });
+    speak_with(
+        url,
+        serde_json::json!({"model": "tts-1", "input": text, "voice": "joe"}),
+    )
+}
+
+/// [`speak`] with the request's own fields.
+fn speak_with(url: &str, mut body: serde_json::Value) -> Result<Vec<u8>, String> {
+    body["response_format"] = "pcm".into();
+    body["stream_format"] = "sse".into();
     let r = post(&format!("{url}/v1/audio/speech"), &body.to_string(), &[]);
     if r.status != 200 {
         return Err(format!("{} {}", r.status, r.body));
@@ -205,6 +211,100 @@ fn split_qwen3_omni_tiny_carries_thinker_states_exactly() {
             "{out}"
         );
     }
+}
+
+/// A Qwen3-TTS Base checkpoint whose Talker and Code2Wav run in a stage
+/// process: the server clones voices itself (it loads the speaker and codec
+/// encoders alone), and a clip speaks as in process — given with the request
+/// (x-vector, and in context with its words) or saved once as a voice.
+#[test]
+fn split_qwen3_tts_base_clones_voices_in_the_server() {
+    let _serial = omnistream_e2e::exclusive();
+    let split = "deploy/distributed/qwen3-tts-base-tiny.yaml";
+    let nats = Nats::start();
+    let audio = spawn_stage(split, "talker,code2wav", &nats.url, &[]);
+    let (store_split, store_local) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let gw = spawn_server(&[
+        "--profile",
+        split,
+        "--nats",
+        &nats.url,
+        "--voice-store",
+        store_split.path().to_str().unwrap(),
+    ]);
+    let local = spawn_server(&[
+        "--profile",
+        "deploy/qwen3-tts-base-tiny.yaml",
+        "--voice-store",
+        store_local.path().to_str().unwrap(),
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let clip = dir.path().join("clip.wav");
+    let words = "This is how I sound when I speak, slowly and clearly, to my friends.";
+    omnistream_e2e::own_voice(words, &clip);
+    let clip_b64 = base64::engine::general_purpose::STANDARD.encode(std::fs::read(&clip).unwrap());
+    let same = |what: &str, a: &[u8], b: &[u8]| {
+        assert!(!a.is_empty(), "{what}: no audio");
+        assert_eq!(a.len(), b.len(), "{what}: audio length differs");
+        // The same codes; only where Code2Wav's chunks fall depends on timing.
+        let worst = max_pcm16_step(a, b);
+        assert!(worst <= 2, "{what}: audio differs by {worst} pcm16 steps");
+    };
+    let text = "Hello there, how are you today?";
+    for ref_text in [None, Some(words)] {
+        let mut body = serde_json::json!({"model": "qwen3-tts", "input": text, "ref_audio": clip_b64, "max_tokens": 50});
+        if let Some(t) = ref_text {
+            body["ref_text"] = t.into();
+        }
+        let a_split = speak_with(&gw.url, body.clone()).expect("split");
+        let a_local = speak_with(&local.url, body).expect("local");
+        same(&format!("ref_text {ref_text:?}"), &a_split, &a_local);
+    }
+    // A voice saved once (in context), spoken by its id.
+    let make_voice = |server: &Server| -> String {
+        let out = std::process::Command::new("curl")
+            .args([
+                "-sS",
+                "--max-time",
+                "300",
+                "-F",
+                "name=mine",
+                "-F",
+                "consent=cons_test",
+            ])
+            .arg("-F")
+            .arg(format!("ref_text={words}"))
+            .arg("-F")
+            .arg(format!("audio_sample=@{};type=audio/wav", clip.display()))
+            .arg(format!("{}/v1/audio/voices", server.url))
+            .output()
+            .expect("curl");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stdout)));
+        v["id"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{v}"))
+            .to_string()
+    };
+    let (v_split, v_local) = (make_voice(&gw), make_voice(&local));
+    let a_split = speak_with(
+        &gw.url,
+        serde_json::json!({"model": "qwen3-tts", "input": text, "voice": v_split, "max_tokens": 50}),
+    )
+    .expect("split");
+    let a_local = speak_with(
+        &local.url,
+        serde_json::json!({"model": "qwen3-tts", "input": text, "voice": v_local, "max_tokens": 50}),
+    )
+    .expect("local");
+    same("a saved voice", &a_split, &a_local);
+    assert_idle(&gw);
+    // The server loaded the encoders, not the Talker: the stage did the work.
+    let done = eventually(5, || {
+        let f = replica_counts(&gw, "talker", "finished_total");
+        f.len() == 1 && f[0].1 >= 3.0
+    });
+    assert!(done, "{}\n{}", gw.metrics(), audio.output());
 }
 
 /// Eight concurrent answers over two Talker and two Code2Wav processes: both

@@ -36,7 +36,8 @@ use crate::models::quantized_llama::QuantizedLlama;
 use crate::models::qwen3_omni::layers::KvSlots;
 use crate::models::qwen3_omni::omni::{Parts, Qwen3Omni};
 use crate::models::qwen3_omni::weights::Progress;
-use crate::models::qwen3_tts::model::{Qwen3Tts, Weights as TtsWeights};
+use crate::models::qwen3_tts::config::{ModelType as TtsModelType, Qwen3TtsConfig};
+use crate::models::qwen3_tts::model::{CloneEncoders, Qwen3Tts, Weights as TtsWeights};
 use crate::models::silero_vad::SileroVad;
 use crate::models::tokenizer::ChatTokenizer;
 use crate::models::whisper::WhisperAsr;
@@ -297,6 +298,9 @@ pub fn build_pipeline_placed(
                     ),
                 })?;
                 metas.push(meta);
+                if voice_encoder.is_none() {
+                    voice_encoder = remote_voice_encoder(profile, s)?;
+                }
                 StagePlacement::Remote(input)
             }
             Placement::Local => {
@@ -533,7 +537,9 @@ pub fn build_stage(
                 .collect();
             meta.speaks_text = true;
             meta.languages = model.config().languages();
-            voice_encoder = XVectors::of(&model).map(|x| Arc::new(x) as Arc<dyn VoiceEncoder>);
+            voice_encoder = model
+                .clone_encoders()
+                .map(|e| Arc::new(XVectors(e.clone())) as Arc<dyn VoiceEncoder>);
             Box::new(
                 Qwen3TtsTalker::new(
                     model,
@@ -623,54 +629,79 @@ fn gpu_name(_: usize) -> Option<String> {
     None
 }
 
-/// The Qwen3-Omni checkpoint at `path`, loaded once per device for all its
-/// stages and replicas there, with the parts the cache's plan names.
-/// Qwen3-TTS Base's speaker encoder as the pipeline's [`VoiceEncoder`].
-struct XVectors(Arc<Qwen3Tts>);
-
-impl XVectors {
-    /// Only where the checkpoint has a speaker encoder (Base).
-    fn of(model: &Arc<Qwen3Tts>) -> Option<Self> {
-        model.speaker_encoder().map(|_| Self(model.clone()))
-    }
-}
+/// Qwen3-TTS Base's clone encoders as the pipeline's [`VoiceEncoder`].
+struct XVectors(Arc<CloneEncoders>);
 
 impl VoiceEncoder for XVectors {
     fn sample_rate(&self) -> u32 {
-        self.0
-            .config()
-            .speaker_encoder_config
-            .as_ref()
-            .map_or(24_000, |c| c.sample_rate)
+        self.0.sample_rate()
     }
 
     fn min_samples(&self) -> usize {
-        self.0.speaker_encoder().map_or(0, |e| e.min_samples())
+        self.0.speaker().min_samples()
     }
 
     fn embed(&self, pcm: &[f32]) -> Result<Vec<f32>, ModelError> {
-        let enc = self
+        Ok(self
             .0
-            .speaker_encoder()
-            .ok_or_else(|| ModelError::Invalid("this checkpoint clones no voices".into()))?;
-        Ok(enc
+            .speaker()
             .embed_pcm(pcm)?
             .to_dtype(candle_core::DType::F32)?
             .to_vec1::<f32>()?)
     }
 
     fn in_context(&self) -> bool {
-        self.0.codec_encoder().is_some()
+        self.0.codec().is_some()
     }
 
     fn codes(&self, pcm: &[f32]) -> Result<Vec<Vec<u32>>, ModelError> {
-        let enc = self.0.codec_encoder().ok_or_else(|| {
+        let enc = self.0.codec().ok_or_else(|| {
             ModelError::Invalid("this checkpoint's speech tokenizer has no encoder".into())
         })?;
         let codes = enc
             .encode(pcm)
             .map_err(|e| ModelError::Invalid(e.to_string()))?;
         Ok(codes.to_dtype(candle_core::DType::U32)?.to_vec2::<u32>()?)
+    }
+}
+
+/// The clone encoders of a Qwen3-TTS Talker placed in another process: the
+/// server encodes reference clips itself (on the CPU, in f32), and the clip's
+/// x-vector and codes travel with each request. `None` unless the checkpoint
+/// is a Base one.
+fn remote_voice_encoder(
+    profile: &Profile,
+    s: &StageSpec,
+) -> Result<Option<Arc<dyn VoiceEncoder>>, EngineError> {
+    if s.model.model_type != ModelType::Qwen3TtsTalker {
+        return Ok(None);
+    }
+    let dir = profile.resolve(&s.model.path);
+    // Only a Base checkpoint clones: a server without the others' files
+    // serves them as before.
+    match Qwen3TtsConfig::load(&dir) {
+        Ok(cfg) if cfg.tts_model_type == TtsModelType::Base => {}
+        Ok(_) => return Ok(None),
+        Err(e) => {
+            tracing::warn!(
+                "stage {}: no cloned voices here (the Talker's checkpoint is not readable: {e})",
+                s.name
+            );
+            return Ok(None);
+        }
+    }
+    let encoders = CloneEncoders::load(&dir, candle_core::DType::F32, &Device::Cpu, tts_weights(s))
+        .map_err(|source| EngineError::Model {
+            stage: s.name.clone(),
+            source,
+        })?;
+    Ok(encoders.map(|e| Arc::new(XVectors(Arc::new(e))) as Arc<dyn VoiceEncoder>))
+}
+
+fn tts_weights(s: &StageSpec) -> TtsWeights {
+    match s.model.weights {
+        WeightsSource::Checkpoint => TtsWeights::Checkpoint,
+        WeightsSource::Random => TtsWeights::Random,
     }
 }
 
@@ -691,21 +722,20 @@ fn load_tts(
         Dtype::Bf16 => candle_core::DType::BF16,
     };
     let device = stage_device(s, replica)?;
-    let source = match s.model.weights {
-        WeightsSource::Checkpoint => TtsWeights::Checkpoint,
-        WeightsSource::Random => TtsWeights::Random,
-    };
-    let model = Qwen3Tts::load(path, dtype, &device, source, progress).map_err(|source| {
-        EngineError::Model {
-            stage: s.name.clone(),
-            source,
-        }
-    })?;
+    let model =
+        Qwen3Tts::load(path, dtype, &device, tts_weights(s), progress).map_err(|source| {
+            EngineError::Model {
+                stage: s.name.clone(),
+                source,
+            }
+        })?;
     let model = Arc::new(model);
     cache.tts.insert(key, model.clone());
     Ok(model)
 }
 
+/// The Qwen3-Omni checkpoint at `path`, loaded once per device for all its
+/// stages and replicas there, with the parts the cache's plan names.
 fn load_omni(
     cache: &mut ModelCache,
     path: &std::path::Path,

@@ -4,6 +4,7 @@
 //! and Code2Wav stages.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
@@ -44,8 +45,7 @@ pub fn voice_clone_cut(ref_frames: usize, total_frames: usize, samples_per_frame
 pub struct Qwen3Tts {
     cfg: Qwen3TtsConfig,
     talker: Qwen3TtsTalker,
-    speaker_encoder: Option<SpeakerEncoder>,
-    codec_encoder: Option<CodecEncoder>,
+    clone: Option<Arc<CloneEncoders>>,
     decoder: Code2Wav,
     codec_cfg: SpeechTokenizerConfig,
     device: Device,
@@ -82,45 +82,19 @@ impl Qwen3Tts {
         progress: Option<Progress>,
     ) -> Result<Self, ModelError> {
         let cfg = Qwen3TtsConfig::load(dir)?;
-        // Only a Base checkpoint takes reference clips (qwen-tts refuses
-        // `create_voice_clone_prompt` for the others); the encoder is kept in f32
-        // whatever `dtype` is (its codes are argmins: see codec_encoder).
-        let base = cfg.tts_model_type == ModelType::Base;
-        let (vb, decoder, codec_cfg, codec_encoder) = match source {
+        let (vb, decoder, codec_cfg) = match source {
             Weights::Checkpoint => {
                 let vb = weights::from_checkpoint(dir, dtype, device, progress)?;
                 let (decoder, codec_cfg) = load_decoder(dir, dtype, device)?;
-                let encoder = match base {
-                    true => load_encoder(dir, &codec_cfg, device)?,
-                    false => None,
-                };
-                (vb, decoder, codec_cfg, encoder)
+                (vb, decoder, codec_cfg)
             }
             Weights::Random => {
                 let codec_cfg = SpeechTokenizerConfig::load(dir)?;
                 let vb = weights::random(dtype, device);
                 let decoder = Code2Wav::new(&codec_cfg.decoder_config, vb.pp("decoder"))?;
-                let encoder = match base && codec_cfg.encoder_config.is_some() {
-                    true => {
-                        let vb = weights::random(DType::F32, device).pp("encoder");
-                        Some(CodecEncoder::new(&codec_cfg, vb)?)
-                    }
-                    false => None,
-                };
-                (vb, decoder, codec_cfg, encoder)
+                (vb, decoder, codec_cfg)
             }
         };
-        Self::from_parts(cfg, vb, decoder, codec_cfg, codec_encoder, device)
-    }
-
-    fn from_parts(
-        cfg: Qwen3TtsConfig,
-        vb: VarBuilder,
-        decoder: Code2Wav,
-        codec_cfg: SpeechTokenizerConfig,
-        codec_encoder: Option<CodecEncoder>,
-        device: &Device,
-    ) -> Result<Self, ModelError> {
         let groups = cfg.talker_config.num_code_groups;
         if codec_cfg.decoder_config.num_quantizers != groups {
             return Err(ModelError::Invalid(format!(
@@ -128,24 +102,11 @@ impl Qwen3Tts {
                 codec_cfg.decoder_config.num_quantizers
             )));
         }
-        let talker = Qwen3TtsTalker::new(&cfg, vb.clone())?;
-        let speaker_encoder = match (&cfg.speaker_encoder_config, cfg.tts_model_type) {
-            (Some(se), ModelType::Base) => Some(SpeakerEncoder::new(se, vb.pp("speaker_encoder"))?),
-            _ => None,
-        };
-        if let Some(e) = &codec_encoder {
-            if e.num_quantizers() != groups {
-                return Err(ModelError::Invalid(format!(
-                    "the Talker makes {groups} codes a frame, the speech tokenizer encodes {}",
-                    e.num_quantizers()
-                )));
-            }
-        }
+        let clone = CloneEncoders::from_parts(dir, &cfg, &codec_cfg, &vb, source, device)?;
         Ok(Self {
+            talker: Qwen3TtsTalker::new(&cfg, vb)?,
             cfg,
-            talker,
-            speaker_encoder,
-            codec_encoder,
+            clone: clone.map(Arc::new),
             decoder,
             codec_cfg,
             device: device.clone(),
@@ -160,15 +121,20 @@ impl Qwen3Tts {
         &self.talker
     }
 
+    /// What clones voices: Base checkpoints only.
+    pub fn clone_encoders(&self) -> Option<&Arc<CloneEncoders>> {
+        self.clone.as_ref()
+    }
+
     /// Base checkpoints only.
     pub fn speaker_encoder(&self) -> Option<&SpeakerEncoder> {
-        self.speaker_encoder.as_ref()
+        self.clone.as_deref().map(CloneEncoders::speaker)
     }
 
     /// The speech tokenizer's encoder: a reference clip's codes for in-context
     /// cloning. Base checkpoints whose speech tokenizer ships it only.
     pub fn codec_encoder(&self) -> Option<&CodecEncoder> {
-        self.codec_encoder.as_ref()
+        self.clone.as_deref().and_then(CloneEncoders::codec)
     }
 
     pub fn decoder(&self) -> &Code2Wav {
@@ -181,6 +147,92 @@ impl Qwen3Tts {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+}
+
+/// What clones a voice from a reference clip, in a Base checkpoint: the
+/// speaker encoder (the clip's x-vector) and the speech tokenizer's encoder
+/// (its codes, for in-context cloning). Loaded with the model, or alone
+/// ([`Self::load`]) where the Talker runs in another process and the server
+/// encodes clips itself.
+pub struct CloneEncoders {
+    speaker: SpeakerEncoder,
+    codec: Option<CodecEncoder>,
+    /// The rate the speaker encoder hears (the codec encoder's too).
+    sample_rate: u32,
+}
+
+impl CloneEncoders {
+    /// `dir`'s encoders, and none of the rest of the checkpoint (its weights
+    /// are mapped, and only the encoders' are read); `None` where it is not
+    /// a Base checkpoint.
+    pub fn load(
+        dir: &Path,
+        dtype: DType,
+        device: &Device,
+        source: Weights,
+    ) -> Result<Option<Self>, ModelError> {
+        let cfg = Qwen3TtsConfig::load(dir)?;
+        let codec_cfg = SpeechTokenizerConfig::load(dir)?;
+        let vb = match source {
+            Weights::Checkpoint => weights::from_checkpoint(dir, dtype, device, None)?,
+            Weights::Random => weights::random(dtype, device),
+        };
+        Self::from_parts(dir, &cfg, &codec_cfg, &vb, source, device)
+    }
+
+    fn from_parts(
+        dir: &Path,
+        cfg: &Qwen3TtsConfig,
+        codec_cfg: &SpeechTokenizerConfig,
+        vb: &VarBuilder,
+        source: Weights,
+        device: &Device,
+    ) -> Result<Option<Self>, ModelError> {
+        // Only a Base checkpoint takes reference clips (qwen-tts refuses
+        // `create_voice_clone_prompt` for the others).
+        let (Some(se), ModelType::Base) = (&cfg.speaker_encoder_config, cfg.tts_model_type) else {
+            return Ok(None);
+        };
+        let speaker = SpeakerEncoder::new(se, vb.pp("speaker_encoder"))?;
+        // The codec encoder is kept in f32 whatever the model's dtype is (its
+        // codes are argmins: see codec_encoder).
+        let codec = match source {
+            Weights::Checkpoint => load_encoder(dir, codec_cfg, device)?,
+            Weights::Random if codec_cfg.encoder_config.is_some() => {
+                let vb = weights::random(DType::F32, device).pp("encoder");
+                Some(CodecEncoder::new(codec_cfg, vb)?)
+            }
+            Weights::Random => None,
+        };
+        let groups = cfg.talker_config.num_code_groups;
+        if let Some(e) = &codec {
+            if e.num_quantizers() != groups {
+                return Err(ModelError::Invalid(format!(
+                    "the Talker makes {groups} codes a frame, the speech tokenizer encodes {}",
+                    e.num_quantizers()
+                )));
+            }
+        }
+        Ok(Some(Self {
+            speaker,
+            codec,
+            sample_rate: se.sample_rate,
+        }))
+    }
+
+    pub fn speaker(&self) -> &SpeakerEncoder {
+        &self.speaker
+    }
+
+    /// Where the speech tokenizer ships its encoder.
+    pub fn codec(&self) -> Option<&CodecEncoder> {
+        self.codec.as_ref()
+    }
+
+    /// The rate the encoders hear a clip at.
+    pub fn sample_rate(&self) -> u32 {
+        self.sample_rate
     }
 }
 

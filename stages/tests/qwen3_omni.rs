@@ -58,6 +58,7 @@ connectors:
     Profile::parse(&yaml, &dir.join("test.yaml")).expect("profile")
 }
 
+#[derive(Clone)]
 struct Case {
     speaker: String,
     messages: Vec<ChatMessage>,
@@ -173,16 +174,19 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// Three requests at once (two voices typed, one spoken), streamed in small
-/// chunks: each one's text and audio equal the reference's `generate` for that
-/// request alone.
+/// Four requests at once (two voices typed, the spoken one twice: prefilled
+/// together, both turns heard in one pass), streamed in small chunks: each
+/// one's text and audio equal the reference's `generate` for that request
+/// alone.
 #[test]
 fn streamed_pipeline_equals_the_reference_generate() {
     let pipeline = build_pipeline(&profile(2, 5, "")).unwrap();
     assert_eq!(pipeline.sample_rate(), Some(24_000));
     assert!(pipeline.thinker_hears());
     assert_eq!(pipeline.voices()[0], "ethan");
-    let cases = cases();
+    let mut cases = cases();
+    let spoken = cases.iter().position(|c| c.audio.is_some()).unwrap();
+    cases.push(cases[spoken].clone());
     let tok = omnistream_stages::models::tokenizer::ChatTokenizer::from_hf_dir(
         &fixtures().join("tokenizer"),
     )

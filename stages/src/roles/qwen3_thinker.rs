@@ -4,10 +4,11 @@
 //! `accept_hidden_layer` states once, then each generated token's embedding as
 //! it is fed back.
 //!
-//! Continuous batching: new requests are prefilled together (typed prompts
-//! left-padded into one forward, a spoken one alone), then join the running batch
-//! in a KV slot; every step decodes the whole running batch in one forward, and a
-//! finished request leaves between steps (the last slot moves into its place).
+//! Continuous batching: new requests are prefilled together (prompts left-padded
+//! into one forward, their spoken turns heard in one pass of the audio encoder),
+//! then join the running batch in a KV slot; every step decodes the whole running
+//! batch in one forward, and a finished request leaves between steps (the last
+//! slot moves into its place).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -191,8 +192,8 @@ impl Qwen3OmniThinker {
         Ok(ids)
     }
 
-    /// Prefills `ids` together (typed prompts, left-padded; or one spoken prompt,
-    /// heard here) and moves each into a free KV slot. Returns each request's first
+    /// Prefills `ids` together (left-padded; their spoken turns heard here) and
+    /// moves each into a free KV slot. Returns each request's first
     /// logits and what the Talker gets of its prompt.
     fn prefill(&mut self, ids: &[RequestId]) -> Result<Vec<Row>> {
         let thinker = self.model.thinker()?;
@@ -208,24 +209,17 @@ impl Qwen3OmniThinker {
             seqs.len(),
             seqs.iter().map(|q| q.prompt.len()).max().unwrap_or(0),
         );
-        let heard = match seqs.as_slice() {
-            [one] => match &one.audio {
-                Some(pcm) => Some(self.model.hear(pcm)?),
-                None => None,
-            },
-            _ => None,
+        // The group's spoken turns, heard in one pass of the audio encoder
+        // (their embeddings in row order, as the prompt's placeholders are).
+        let pcms: Vec<&[f32]> = seqs.iter().filter_map(|q| q.audio.as_deref()).collect();
+        let heard = match pcms.is_empty() {
+            true => None,
+            false => Some(self.model.hear_all(&pcms)?),
         };
-        let lens;
-        let audio = match &heard {
-            Some((embeds, frames)) => {
-                lens = [*frames];
-                Some(AudioEmbeds {
-                    embeds,
-                    feature_lengths: &lens,
-                })
-            }
-            None => None,
-        };
+        let audio = heard.as_ref().map(|(embeds, frames)| AudioEmbeds {
+            embeds,
+            feature_lengths: frames,
+        });
         let mut flat = Vec::with_capacity(b * s);
         let mut mask = Vec::with_capacity(b * s);
         for q in &seqs {
@@ -484,7 +478,8 @@ impl Qwen3OmniThinker {
 
 impl Qwen3OmniThinker {
     /// The next requests to prefill together: oldest first, as many as the free slots
-    /// and `max_prefill_tokens` (padded) allow; a spoken prompt goes alone.
+    /// and `max_prefill_tokens` (padded) allow, spoken prompts with typed ones (the
+    /// spoken turns are heard together in the prefill).
     fn next_prefill_group(&mut self) -> Vec<RequestId> {
         let free = self.max_num_seqs.saturating_sub(self.running.len());
         let mut group: Vec<RequestId> = Vec::new();
@@ -498,16 +493,12 @@ impl Qwen3OmniThinker {
                 continue;
             };
             let l = longest.max(seq.prompt.len());
-            let spoken = seq.audio.is_some();
-            if !group.is_empty() && (spoken || l * (group.len() + 1) > self.max_prefill_tokens) {
+            if !group.is_empty() && l * (group.len() + 1) > self.max_prefill_tokens {
                 break;
             }
             group.push(id);
             longest = l;
             self.waiting.pop_front();
-            if spoken {
-                break;
-            }
         }
         group
     }

@@ -326,13 +326,28 @@ impl Qwen3Omni {
     /// The audio encoder's embeddings of 16 kHz PCM, `(tokens, thinker_hidden)`, and
     /// the mel frame count.
     pub fn hear(&self, pcm: &[f32]) -> Result<(Tensor, usize)> {
+        let (embeds, frames) = self.hear_all(&[pcm])?;
+        Ok((embeds, frames[0]))
+    }
+
+    /// [`Self::hear`] for several turns in one pass of the audio encoder:
+    /// their embeddings one after another, and each turn's mel frames. Each
+    /// turn encodes exactly as it would alone (`forward_independent`).
+    pub fn hear_all(&self, pcms: &[&[f32]]) -> Result<(Tensor, Vec<usize>)> {
         let audio = self
             .audio
             .as_ref()
             .ok_or_else(|| missing("audio encoder"))?;
-        let mel = self.features.extract(pcm, &self.device)?;
-        let frames = mel.dim(1)?;
-        Ok((audio.forward(&mel, &[frames])?, frames))
+        let mels = pcms
+            .iter()
+            .map(|pcm| self.features.extract(pcm, &self.device))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let frames = mels
+            .iter()
+            .map(|m| m.dim(1))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let embeds = audio.forward_independent(&Tensor::cat(&mels, 1)?, &frames)?;
+        Ok((embeds, frames))
     }
 
     /// How many audio placeholders `samples` of 16 kHz PCM take in a prompt.
@@ -603,6 +618,32 @@ mod tests {
         let t = Qwen3Omni::new_parts(&cfg, fixtures::weights(), thinker_only).unwrap();
         assert!(t.talker().is_err() && t.code2wav().is_err() && t.tts().is_err());
         assert_eq!(t.audio_tokens(16_000), whole.audio_tokens(16_000));
+    }
+
+    /// Several spoken turns heard in one pass: each one's embeddings are
+    /// exactly what it gets alone (a long turn and two short ones, whose chunks
+    /// would pad differently together).
+    #[test]
+    fn turns_heard_together_are_heard_as_alone() {
+        let m = model();
+        let tone = |n: usize, f: f32| -> Vec<f32> {
+            (0..n)
+                .map(|i| 0.3 * (i as f32 * f * std::f32::consts::TAU / 16_000.0).sin())
+                .collect()
+        };
+        let turns = [tone(40_000, 220.0), tone(9_000, 440.0), tone(16_000, 330.0)];
+        let pcms: Vec<&[f32]> = turns.iter().map(Vec::as_slice).collect();
+        let (together, frames) = m.hear_all(&pcms).unwrap();
+        let mut row = 0;
+        for (pcm, &f) in pcms.iter().zip(&frames) {
+            let (alone, alone_frames) = m.hear(pcm).unwrap();
+            assert_eq!(alone_frames, f);
+            let n = alone.dim(0).unwrap();
+            let part = together.narrow(0, row, n).unwrap();
+            assert_eq!(max_abs_diff(&part, &alone), 0.0);
+            row += n;
+        }
+        assert_eq!(row, together.dim(0).unwrap());
     }
 
     /// The whole model against the reference's `generate` (greedy Thinker, Talker

@@ -17,32 +17,27 @@ pub const KEY_SUBPROTOCOL_PREFIX: &str = "openai-insecure-api-key.";
 /// Whether the request carries an accepted key (always true when none are set).
 pub fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
     let keys = &state.config.api_keys;
-    if keys.is_empty() {
-        return true;
-    }
-    if bearer(headers).is_some_and(|b| key_matches(keys, b)) {
-        return true;
-    }
-    headers
-        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|p| p.trim().strip_prefix(KEY_SUBPROTOCOL_PREFIX))
-        .any(|k| key_matches(keys, k))
+    keys.is_empty() || presented(headers).any(|k| key_matches(keys, k))
 }
 
-/// The key a WebSocket upgrade presents: its Bearer credentials, else the
-/// key subprotocol a browser sends (whose voices its session may speak).
-pub fn presented_key(headers: &HeaderMap) -> Option<&str> {
-    bearer(headers).or_else(|| {
+/// The key whose cloned voices a WebSocket session speaks: the first one it
+/// presents that is accepted (with no keys set, the first it presents).
+pub fn presented_key<'a>(state: &AppState, headers: &'a HeaderMap) -> Option<&'a str> {
+    let keys = &state.config.api_keys;
+    presented(headers).find(|k| keys.is_empty() || key_matches(keys, k))
+}
+
+/// The keys a request presents: its Bearer credentials, then the key
+/// subprotocols a browser WebSocket sends.
+fn presented(headers: &HeaderMap) -> impl Iterator<Item = &str> {
+    bearer(headers).into_iter().chain(
         headers
             .get_all(header::SEC_WEBSOCKET_PROTOCOL)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
-            .find_map(|p| p.trim().strip_prefix(KEY_SUBPROTOCOL_PREFIX))
-    })
+            .filter_map(|p| p.trim().strip_prefix(KEY_SUBPROTOCOL_PREFIX)),
+    )
 }
 
 /// Whether `key`, given in a protocol's own message (a phone stream's

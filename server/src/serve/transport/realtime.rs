@@ -47,7 +47,7 @@ pub fn accept(
     headers: &HeaderMap,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
-    let owner = owner_of(auth::presented_key(headers));
+    let owner = owner_of(auth::presented_key(&state, headers));
     conn::accept(
         state,
         headers,

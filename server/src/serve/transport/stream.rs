@@ -62,7 +62,7 @@ async fn upgrade(
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
     // Whose cloned voices the session may speak in.
-    let owner = owner_of(auth::presented_key(&headers));
+    let owner = owner_of(auth::presented_key(&state, &headers));
     conn::accept(
         state,
         &headers,

@@ -81,7 +81,7 @@ async fn upgrade(
 ) -> Response {
     // The key may still come in `start`: decided there.
     let key_in_header = auth::authorized(&state, &headers);
-    let owner = owner_of(auth::presented_key(&headers));
+    let owner = owner_of(auth::presented_key(&state, &headers));
     conn::accept(state, &headers, ws, "twilio", &[], move |s, w, g| {
         serve(s, w, g, key_in_header, owner)
     })

@@ -55,6 +55,15 @@
 #              a level (default 32), prompts of 100 words, answers of 200 tokens
 #   split-mps  the same with the CUDA MPS daemon started for the run (both
 #              sides through it), when the host has nvidia-cuda-mps-control
+#   layout3    vLLM-Omni's 3-GPU layout (a host with 3 GPUs or more): the Thinker on
+#              GPU 0, two Talker and two Code2Wav replicas on GPUs 1 and 2, in one
+#              process (deploy/qwen3-omni-3gpu.yaml) against one process a GPU over
+#              NATS (deploy/distributed/qwen3-omni-3gpu.yaml; carry
+#              cuda-bin/nats-server.xz), side by side: chat at LAYOUT_C (default
+#              1,8,32,64), LAYOUT_N requests a level (default 64), then the long
+#              workload (2,500 -> 900) at c=32
+#   layout3-dry the same two layouts with every device cuda:0 (one GPU, several
+#              processes; an H200 holds it): they start and answer, at c=1 and 8
 #   serve      what a user sees: one `omnistream serve` (deploy/qwen3-omni-h200.yaml,
 #              server VAD on; carry models/silero-vad) driven by `omnistream bench`
 #              over loopback, one run after another against the same server:
@@ -166,15 +175,20 @@ has chat-nopri && OMNISTREAM_STAGE_PRIORITY=off bench "${CHAT_S:-200}" "${H200[@
 has chat-overlap && OMNISTREAM_STAGE_PRIORITY=eager bench "${CHAT_S:-200}" "${H200[@]}" --name chat-overlap "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has voice && bench "${CHAT_S:-200}" --profile deploy/qwen3-omni-h200-voice.yaml --name chat-voice "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has long && bench "${LONG_S:-240}" "${H200[@]}" --name long --prompt-tokens 2500 --output-tokens 900 --concurrency "${LONG_C:-1,8}"
-split() {
-  local name=$1
+# Two profiles side by side through `omnistream bench --compare` (it starts NATS
+# and the stage processes a split profile names): NAME SECONDS A B [bench args].
+compare() {
+  local name=$1 s=$2 a=$3 b=$4
+  shift 4
   step "$name"
-  PATH=$PWD/cuda-bin:$PATH timeout "${SPLIT_S:-560}" cuda-bin/omnistream bench \
-    --compare deploy/qwen3-omni-h200.yaml deploy/distributed/qwen3-omni-h200.yaml \
-    --concurrency "${SPLIT_C:-1,32}" --num-prompts "${SPLIT_N:-32}" --input-len 100 --output-len 200 \
-    --voice ethan --no-plots --out "$OUT/json/$name" 2>&1 | grep -v '^\s*$' | tail -40
+  PATH=$PWD/cuda-bin:$PATH timeout "$s" cuda-bin/omnistream bench --compare "$a" "$b" \
+    --voice ethan --no-plots --out "$OUT/json/$name" "$@" 2>&1 | grep -v '^\s*$' | tail -40
   cat "$OUT/json/$name/bench.md"
   tail -n 5 "$OUT/json/$name"/*.log
+}
+split() {
+  compare "$1" "${SPLIT_S:-560}" deploy/qwen3-omni-h200.yaml deploy/distributed/qwen3-omni-h200.yaml \
+    --concurrency "${SPLIT_C:-1,32}" --num-prompts "${SPLIT_N:-32}" --input-len 100 --output-len 200
 }
 has split && split split
 if has split-mps; then
@@ -188,6 +202,21 @@ if has split-mps; then
     step split-mps
     echo "no nvidia-cuda-mps-control on this host: MPS not tried"
   fi
+fi
+LAYOUT=(deploy/qwen3-omni-3gpu.yaml deploy/distributed/qwen3-omni-3gpu.yaml)
+if has layout3; then
+  compare layout3 "${LAYOUT_S:-580}" "${LAYOUT[@]}" --concurrency "${LAYOUT_C:-1,8,32,64}" \
+    --num-prompts "${LAYOUT_N:-64}" --input-len 100 --output-len 200
+  compare layout3-long "${LAYOUT_S:-580}" "${LAYOUT[@]}" --concurrency 32 --num-prompts 32 \
+    --input-len 2500 --output-len 900
+fi
+if has layout3-dry; then
+  # Beside the profiles: their paths are relative to their folders.
+  dry=(deploy/.qwen3-omni-3gpu-dry.yaml deploy/distributed/.qwen3-omni-3gpu-dry.yaml)
+  for i in 0 1; do sed -E 's/cuda:[0-9]/cuda:0/g' "${LAYOUT[$i]}" >"${dry[$i]}"; done
+  compare layout3-dry "${LAYOUT_S:-400}" "${dry[@]}" --concurrency 1,8 --num-prompts 8 \
+    --input-len 100 --output-len 200
+  rm -f "${dry[@]}"
 fi
 if has reference; then
   step reference

@@ -999,6 +999,38 @@ connectors:
         }
     }
 
+    /// vLLM-Omni's 3-GPU layout (deploy/qwen3-omni-3gpu.yaml, and one process
+    /// a GPU in deploy/distributed/): checked here with its devices read as
+    /// the CPU, which every build accepts.
+    #[test]
+    fn the_3gpu_layouts_place_their_replicas() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+        for (f, remote) in [
+            ("qwen3-omni-3gpu.yaml", Placement::Local),
+            ("distributed/qwen3-omni-3gpu.yaml", Placement::Remote),
+        ] {
+            let path = root.join(f);
+            let text = std::fs::read_to_string(&path).unwrap();
+            let p = Profile::parse(
+                &text
+                    .replace("cuda:0", "cpu")
+                    .replace("[cuda:1, cuda:2]", "[cpu, cpu]"),
+                &path,
+            )
+            .unwrap_or_else(|e| panic!("{f}: {e}"));
+            assert_eq!(p.stages[0].replicas, 1, "{f}");
+            for s in &p.stages[1..] {
+                assert_eq!((s.replicas, s.devices.len()), (2, 2), "{f}: {}", s.name);
+                assert_eq!(s.placement, remote, "{f}: {}", s.name);
+            }
+            // Each replica on its own GPU, the Thinker alone on the first.
+            assert!(
+                text.contains("devices: [cuda:1, cuda:2]") && text.contains("device: cuda:0"),
+                "{f}"
+            );
+        }
+    }
+
     #[test]
     fn the_shipped_qwen3_omni_profiles_parse() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");

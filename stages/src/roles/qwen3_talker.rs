@@ -461,7 +461,9 @@ impl StageModel for Qwen3OmniTalker {
     }
 
     fn push(&mut self, id: RequestId, payload: Payload) -> Result<()> {
-        let Payload::Text(chunk) = payload else {
+        // A Thinker on another device (a replica on its own GPU) sent its
+        // states there: they move to this replica's device once, here.
+        let Payload::Text(chunk) = payload.states_to(self.model.device())? else {
             return Err(ModelError::Invalid(
                 "the Talker takes the Thinker's output".into(),
             ));

@@ -105,16 +105,21 @@ def test_realtime_turn_is_spoken(client):
     assert audio and len(audio) % FRAME_BYTES == 0, len(audio)
 
 
+def clone_voice(client: OpenAI, extra: dict | None = None):
+    """A voice cloned from the speaker fixture's clip (`extra`: more form fields)."""
+    clip = pcm16_wav(load_safetensors(FIXTURES / "qwen3_tts" / "speaker" / "io.safetensors")["pcm"])
+    return client.audio.voices.create(
+        name="cloned", consent="cons_test", audio_sample=("clip.wav", clip, "audio/wav"), extra_body=extra,
+    )
+
+
 @pytest.mark.parametrize("in_context", [False, True])
 def test_a_cloned_voice_speaks_chat_and_realtime(client, in_context):
     """A voice cloned once (`POST /v1/audio/voices`; with `ref_text`, in
     context) speaks the cascade's answers by its id, on chat completions and
     Realtime: other audio than the preset voices', whole frames; a voice id
     that is not there is refused, naming the field."""
-    extra = {"ref_text": "This is how I sound."} if in_context else None
-    voice = client.audio.voices.create(
-        name="cloned", consent="cons_test", audio_sample=("clip.wav", pcm16_wav(load_safetensors(FIXTURES / "qwen3_tts" / "speaker" / "io.safetensors")["pcm"]), "audio/wav"), extra_body=extra,
-    )
+    voice = clone_voice(client, {"ref_text": "This is how I sound."} if in_context else None)
     try:
         def chat(v):
             r = client.chat.completions.create(
@@ -137,12 +142,6 @@ def test_a_cloned_voice_speaks_chat_and_realtime(client, in_context):
     assert e.value.body["param"] == "audio.voice", e.value.body
     _, err = realtime_answer(client, voice.id)
     assert err.type == "error" and err.error.param == "voice", err
-
-
-def cloned(client: OpenAI):
-    return client.audio.voices.create(
-        name="cloned", consent="cons_test", audio_sample=("clip.wav", pcm16_wav(load_safetensors(FIXTURES / "qwen3_tts" / "speaker" / "io.safetensors")["pcm"]), "audio/wav"),
-    )
 
 
 def stream_answer(voice: str, key: str = "x"):
@@ -247,7 +246,7 @@ def test_a_cloned_voice_speaks_the_stream_and_calls(client):
     `start`, a Twilio call's `voice` `<Parameter>` and a WebRTC call's
     session speak the answer in it;
     only its owner's key may name it, and once deleted it is refused."""
-    voice = cloned(client)
+    voice = clone_voice(client)
     try:
         audio, done = stream_answer(voice.id)
         assert done["type"] == "done" and done["status"] == "completed", done

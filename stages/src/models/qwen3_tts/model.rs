@@ -45,7 +45,7 @@ pub fn voice_clone_cut(ref_frames: usize, total_frames: usize, samples_per_frame
 pub struct Qwen3Tts {
     cfg: Qwen3TtsConfig,
     talker: Qwen3TtsTalker,
-    clone: Option<Arc<CloneEncoders>>,
+    cloning: Option<Arc<CloneEncoders>>,
     decoder: Code2Wav,
     codec_cfg: SpeechTokenizerConfig,
     device: Device,
@@ -102,11 +102,11 @@ impl Qwen3Tts {
                 codec_cfg.decoder_config.num_quantizers
             )));
         }
-        let clone = CloneEncoders::from_parts(dir, &cfg, &codec_cfg, &vb, source, device)?;
+        let cloning = CloneEncoders::from_parts(dir, &cfg, &codec_cfg, &vb, source, device)?;
         Ok(Self {
             talker: Qwen3TtsTalker::new(&cfg, vb)?,
             cfg,
-            clone: clone.map(Arc::new),
+            cloning: cloning.map(Arc::new),
             decoder,
             codec_cfg,
             device: device.clone(),
@@ -123,18 +123,18 @@ impl Qwen3Tts {
 
     /// What clones voices: Base checkpoints only.
     pub fn clone_encoders(&self) -> Option<&Arc<CloneEncoders>> {
-        self.clone.as_ref()
+        self.cloning.as_ref()
     }
 
     /// Base checkpoints only.
     pub fn speaker_encoder(&self) -> Option<&SpeakerEncoder> {
-        self.clone.as_deref().map(CloneEncoders::speaker)
+        self.cloning.as_deref().map(CloneEncoders::speaker)
     }
 
     /// The speech tokenizer's encoder: a reference clip's codes for in-context
     /// cloning. Base checkpoints whose speech tokenizer ships it only.
     pub fn codec_encoder(&self) -> Option<&CodecEncoder> {
-        self.clone.as_deref().and_then(CloneEncoders::codec)
+        self.cloning.as_deref().and_then(CloneEncoders::codec)
     }
 
     pub fn decoder(&self) -> &Code2Wav {

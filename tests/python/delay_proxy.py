@@ -2,14 +2,20 @@
 link between two test hosts (network namespaces) where the kernel has no
 netem qdisc. Order is kept; bandwidth is not limited.
 
-    python3 delay_proxy.py --listen 127.0.0.1:4222 --to 10.0.0.2:4222 --delay-ms 20
+    python3 delay_proxy.py --listen 127.0.0.1:4222 --to 10.0.0.2:4222 --delay-ms 20 [--stats FILE]
+
+With --stats, FILE holds the bytes carried so far (both ways), rewritten
+every 100 ms: a test's proof that its traffic went through the link.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
+
+CARRIED = [0]
 
 
 async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
@@ -25,6 +31,7 @@ async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay
                 await asyncio.sleep(wait)
             writer.write(data)
             await writer.drain()
+            CARRIED[0] += len(data)
         writer.close()
 
     task = asyncio.create_task(deliver())
@@ -45,6 +52,7 @@ async def main() -> None:
     ap.add_argument("--listen", required=True)
     ap.add_argument("--to", required=True)
     ap.add_argument("--delay-ms", type=float, required=True)
+    ap.add_argument("--stats")
     a = ap.parse_args()
     lhost, lport = a.listen.rsplit(":", 1)
     thost, tport = a.to.rsplit(":", 1)
@@ -58,6 +66,15 @@ async def main() -> None:
             return
         await asyncio.gather(pipe(cr, uw, delay), pipe(ur, cw, delay))
 
+    async def stats(path: str) -> None:
+        while True:
+            with open(path + ".tmp", "w") as f:
+                f.write(str(CARRIED[0]))
+            os.replace(path + ".tmp", path)
+            await asyncio.sleep(0.1)
+
+    if a.stats:
+        asyncio.create_task(stats(a.stats))
     server = await asyncio.start_server(handle, lhost, int(lport))
     print("delay proxy ready", flush=True)
     async with server:

@@ -209,8 +209,8 @@ impl Qwen3OmniThinker {
             seqs.len(),
             seqs.iter().map(|q| q.prompt.len()).max().unwrap_or(0),
         );
-        // The group's spoken turns, heard in one pass of the audio encoder
-        // (their embeddings in row order, as the prompt's placeholders are).
+        // The group's spoken turns, heard in one pass of the audio encoder;
+        // their embeddings come in row order, the order of the placeholders.
         let pcms: Vec<&[f32]> = seqs.iter().filter_map(|q| q.audio.as_deref()).collect();
         let heard = match pcms.is_empty() {
             true => None,

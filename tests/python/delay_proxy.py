@@ -6,6 +6,10 @@ netem qdisc. Order is kept; bandwidth is not limited.
 
 With --stats, FILE holds the bytes carried so far (both ways), rewritten
 every 100 ms: a test's proof that its traffic went through the link.
+
+SIGUSR1 cuts every connection open now (both ends reset, whatever was in
+flight lost) and prints "cut N"; new connections pass again at once: a
+process's short network outage.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import time
 
 CARRIED = [0]
+OPEN: set = set()
 
 
 async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
@@ -64,7 +70,20 @@ async def main() -> None:
         except OSError:
             cw.close()
             return
-        await asyncio.gather(pipe(cr, uw, delay), pipe(ur, cw, delay))
+        ends = (cw, uw)
+        OPEN.add(ends)
+        try:
+            await asyncio.gather(pipe(cr, uw, delay), pipe(ur, cw, delay))
+        finally:
+            OPEN.discard(ends)
+
+    def cut() -> None:
+        n = len(OPEN)
+        for ends in list(OPEN):
+            for w in ends:
+                w.transport.abort()
+        OPEN.clear()
+        print(f"cut {n}", flush=True)
 
     async def stats(path: str) -> None:
         while True:
@@ -75,6 +94,7 @@ async def main() -> None:
 
     if a.stats:
         asyncio.create_task(stats(a.stats))
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, cut)
     server = await asyncio.start_server(handle, lhost, int(lport))
     print("delay proxy ready", flush=True)
     async with server:

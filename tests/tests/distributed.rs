@@ -506,6 +506,89 @@ fn a_dead_replica_fails_only_its_requests_and_the_system_recovers() {
     assert!(metric(&gw, "omnistream_requests_in_flight", &[]) == 0.0);
 }
 
+/// A stage process's short network outage (its NATS connection reset, back
+/// within a heartbeat, so no announcement is missed): what it held is gone
+/// with its connection, so the answers through it fail at once with
+/// `stage_unavailable` rather than wait for events that will not come; the
+/// stage process drops them too, and the next requests are answered.
+#[test]
+fn a_stage_process_that_loses_its_connection_briefly_fails_what_it_held() {
+    let _serial = omnistream_e2e::exclusive();
+    let nats = Nats::start();
+    // The Talker reaches NATS through a proxy that can cut its connection.
+    let port = omnistream_e2e::free_port();
+    let mut proxy = std::process::Command::new("python3")
+        .arg(omnistream_e2e::root().join("tests/python/delay_proxy.py"))
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--to", &format!("127.0.0.1:{}", nats.port)])
+        .args(["--delay-ms", "0"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("proxy");
+    let mut proxy_out = std::io::BufReader::new(proxy.stdout.take().unwrap());
+    let proxy = Proc(proxy);
+    let mut line = String::new();
+    use std::io::BufRead;
+    proxy_out.read_line(&mut line).unwrap();
+    assert!(line.contains("ready"), "{line}");
+    let talker = spawn_stage(SPLIT, "talker", &format!("nats://127.0.0.1:{port}"), &[]);
+    let _c2w = spawn_stage(SPLIT, "code2wav", &nats.url, &[]);
+    let gw = spawn_server(&["--profile", SPLIT, "--nats", &nats.url]);
+    let long = "The river runs past the old mill, under the stone bridge, and out \
+        across the fields where the farmers plant their wheat in spring.";
+    let clients: Vec<_> = (0..3)
+        .map(|_| {
+            let url = gw.url.clone();
+            thread::spawn(move || (speak(&url, long), Instant::now()))
+        })
+        .collect();
+    assert!(
+        eventually(60, || replica_counts(&gw, "talker", "active_requests")
+            .iter()
+            .any(|(_, v)| *v > 0.0)),
+        "no request reached the Talker"
+    );
+    let cut = Instant::now();
+    let sent = std::process::Command::new("kill")
+        .args(["-USR1", &proxy.0.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(sent.success());
+    line.clear();
+    proxy_out.read_line(&mut line).unwrap();
+    assert!(
+        line.starts_with("cut ") && !line.starts_with("cut 0"),
+        "{line}"
+    );
+    let results: Vec<_> = clients.into_iter().map(|h| h.join().unwrap()).collect();
+    let failed: Vec<_> = results.iter().filter(|(r, _)| r.is_err()).collect();
+    assert!(
+        !failed.is_empty(),
+        "no answer was held by the Talker: {results:?}"
+    );
+    for (r, at) in &failed {
+        let e = r.as_ref().unwrap_err();
+        assert!(e.contains("stage_unavailable"), "unclear error: {e}");
+        let after = at.duration_since(cut);
+        assert!(
+            after <= Duration::from_secs(3),
+            "failed {after:?} after the cut"
+        );
+    }
+    // It was an outage, not a death: the Talker reconnected and works on.
+    assert!(
+        eventually(20, || speak(&gw.url, "The next request works.").is_ok()),
+        "no recovery after the cut:\n{}",
+        talker.output()
+    );
+    assert!(
+        talker.output().contains("lost the connection to NATS"),
+        "{}",
+        talker.output()
+    );
+    assert_idle(&gw);
+}
+
 /// Starts a streamed `/v1/audio/speech` of `text` and returns once its first
 /// bytes arrived, dropping the connection (a client that leaves).
 fn sse_first_bytes(port: u16, text: &str) -> String {

@@ -3,7 +3,7 @@
 //! (a gateway) or holds (a stage process), and the hosted stage's input.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -63,8 +63,18 @@ struct ReplicaEntry {
     /// Requests this process sent it since its last announcement.
     pending: u64,
     last_seen: Instant,
+    /// Its connections lost, as announced ([`Announce::losses`]).
+    losses: u32,
     stats: StageStats,
     meta: StageMeta,
+}
+
+/// A gateway as its announcements tell it.
+#[derive(Clone, Copy)]
+struct GatewaySeen {
+    last_seen: Instant,
+    /// See [`AnnounceRole::Gateway`].
+    lost_through: RequestId,
 }
 
 /// A request this process owns (its gateway) or holds (a stage of it).
@@ -143,10 +153,16 @@ pub struct Mesh {
     gateway: bool,
     out: flume::Sender<Outgoing>,
     replicas: Mutex<HashMap<u64, ReplicaEntry>>,
-    gateways: Mutex<HashMap<u64, Instant>>,
+    gateways: Mutex<HashMap<u64, GatewaySeen>>,
     links: Mutex<HashMap<u64, Arc<Link>>>,
     requests: DashMap<RequestId, Tracked>,
     cancelled: Mutex<RecentSet>,
+    /// Times this process lost its connection (announced).
+    losses: AtomicU32,
+    /// A gateway's: the highest id of its requests failed by a lost
+    /// connection. Held while they fail, so that a request owned meanwhile
+    /// is either failed with them or above it.
+    lost_through: Mutex<RequestId>,
     hosted: Mutex<Option<HostedInfo>>,
     max_payload: AtomicUsize,
     /// Counts of messages refused (wrong version, corrupt), for the logs and tests.
@@ -230,6 +246,8 @@ impl Mesh {
             links: Mutex::new(HashMap::new()),
             requests: DashMap::new(),
             cancelled: Mutex::new(RecentSet::default()),
+            losses: AtomicU32::new(0),
+            lost_through: Mutex::new(0),
             hosted: Mutex::new(None),
             max_payload: AtomicUsize::new(max_payload.max(1024)),
             refused: AtomicUsize::new(0),
@@ -387,11 +405,14 @@ impl Mesh {
                     meta: h.meta.clone(),
                 }
             }
-            None if self.gateway => AnnounceRole::Gateway,
+            None if self.gateway => AnnounceRole::Gateway {
+                lost_through: *lock(&self.lost_through),
+            },
             None => return,
         };
         let a = Announce {
             process: self.process,
+            losses: self.losses.load(Ordering::Relaxed),
             role,
         };
         if let Ok(bytes) = wire::encode(0, self.process, &a) {
@@ -409,8 +430,19 @@ impl Mesh {
             }
         };
         match a.role {
-            AnnounceRole::Gateway => {
-                lock(&self.gateways).insert(a.process, Instant::now());
+            AnnounceRole::Gateway { lost_through } => {
+                let before = lock(&self.gateways)
+                    .insert(
+                        a.process,
+                        GatewaySeen {
+                            last_seen: Instant::now(),
+                            lost_through,
+                        },
+                    )
+                    .map_or(0, |g| g.lost_through);
+                if lost_through > before {
+                    self.owner_lost(a.process, lost_through);
+                }
             }
             AnnounceRole::Replica {
                 stage,
@@ -421,6 +453,15 @@ impl Mesh {
                 meta,
             } => {
                 let mut reps = lock(&self.replicas);
+                // It lost its connection since we last heard it (too briefly
+                // to be missed): what it held of ours is gone, as if it died.
+                if reps.get(&a.process).is_some_and(|e| e.losses != a.losses) {
+                    if let Some(old) = reps.remove(&a.process) {
+                        drop(reps);
+                        self.replica_gone(a.process, &old, "lost its connection to NATS");
+                        reps = lock(&self.replicas);
+                    }
+                }
                 let e = reps.entry(a.process).or_insert_with(|| {
                     tracing::info!(
                         "stage {stage} replica {replica} ({:016x}) joined",
@@ -433,6 +474,7 @@ impl Mesh {
                         load,
                         pending: 0,
                         last_seen: Instant::now(),
+                        losses: a.losses,
                         stats: (*stats).clone(),
                         meta: meta.clone(),
                     }
@@ -461,35 +503,17 @@ impl Mesh {
                 .collect()
         };
         for (id, e) in dead {
-            tracing::error!(
-                "stage {} replica {} ({id:016x}) stopped answering: its requests fail",
-                e.stage,
-                e.replica
-            );
-            if let Some(link) = lock(&self.links).remove(&id) {
-                link.alive.store(false, Ordering::Release);
-                link.cv.notify_all();
-            }
-            let msg = format!(
-                "stage_unavailable: stage {} replica {} stopped answering (no announcement for {} ms)",
-                e.stage,
-                e.replica,
+            let why = format!(
+                "stopped answering (no announcement for {} ms)",
                 DEAD_AFTER.as_millis()
             );
-            for t in self.requests.iter() {
-                let c = &t.ctx;
-                let on_it = (c.first_stage..=c.last_stage).contains(&e.stage_index)
-                    && c.route.get(e.stage_index) == Some(&id);
-                if on_it && !c.is_cancelled() {
-                    c.fail(msg.clone());
-                }
-            }
+            self.replica_gone(id, &e, &why);
         }
         if lock(&self.hosted).is_some() {
             let gws = lock(&self.gateways).clone();
             for t in self.requests.iter() {
                 let alive = match gws.get(&t.owner) {
-                    Some(seen) => now.duration_since(*seen) <= OWNER_DEAD_AFTER,
+                    Some(g) => now.duration_since(g.last_seen) <= OWNER_DEAD_AFTER,
                     None => now.duration_since(t.ctx.created) <= OWNER_DEAD_AFTER,
                 };
                 if !alive && !t.ctx.is_cancelled() {
@@ -498,7 +522,47 @@ impl Mesh {
                 }
             }
             lock(&self.gateways)
-                .retain(|_, seen| now.duration_since(*seen) <= OWNER_DEAD_AFTER * 4);
+                .retain(|_, g| now.duration_since(g.last_seen) <= OWNER_DEAD_AFTER * 4);
+        }
+    }
+
+    /// Replica `id` (`e`) died or lost its connection (`why`): its link
+    /// closes and the requests routed through it fail.
+    fn replica_gone(&self, id: u64, e: &ReplicaEntry, why: &str) {
+        tracing::error!(
+            "stage {} replica {} ({id:016x}) {why}: its requests fail",
+            e.stage,
+            e.replica
+        );
+        let msg = format!(
+            "stage_unavailable: stage {} replica {} {why}",
+            e.stage, e.replica
+        );
+        if let Some(link) = lock(&self.links).remove(&id) {
+            link.alive.store(false, Ordering::Release);
+            link.cv.notify_all();
+        }
+        for t in self.requests.iter() {
+            let c = &t.ctx;
+            let on_it = (c.first_stage..=c.last_stage).contains(&e.stage_index)
+                && c.route.get(e.stage_index) == Some(&id);
+            if on_it && !c.is_cancelled() {
+                c.fail(msg.clone());
+            }
+        }
+    }
+
+    /// Gateway `owner` failed its requests up to `lost_through` when it lost
+    /// its connection: drop what this process holds of them.
+    fn owner_lost(&self, owner: u64, lost_through: RequestId) {
+        for t in self.requests.iter() {
+            if t.owner == owner && t.ctx.id <= lost_through && !t.ctx.is_cancelled() {
+                tracing::warn!(
+                    "request {}: its gateway lost its connection to NATS; dropped",
+                    t.ctx.id
+                );
+                t.ctx.cancel(CancelReason::Failed);
+            }
         }
     }
 
@@ -539,13 +603,17 @@ impl Mesh {
     /// over from the replicas' next announcements.
     fn lost(&self, why: &str) {
         tracing::error!("NATS: {why}; requests that cross it fail");
+        self.losses.fetch_add(1, Ordering::Relaxed);
+        let mut lost_through = lock(&self.lost_through);
         for t in self.requests.iter() {
             if t.owner == self.process {
                 t.ctx.fail(format!("stage_unavailable: {why}"));
+                *lost_through = (*lost_through).max(t.ctx.id);
             } else {
                 t.ctx.cancel(CancelReason::Failed);
             }
         }
+        drop(lost_through);
         for (_, link) in lock(&self.links).drain() {
             link.alive.store(false, Ordering::Release);
             link.cv.notify_all();
@@ -704,10 +772,16 @@ impl Mesh {
 
     /// Starts tracking a request this gateway owns (its route crosses the wire).
     fn own(&self, ctx: &Arc<RequestCtx>) {
+        let lost_through = lock(&self.lost_through);
         self.requests.entry(ctx.id).or_insert_with(|| Tracked {
             ctx: ctx.clone(),
             owner: self.process,
         });
+        if ctx.id <= *lost_through {
+            // Submitted before a loss, owned after it: the stage processes
+            // refuse it (see `AnnounceRole::Gateway`).
+            ctx.fail("stage_unavailable: lost the connection to NATS".to_string());
+        }
     }
 
     /// Waits until stage `index` has a live replica; its announced meta.
@@ -846,7 +920,10 @@ impl Mesh {
         }
         let payload = match msg {
             StageMsg::Start(start) => {
-                if lock(&self.cancelled).set.contains(&h.request) {
+                let owner_lost = lock(&self.gateways)
+                    .get(&h.owner)
+                    .is_some_and(|g| h.request <= g.lost_through);
+                if owner_lost || lock(&self.cancelled).set.contains(&h.request) {
                     self.ack(reply, true);
                     return;
                 }

@@ -25,7 +25,7 @@ use crate::engine::tools::{ToolCall, ToolChoice, Tools};
 
 /// Bumped on every change of a message's layout: peers of another version are
 /// refused, never misread.
-pub const WIRE_VERSION: u16 = 5; // 2: stage stats carry cache_bytes; 3: tools; 4: speech style; 5: its voice reference
+pub const WIRE_VERSION: u16 = 6; // 2: stage stats carry cache_bytes; 3: tools; 4: speech style; 5: its voice reference; 6: announcements carry lost connections
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum WireError {
@@ -462,12 +462,23 @@ pub struct StageMeta {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Announce {
     pub process: u64,
+    /// How many times this process lost its connection to NATS: a change
+    /// tells its peers that whatever they had in flight with it is gone,
+    /// however short the outage (too short to miss an announcement).
+    pub losses: u32,
     pub role: AnnounceRole,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum AnnounceRole {
-    Gateway,
+    Gateway {
+        /// Its requests up to this id that were in flight when it last lost
+        /// its connection have failed: stage processes drop what they hold
+        /// of them, and a late `Start` of one (a message sent before or
+        /// during the outage, delivered after) is refused. This holds where
+        /// the gateway's cancels were lost with the connection.
+        lost_through: RequestId,
+    },
     Replica {
         stage: String,
         stage_index: u32,

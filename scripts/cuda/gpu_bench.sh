@@ -64,6 +64,15 @@
 #              workload (2,500 -> 900) at c=32
 #   layout3-dry the same two layouts with every device cuda:0 (one GPU, several
 #              processes; an H200 holds it): they start and answer, at c=1 and 8
+#   replicas   whole pipelines replicated: one `omnistream serve` a GPU
+#              (deploy/qwen3-omni-h200.yaml, CUDA_VISIBLE_DEVICES=i), and one
+#              `omnistream bench --url` over all of them (leastconn, no balancer in
+#              front), for each count in REPLICA_GPUS (default "1 2 4 8", those the
+#              host has): chat with audio, 100-word prompts, 200 tokens, at
+#              REPLICA_C requests in flight a GPU (default "8 16 32 48 64"), twice
+#              as many requests a level; then scripts/cuda/scaling.py: per count
+#              the load where p90 TTFP stays within 500 ms, audio-s/s, req/s and
+#              the share of linear scaling
 #   serve      what a user sees: one `omnistream serve` (deploy/qwen3-omni-h200.yaml,
 #              server VAD on; carry models/silero-vad) driven by `omnistream bench`
 #              over loopback, one run after another against the same server:
@@ -217,6 +226,39 @@ if has layout3-dry; then
   compare layout3-dry "${LAYOUT_S:-400}" "${dry[@]}" --concurrency 1,8 --num-prompts 8 \
     --input-len 100 --output-len 200
   rm -f "${dry[@]}"
+fi
+if has replicas; then
+  ngpu=$(nvidia-smi -L | wc -l)
+  for n in ${REPLICA_GPUS:-1 2 4 8}; do
+    [ "$n" -le "$ngpu" ] || { echo "replicas: $n GPUs asked, the host has $ngpu"; continue; }
+    step "replicas: $n GPUs"
+    pids=() urls=()
+    for ((i = 0; i < n; i++)); do
+      port=$((8100 + i))
+      CUDA_VISIBLE_DEVICES=$i cuda-bin/omnistream serve "${H200[@]}" --port $port \
+        >"$OUT/replicas-$n-$i.log" 2>&1 &
+      pids+=($!) urls+=("http://127.0.0.1:$port")
+    done
+    for ((i = 0; i < n; i++)); do
+      for _ in $(seq 1 300); do
+        grep -q "omnistream listening" "$OUT/replicas-$n-$i.log" && break
+        kill -0 "${pids[$i]}" 2>/dev/null || break
+        sleep 1
+      done
+      grep -E "listening|rror" "$OUT/replicas-$n-$i.log" | tail -2
+    done
+    url=$(IFS=,; echo "${urls[*]}")
+    for c in ${REPLICA_C:-8 16 32 48 64}; do
+      name="replicas-n$n-c$c"
+      timeout "${REPLICA_S:-240}" cuda-bin/omnistream bench --url "$url" --voice ethan --no-plots \
+        --out "$OUT/json/$name" --endpoint chat --input-len 100 --output-len 200 \
+        --concurrency $((c * n)) --num-prompts $((2 * c * n)) --warmup 1 2>&1 | grep -v '^\s*$' | tail -3
+      sed -n '/^| load/,/^$/p' "$OUT/json/$name/bench.md"
+    done
+    kill "${pids[@]}"; wait "${pids[@]}" 2>/dev/null
+  done
+  step "replicas: scaling"
+  python3 scripts/cuda/scaling.py "$OUT"/json/replicas-n*/bench.json
 fi
 if has reference; then
   step reference

@@ -162,6 +162,69 @@ fn sweep_against_a_running_server() {
     }
 }
 
+/// One run over two servers (whole pipelines replicated, no load balancer):
+/// requests are shared between them, each gets the warm-up, and the report
+/// keeps each server's stages apart and sums their memory.
+#[test]
+fn one_run_over_several_servers() {
+    let a = spawn_server(&[]);
+    let b = spawn_server(&[]);
+    let ok = |s: &omnistream_e2e::Server| {
+        s.metric("omnistream_requests_total{endpoint=\"chat_completions\",outcome=\"ok\"}")
+            .unwrap_or(0.0)
+    };
+    let before = (ok(&a), ok(&b));
+    let dir = tempfile::tempdir().unwrap();
+    let urls = format!("{},{}", a.url, b.url);
+    let o = omnistream([
+        "bench",
+        "--url",
+        &urls,
+        "--concurrency",
+        "2",
+        "--num-prompts",
+        "4",
+        "--warmup",
+        "1",
+        "--input-len",
+        "8",
+        "--output-len",
+        "8",
+        "--no-plots",
+        "--out",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let r = report(dir.path());
+    assert_eq!(r["runs"][0]["url"], urls.as_str());
+    let l = &r["runs"][0]["levels"][0];
+    assert_eq!(
+        (l["completed"].as_u64(), l["failed"].as_u64()),
+        (Some(4), Some(0)),
+        "{l}"
+    );
+    // Each server: its warm-up and at least one measured request; together
+    // exactly the two warm-ups and the four measured.
+    let (da, db) = (ok(&a) - before.0, ok(&b) - before.1);
+    assert!(da >= 2.0 && db >= 2.0, "shared {da} / {db}");
+    assert_eq!(da + db, 6.0);
+    let stages: Vec<&str> = l["stages"]
+        .as_array()
+        .expect("stages")
+        .iter()
+        .filter_map(|s| s["stage"].as_str())
+        .collect();
+    for name in ["0:thinker", "1:thinker", "0:code2wav", "1:code2wav"] {
+        assert!(stages.contains(&name), "{name} missing in {stages:?}");
+    }
+    // Two servers' memory: more than one holds.
+    let one = a
+        .metric("omnistream_process_peak_resident_bytes")
+        .expect("peak")
+        / 1048576.0;
+    assert!(f(&l["server_peak_rss_mib"]) > one, "{l}");
+}
+
 #[test]
 fn failures_are_counted_and_reported() {
     let server = spawn_server(&[]);

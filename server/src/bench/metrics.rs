@@ -292,12 +292,18 @@ pub struct StageCounters {
 }
 
 /// Parses the per-stage gauges out of a Prometheus text exposition, in the
-/// order the stages first appear.
+/// order the stages first appear; then, for a stage with several replicas,
+/// each replica's as `stage[replica]` (which one is the bottleneck).
 pub fn parse_stage_counters(text: &str) -> Vec<(String, StageCounters)> {
-    let mut out: Vec<(String, StageCounters)> = Vec::new();
+    let mut stages: Vec<(String, StageCounters)> = Vec::new();
+    let mut replicas: Vec<(String, String, StageCounters)> = Vec::new();
     for line in text.lines() {
-        let Some(rest) = line.strip_prefix("omnistream_stage{") else {
-            continue;
+        let (replica_family, rest) = match line.strip_prefix("omnistream_stage{") {
+            Some(rest) => (false, rest),
+            None => match line.strip_prefix("omnistream_stage_replica{") {
+                Some(rest) => (true, rest),
+                None => continue,
+            },
         };
         let Some((labels, value)) = rest.split_once("} ") else {
             continue;
@@ -314,14 +320,27 @@ pub fn parse_stage_counters(text: &str) -> Vec<(String, StageCounters)> {
         let (Some(stage), Some(metric)) = (label("stage"), label("metric")) else {
             continue;
         };
-        let i = match out.iter().position(|(s, _)| *s == stage) {
-            Some(i) => i,
-            None => {
-                out.push((stage, StageCounters::default()));
-                out.len() - 1
+        let c = if replica_family {
+            let Some(replica) = label("replica") else {
+                continue;
+            };
+            let name = format!("{stage}[{replica}]");
+            match replicas.iter().position(|(n, _, _)| *n == name) {
+                Some(i) => &mut replicas[i].2,
+                None => {
+                    replicas.push((name, stage, StageCounters::default()));
+                    &mut replicas.last_mut().expect("just pushed").2
+                }
+            }
+        } else {
+            match stages.iter().position(|(s, _)| *s == stage) {
+                Some(i) => &mut stages[i].1,
+                None => {
+                    stages.push((stage, StageCounters::default()));
+                    &mut stages.last_mut().expect("just pushed").1
+                }
             }
         };
-        let c = &mut out[i].1;
         match metric.as_str() {
             "step_seconds_total" => c.step_seconds = value,
             "idle_seconds_total" => c.idle_seconds = value,
@@ -332,7 +351,14 @@ pub fn parse_stage_counters(text: &str) -> Vec<(String, StageCounters)> {
             _ => {}
         }
     }
-    out
+    let several = |stage: &str| replicas.iter().filter(|(_, s, _)| s == stage).count() > 1;
+    let shown: Vec<(String, StageCounters)> = replicas
+        .iter()
+        .filter(|(_, s, _)| several(s))
+        .map(|(n, _, c)| (n.clone(), c.clone()))
+        .collect();
+    stages.extend(shown);
+    stages
 }
 
 /// A gauge without labels (`omnistream_process_peak_resident_bytes`, ...).
@@ -592,5 +618,22 @@ mod tests {
         // A stage with no steps in the level: no batch, no division by zero.
         assert_eq!(loads[1].steps, 0);
         close(loads[1].mean_batch, 0.0);
+    }
+
+    #[test]
+    fn a_stage_with_several_replicas_has_a_row_for_each() {
+        let text = "omnistream_stage{metric=\"steps_total\",stage=\"talker\"} 30\n\
+            omnistream_stage{metric=\"steps_total\",stage=\"thinker\"} 9\n\
+            omnistream_stage_replica{metric=\"steps_total\",replica=\"0\",stage=\"talker\"} 10\n\
+            omnistream_stage_replica{metric=\"batch_items_total\",replica=\"0\",stage=\"talker\"} 40\n\
+            omnistream_stage_replica{metric=\"steps_total\",replica=\"1/00ab\",stage=\"talker\"} 20\n\
+            omnistream_stage_replica{metric=\"steps_total\",replica=\"0\",stage=\"thinker\"} 9\n";
+        let c = parse_stage_counters(text);
+        let names: Vec<&str> = c.iter().map(|(n, _)| n.as_str()).collect();
+        // The thinker's one replica is the stage itself: no row of its own.
+        assert_eq!(names, ["talker", "thinker", "talker[0]", "talker[1/00ab]"]);
+        close(c[2].1.steps, 10.0);
+        close(c[2].1.batch_items, 40.0);
+        close(c[3].1.steps, 20.0);
     }
 }

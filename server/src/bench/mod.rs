@@ -1,5 +1,6 @@
-//! Benchmarks. `omnistream bench` drives a running server (or servers it
-//! starts, one profile at a time, for `--compare`) with sweeps of load and
+//! Benchmarks. `omnistream bench` drives a running server, several at once
+//! (`servers`), or servers it starts, one profile at a time, for
+//! `--compare`, with sweeps of load and
 //! reports the metrics vLLM-Omni's bench defines (see `metrics`);
 //! `omnistream bench-pipeline` measures the engine in-process (`pipeline`).
 
@@ -10,6 +11,7 @@ pub mod metrics;
 mod pipeline;
 mod plot;
 mod report;
+mod servers;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -23,13 +25,12 @@ use rand::SeedableRng;
 use rand_distr::Distribution;
 
 pub use client::Endpoint;
-use client::{Client, RequestShape};
+use client::RequestShape;
 pub use engine::{bench_engine, EngineArgs};
-use metrics::{
-    level_metrics, parse_gauge, parse_stage_counters, stage_loads, StageCounters, Timeline,
-};
+use metrics::{level_metrics, stage_loads, Timeline};
 pub use pipeline::bench_pipeline;
 use report::{Dataset, Level, Load, Report, Run};
+use servers::Servers;
 
 /// The CPU and core count, for every report.
 pub fn machine() -> String {
@@ -58,9 +59,12 @@ pub fn machine() -> String {
 /// `omnistream bench` options.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// The server to drive (http://HOST:PORT). Ignored with --compare.
-    #[arg(long, default_value = "http://127.0.0.1:8091")]
-    pub url: String,
+    /// The server to drive (http://HOST:PORT). Several, comma-separated:
+    /// one run over all of them (whole pipelines replicated, a server a
+    /// GPU), each request to the one with the fewest in flight, as a load
+    /// balancer's leastconn. Ignored with --compare.
+    #[arg(long, value_delimiter = ',', default_value = "http://127.0.0.1:8091")]
+    pub url: Vec<String>,
     /// API key sent as `Authorization: Bearer`.
     #[arg(long, env = "OMNISTREAM_API_KEY")]
     pub api_key: Option<String>,
@@ -264,7 +268,12 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
 
-    let per_run = args.warmup + args.num_prompts * loads.len();
+    let servers_per_run = if args.compare.is_empty() {
+        args.url.len()
+    } else {
+        1
+    };
+    let per_run = args.warmup * servers_per_run + args.num_prompts * loads.len();
     let targets: Vec<Option<&PathBuf>> = if args.compare.is_empty() {
         vec![None]
     } else {
@@ -281,7 +290,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     let mut runs = Vec::new();
     let mut failed_total = 0;
     for (i, profile) in targets.iter().enumerate() {
-        let (url, server) = match profile {
+        let (urls, server) = match profile {
             None => (args.url.clone(), None),
             Some(p) => {
                 let port = if args.port == 0 {
@@ -291,12 +300,12 @@ pub fn bench(args: BenchArgs) -> Result<()> {
                 };
                 bar.set_message(format!("starting {}", profile_label(p)));
                 let s = SpawnedServer::start(p, port, &args.out)?;
-                (s.url.clone(), Some(s))
+                (vec![s.url.clone()], Some(s))
             }
         };
-        let label = profile.map_or_else(|| url.clone(), |p| profile_label(p));
-        let client = Client::new(&url, args.api_key.clone())?;
-        let run = rt.block_on(sweep(&args, &shape, &client, &loads, &label, &bar));
+        let servers = Servers::new(&urls, args.api_key.clone())?;
+        let label = profile.map_or_else(|| servers.urls(), |p| profile_label(p));
+        let run = rt.block_on(sweep(&args, &shape, &servers, &loads, &label, &bar));
         drop(server);
         let mut run = run?;
         run.profile = profile.map(|p| p.display().to_string());
@@ -418,19 +427,25 @@ fn load_report(path: &Path) -> Result<Report> {
 async fn sweep(
     args: &BenchArgs,
     shape: &RequestShape,
-    client: &Client,
+    servers: &Servers,
     loads: &[Load],
     label: &str,
     bar: &ProgressBar,
 ) -> Result<Run> {
-    let health = client.get_text("/health").await.map_err(|e| {
-        anyhow::anyhow!(
-            "cannot reach the server at {}/health: {e} (is `omnistream serve` running?)",
-            client.base()
-        )
-    })?;
-    let devices = server_devices(&health);
-    // Warm-up: its own prompts, so that no measured prompt is already cached.
+    let mut devices = Vec::new();
+    for client in servers.clients() {
+        let health = client.get_text("/health").await.map_err(|e| {
+            anyhow::anyhow!(
+                "cannot reach the server at {}/health: {e} (is `omnistream serve` running?)",
+                client.base()
+            )
+        })?;
+        for d in server_devices(&health) {
+            push_unique(&mut devices, &d);
+        }
+    }
+    // Warm-up: its own prompts, so that no measured prompt is already
+    // cached; every server gets them.
     bar.set_message(format!("{label}: warm-up"));
     let warm = dataset::prompts(
         args.prompts.as_deref(),
@@ -438,12 +453,14 @@ async fn sweep(
         args.input_len,
         args.seed.wrapping_add(u64::MAX / 2),
     )?;
-    for (i, p) in warm.iter().enumerate() {
-        client
-            .run(shape, p, args.seed.wrapping_add(i as u64))
-            .await
-            .map_err(|e| anyhow::anyhow!("warm-up request failed: {e}"))?;
-        bar.inc(1);
+    for client in servers.clients() {
+        for (i, p) in warm.iter().enumerate() {
+            client
+                .run(shape, p, args.seed.wrapping_add(i as u64))
+                .await
+                .map_err(|e| anyhow::anyhow!("warm-up request to {} failed: {e}", client.base()))?;
+            bar.inc(1);
+        }
     }
     let mut levels = Vec::new();
     for (k, load) in loads.iter().enumerate() {
@@ -456,7 +473,7 @@ async fn sweep(
             args.input_len,
             args.seed.wrapping_add(k as u64 + 1),
         )?;
-        let level = run_level(args, client, shape, *load, &prompts, bar).await;
+        let level = run_level(args, servers, shape, *load, &prompts, bar).await;
         if bar.is_hidden() {
             // No terminal for the bar: one line per level for the log.
             eprintln!(
@@ -472,7 +489,7 @@ async fn sweep(
     Ok(Run {
         label: label.into(),
         profile: None,
-        url: client.base().into(),
+        url: servers.urls(),
         devices,
         levels,
     })
@@ -515,45 +532,25 @@ fn dataset_source(args: &BenchArgs, shape: &RequestShape) -> String {
     }
 }
 
-async fn scrape(client: &Client) -> Vec<(String, StageCounters)> {
-    client
-        .get_text("/metrics")
-        .await
-        .map(|t| parse_stage_counters(&t))
-        .unwrap_or_default()
-}
-
-/// The server's (resident, peak resident) memory in MiB.
-async fn server_memory(client: &Client) -> (Option<f64>, Option<f64>) {
-    let Ok(text) = client.get_text("/metrics").await else {
-        return (None, None);
-    };
-    let mib = |name| parse_gauge(&text, name).map(|b| b / 1048576.0);
-    (
-        mib("omnistream_process_resident_bytes"),
-        mib("omnistream_process_peak_resident_bytes"),
-    )
-}
-
 /// One level: every prompt sent under `load`, timelines collected, stages
 /// scraped before, during and after.
 async fn run_level(
     args: &BenchArgs,
-    client: &Client,
+    servers: &Servers,
     shape: &RequestShape,
     load: Load,
     prompts: &[String],
     bar: &ProgressBar,
 ) -> Level {
-    let before = scrape(client).await;
+    let before = servers.scrape().await;
     let samples = Arc::new(Mutex::new(Vec::new()));
     let sampler = {
-        let (client, samples) = (client.clone(), samples.clone());
+        let (servers, samples) = (servers.clone(), samples.clone());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(250));
             loop {
                 tick.tick().await;
-                let s = scrape(&client).await;
+                let s = servers.scrape().await;
                 if let Ok(mut v) = samples.lock() {
                     v.push(s);
                 }
@@ -564,12 +561,12 @@ async fn run_level(
     let results: Arc<Mutex<Vec<Result<Timeline, String>>>> = Arc::new(Mutex::new(Vec::new()));
     let t0 = Instant::now();
     let send = |i: usize| {
-        let (client, shape, results, bar) =
-            (client.clone(), shape.clone(), results.clone(), bar.clone());
+        let (servers, shape, results, bar) =
+            (servers.clone(), shape.clone(), results.clone(), bar.clone());
         let prompt = prompts[i].clone();
         let seed = args.seed.wrapping_add(1000 + i as u64);
         async move {
-            let r = client.run(&shape, &prompt, seed).await;
+            let r = servers.run(&shape, &prompt, seed).await;
             bar.inc(1);
             if let Ok(mut v) = results.lock() {
                 v.push(r);
@@ -610,8 +607,8 @@ async fn run_level(
     while tasks.join_next().await.is_some() {}
     let wall = t0.elapsed().as_secs_f64();
     sampler.abort();
-    let after = scrape(client).await;
-    let (rss, peak) = server_memory(client).await;
+    let after = servers.scrape().await;
+    let (rss, peak) = servers.memory().await;
 
     let results = std::mem::take(&mut *results.lock().unwrap_or_else(|e| e.into_inner()));
     let mut done = Vec::new();

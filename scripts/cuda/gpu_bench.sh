@@ -45,6 +45,9 @@
 #              the audio path's eager work only, its graphed steps overlap (run 20)
 #   voice      chat with audio, deploy/qwen3-omni-h200-voice.yaml
 #   long       prompt 2,500, answer 900, audio on, c=1,8
+#   long-chunk the same with the Thinker's chunked prefill (prefill_chunk_tokens:
+#              PREFILL_CHUNK, default 512, in a copy of the profile), and chat at
+#              c=32 with it: a long prompt prefilled a chunk a step between decodes
 #   reference  scripts/cuda/reference_gpu.py (transformers, batch 1)
 #   split      through `omnistream serve` + `omnistream bench` (HTTP), side by side
 #              in one run: the single process (deploy/qwen3-omni-h200.yaml) against
@@ -184,6 +187,15 @@ has chat-nopri && OMNISTREAM_STAGE_PRIORITY=off bench "${CHAT_S:-200}" "${H200[@
 has chat-overlap && OMNISTREAM_STAGE_PRIORITY=eager bench "${CHAT_S:-200}" "${H200[@]}" --name chat-overlap "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has voice && bench "${CHAT_S:-200}" --profile deploy/qwen3-omni-h200-voice.yaml --name chat-voice "${CHAT[@]}" --concurrency "${CHAT_C:-1,8,32}"
 has long && bench "${LONG_S:-240}" "${H200[@]}" --name long --prompt-tokens 2500 --output-tokens 900 --concurrency "${LONG_C:-1,8}"
+if has long-chunk; then
+  p=deploy/.qwen3-omni-h200-prefill-chunk.yaml
+  sed -E "s/^( *)max_prefill_tokens: ([0-9]+)/\1max_prefill_tokens: \2\n\1prefill_chunk_tokens: ${PREFILL_CHUNK:-512}/" \
+    deploy/qwen3-omni-h200.yaml >"$p"
+  grep -q "prefill_chunk_tokens: ${PREFILL_CHUNK:-512}" "$p" || echo "no prefill_chunk_tokens in the profile"
+  bench "${LONG_S:-240}" --profile "$p" --name long-chunk --prompt-tokens 2500 --output-tokens 900 --concurrency "${LONG_C:-1,8}"
+  bench "${CHAT_S:-200}" --profile "$p" --name chat-chunk-prefill "${CHAT[@]}" --concurrency 32
+  rm -f "$p"
+fi
 # Two profiles side by side through `omnistream bench --compare` (it starts NATS
 # and the stage processes a split profile names): NAME SECONDS A B [bench args].
 compare() {

@@ -204,6 +204,11 @@ pub struct StageSpec {
     /// cannot stall the decode steps of everyone else.
     #[serde(default)]
     pub max_prefill_tokens: Option<usize>,
+    /// Qwen3-Omni's Thinker: a prompt longer than this is prefilled in chunks
+    /// of this many tokens, one a step between the running batch's decode
+    /// steps (vLLM's chunked prefill). Unset: every prompt whole.
+    #[serde(default)]
+    pub prefill_chunk_tokens: Option<usize>,
     /// `ar` stages: prompts whose KV is kept for reuse by prompts with the same
     /// prefix (0 turns prefix caching off).
     #[serde(default)]
@@ -451,6 +456,17 @@ impl Profile {
             }
             if s.max_prefill_tokens == Some(0) {
                 return Err(self.invalid(key("max_prefill_tokens"), "must be at least 1"));
+            }
+            if let Some(n) = s.prefill_chunk_tokens {
+                if s.model.model_type != ModelType::Qwen3OmniThinker {
+                    return Err(self.invalid(
+                        key("prefill_chunk_tokens"),
+                        "applies to the Qwen3-Omni Thinker only (an `ar` stage's chunk is max_prefill_tokens)",
+                    ));
+                }
+                if n == 0 {
+                    return Err(self.invalid(key("prefill_chunk_tokens"), "must be at least 1"));
+                }
             }
             if s.kind != StageKind::Ar {
                 for (k, set) in [

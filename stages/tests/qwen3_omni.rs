@@ -23,6 +23,11 @@ fn fixtures() -> PathBuf {
 /// tokens), greedy Talker with its repetition penalty (33 code-0 tokens),
 /// greedy code predictor; Code2Wav chunks of `first` then `chunk` frames.
 fn profile(first: usize, chunk: usize, talker_extra: &str) -> Profile {
+    profile_with(first, chunk, "", talker_extra)
+}
+
+/// [`profile`] with more of the Thinker's settings.
+fn profile_with(first: usize, chunk: usize, thinker_extra: &str, talker_extra: &str) -> Profile {
     let dir = fixtures();
     let yaml = format!(
         r#"
@@ -35,6 +40,7 @@ stages:
     model: {{ type: qwen3-omni-thinker, path: {m}, tokenizer: {t} }}
     max_num_seqs: 4
     sampling: {{ temperature: 0.0, max_tokens: 32 }}
+    {thinker_extra}
   - stage_id: 1
     name: talker
     kind: ar
@@ -63,6 +69,8 @@ struct Case {
     speaker: String,
     messages: Vec<ChatMessage>,
     audio: Option<Vec<f32>>,
+    /// The reference's prompt length (audio placeholders expanded).
+    prompt_len: usize,
     tokens: Vec<u32>,
     wav: Vec<f32>,
 }
@@ -104,6 +112,7 @@ fn cases() -> Vec<Case> {
                 speaker: c["speaker"].as_str().unwrap().to_string(),
                 messages,
                 audio,
+                prompt_len: prompt,
                 tokens: ids(&io[&format!("{p}sequences")])[prompt..].to_vec(),
                 wav: io[&format!("{p}wav")].to_vec1::<f32>().unwrap(),
             }
@@ -211,6 +220,46 @@ fn streamed_pipeline_equals_the_reference_generate() {
             c.speaker
         );
         assert!(e <= 1e-4, "case {i}: {e}");
+    }
+}
+
+/// Chunked prefill: prompts prefilled 7 tokens a step (the spoken turn's
+/// placeholders split across chunks), the running batch decoding between
+/// the chunks: every answer's text and audio still equal the reference's.
+#[test]
+fn prompts_prefilled_in_chunks_equal_the_reference() {
+    let pipeline = build_pipeline(&profile_with(2, 5, "prefill_chunk_tokens: 7", "")).unwrap();
+    let cases = cases();
+    let tok = omnistream_stages::models::tokenizer::ChatTokenizer::from_hf_dir(
+        &fixtures().join("tokenizer"),
+    )
+    .unwrap();
+    // One first, so the others' chunks run between its decode steps.
+    let first = submit(&pipeline, &cases[0], Modalities::TEXT_AUDIO);
+    let mut handles = vec![first];
+    handles.extend(
+        cases[1..]
+            .iter()
+            .map(|c| submit(&pipeline, c, Modalities::TEXT_AUDIO)),
+    );
+    let text_only = submit(&pipeline, &cases[0], Modalities::TEXT);
+    for (i, (c, h)) in cases.iter().zip(&handles).enumerate() {
+        let got = collect(h);
+        assert!(got.done);
+        assert_eq!(got.text, tok.decode(&c.tokens).unwrap(), "case {i} text");
+        assert_eq!(got.audio.len(), 32 * 1920, "case {i}");
+        let lead = 555;
+        let e = max_abs_diff(&got.audio[lead..], &c.wav);
+        println!("case {i} chunked: audio vs reference max abs {e:.2e}");
+        assert!(e <= 1e-4, "case {i}: {e}");
+    }
+    let got = collect(&text_only);
+    assert_eq!(got.text, tok.decode(&cases[0].tokens).unwrap());
+    assert!(got.audio.is_empty());
+    // The chunks were real: each prompt takes three or more (the spoken
+    // turn's 17 placeholders span several).
+    for c in &cases {
+        assert!(c.prompt_len > 14, "a prompt of {} tokens", c.prompt_len);
     }
 }
 
@@ -350,6 +399,27 @@ fn broken_qwen3_profiles_are_clear_errors() {
         "",
     ));
     assert!(e.contains("dtype") || e.contains("f16"), "{e}");
+    let thinker = format!(
+        "{{ type: qwen3-omni-thinker, path: {}, tokenizer: {} }}",
+        dir.join("model").display(),
+        dir.join("tokenizer").display()
+    );
+    let e = bad(stage(&thinker, "    prefill_chunk_tokens: 0\n"));
+    assert!(
+        e.contains("stages[0].prefill_chunk_tokens") && e.contains("at least 1"),
+        "{e}"
+    );
+    let e = bad(stage(
+        &format!(
+            "{{ type: qwen3-omni-talker, path: {} }}",
+            dir.join("model").display()
+        ),
+        "    prefill_chunk_tokens: 64\n",
+    ));
+    assert!(
+        e.contains("prefill_chunk_tokens") && e.contains("Qwen3-Omni Thinker only"),
+        "{e}"
+    );
 }
 
 /// Fixed-length answers (`ignore_eos`) speak one frame per text vector, or

@@ -23,7 +23,7 @@ pub use piper_code2wav::{ChunkPolicy, PiperCode2Wav};
 pub use piper_talker::{PiperTalker, SpanPolicy};
 pub use qwen3_code2wav::{CodecSource, Qwen3OmniCode2Wav, QWEN3_OMNI_SAMPLE_RATE};
 pub use qwen3_talker::Qwen3OmniTalker;
-pub use qwen3_thinker::Qwen3OmniThinker;
+pub use qwen3_thinker::{Qwen3OmniThinker, ThinkerLimits};
 pub use qwen3_tts_talker::Qwen3TtsTalker;
 
 use crate::engine::remote::StageMeta;
@@ -478,9 +478,12 @@ pub fn build_stage(
                     model,
                     Arc::new(tok),
                     s.sampling.clone(),
-                    s.max_num_seqs,
-                    s.max_model_len.unwrap_or(DEFAULT_MAX_MODEL_LEN),
-                    s.max_prefill_tokens.unwrap_or(DEFAULT_QWEN3_PREFILL),
+                    ThinkerLimits {
+                        max_num_seqs: s.max_num_seqs,
+                        max_len: s.max_model_len.unwrap_or(DEFAULT_MAX_MODEL_LEN),
+                        max_prefill_tokens: s.max_prefill_tokens.unwrap_or(DEFAULT_QWEN3_PREFILL),
+                        prefill_chunk_tokens: s.prefill_chunk_tokens,
+                    },
                     !s.enforce_eager,
                 )
                 .map_err(model_err)?,

@@ -8,7 +8,10 @@
 //! into one forward, their spoken turns heard in one pass of the audio encoder),
 //! then join the running batch in a KV slot; every step decodes the whole running
 //! batch in one forward, and a finished request leaves between steps (the last
-//! slot moves into its place).
+//! slot moves into its place). With `prefill_chunk_tokens`, a longer prompt is
+//! prefilled a chunk a step, after the running batch's decode (vLLM's chunked
+//! prefill), so that it does not hold everyone else's next token for its whole
+//! prefill.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -27,7 +30,7 @@ use crate::models::qwen3_omni::graphs;
 use crate::models::qwen3_omni::layers::KvSlots;
 use crate::models::qwen3_omni::omni::Qwen3Omni;
 use crate::models::qwen3_omni::sampling::{self, Sampler, SamplingConfig};
-use crate::models::qwen3_omni::thinker::{AudioEmbeds, ThinkerGraphs};
+use crate::models::qwen3_omni::thinker::{AudioEmbeds, ThinkerCache, ThinkerGraphs};
 use crate::models::tokenizer::{ChatTokenizer, IncrementalDecoder};
 use crate::models::{ModelError, Result};
 use crate::profile::SamplingParams;
@@ -77,6 +80,22 @@ struct Seq {
     speak: bool,
 }
 
+/// A long prompt being prefilled a chunk a step.
+struct Chunking {
+    id: RequestId,
+    cache: ThinkerCache,
+    /// Prompt tokens prefilled so far.
+    done: usize,
+    /// Its spoken turn's embeddings (heard with the first chunk), and how
+    /// many of them the chunks so far took.
+    audio: Option<Tensor>,
+    audio_used: usize,
+    /// The Talker's prompt states, chunk by chunk: embeddings, and the
+    /// `accept_hidden_layer` states.
+    embeds: Vec<Tensor>,
+    hidden: Vec<Tensor>,
+}
+
 pub struct Qwen3OmniThinker {
     model: Arc<Qwen3Omni>,
     tokenizer: Arc<ChatTokenizer>,
@@ -86,6 +105,9 @@ pub struct Qwen3OmniThinker {
     max_len: usize,
     /// Padded tokens prefilled together in one step (a longer prompt goes alone).
     max_prefill_tokens: usize,
+    /// A prompt longer than this is prefilled in chunks of it, one a step.
+    prefill_chunk: Option<usize>,
+    chunking: Option<Chunking>,
     seqs: HashMap<RequestId, Seq>,
     /// Admitted, not prefilled yet, oldest first.
     waiting: VecDeque<RequestId>,
@@ -120,16 +142,29 @@ pub(super) fn sampling_config(
     }
 }
 
+/// How much the Thinker takes on: the profile's stage settings.
+pub struct ThinkerLimits {
+    pub max_num_seqs: usize,
+    /// Longest prompt + answer (`max_model_len`).
+    pub max_len: usize,
+    pub max_prefill_tokens: usize,
+    pub prefill_chunk_tokens: Option<usize>,
+}
+
 impl Qwen3OmniThinker {
     pub fn new(
         model: Arc<Qwen3Omni>,
         tokenizer: Arc<ChatTokenizer>,
         defaults: SamplingParams,
-        max_num_seqs: usize,
-        max_len: usize,
-        max_prefill_tokens: usize,
+        limits: ThinkerLimits,
         cuda_graphs: bool,
     ) -> Result<Self> {
+        let ThinkerLimits {
+            max_num_seqs,
+            max_len,
+            max_prefill_tokens,
+            prefill_chunk_tokens,
+        } = limits;
         // The tokenizer and the checkpoint must agree on the audio placeholder.
         let want = model.config().thinker.audio_token_id;
         match tokenizer.token_to_id("<|audio_pad|>") {
@@ -152,6 +187,8 @@ impl Qwen3OmniThinker {
             max_num_seqs,
             max_len,
             max_prefill_tokens: max_prefill_tokens.max(1),
+            prefill_chunk: prefill_chunk_tokens.map(|c| c.max(1)),
+            chunking: None,
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -262,6 +299,75 @@ impl Qwen3OmniThinker {
             results.push((*id, logits, states));
         }
         Ok(results)
+    }
+
+    /// The next chunk of the long prompt being prefilled (its spoken turn
+    /// heard with the first). After the last chunk the request moves into a
+    /// free KV slot and its first logits and prompt states come back.
+    fn prefill_chunk(&mut self) -> Result<Option<Row>> {
+        let Some(mut c) = self.chunking.take() else {
+            return Ok(None);
+        };
+        let thinker = self.model.thinker()?;
+        let Some(seq) = self.seqs.get(&c.id) else {
+            return Ok(None);
+        };
+        if c.done == 0 {
+            if let Some(pcm) = &seq.audio {
+                c.audio = Some(self.model.hear_all(&[pcm])?.0);
+            }
+        }
+        let end = (c.done + self.prefill_chunk.unwrap_or(usize::MAX)).min(seq.prompt.len());
+        let part = &seq.prompt[c.done..end];
+        let pad = self.model.config().thinker.audio_token_id;
+        let n_audio = part.iter().filter(|&&t| t == pad).count();
+        let audio_part = match &c.audio {
+            Some(a) if n_audio > 0 => Some(a.narrow(0, c.audio_used, n_audio)?),
+            _ => None,
+        };
+        let audio = audio_part.as_ref().map(|embeds| AudioEmbeds {
+            embeds,
+            feature_lengths: &[],
+        });
+        let input = Tensor::from_vec(part.to_vec(), (1, part.len()), thinker.device())?;
+        let accept = self.model.config().talker.accept_hidden_layer;
+        let hidden: &[usize] = if seq.speak { &[0, accept] } else { &[] };
+        let out = match c.done {
+            0 => thinker.prefill_last(&input, None, audio, &mut c.cache, hidden)?,
+            _ => thinker.extend_last(&input, audio, &mut c.cache, hidden)?,
+        };
+        c.done = end;
+        c.audio_used += n_audio;
+        if seq.speak {
+            c.embeds.push(out.hidden_states[0].i(0)?);
+            c.hidden.push(out.hidden_states[1].i(0)?);
+        }
+        if end < seq.prompt.len() {
+            self.chunking = Some(c);
+            return Ok(None);
+        }
+        let states = match seq.speak {
+            true => ThinkerStates {
+                prompt: Some(Arc::new(PromptStates {
+                    ids: seq.prompt.clone(),
+                    embeds: Tensor::cat(&c.embeds, 0)?,
+                    hidden: Tensor::cat(&c.hidden, 0)?,
+                })),
+                embeds: None,
+            },
+            false => ThinkerStates::default(),
+        };
+        let pick = self
+            .picks(&[c.id], &out.logits.squeeze(1)?)?
+            .pop()
+            .ok_or_else(|| ModelError::Invalid("the prompt's pick went missing".into()))?;
+        let slot = self.running.len();
+        let (len, pos) = thinker.load_slot(&self.slots, slot, &c.cache, 0)?;
+        if let Some(seq) = self.seqs.get_mut(&c.id) {
+            seq.decode = Some((len, pos));
+        }
+        self.running.push(c.id);
+        Ok(Some((c.id, pick, states)))
     }
 
     /// One decode step of the whole running batch: each request's last token fed back.
@@ -492,6 +598,9 @@ impl Qwen3OmniThinker {
                 self.waiting.pop_front();
                 continue;
             };
+            if self.is_long(seq) {
+                break; // prefilled alone, a chunk a step
+            }
             let l = longest.max(seq.prompt.len());
             if !group.is_empty() && l * (group.len() + 1) > self.max_prefill_tokens {
                 break;
@@ -501,6 +610,40 @@ impl Qwen3OmniThinker {
             self.waiting.pop_front();
         }
         group
+    }
+
+    /// A prompt prefilled in chunks.
+    fn is_long(&self, seq: &Seq) -> bool {
+        self.prefill_chunk.is_some_and(|c| seq.prompt.len() > c)
+    }
+
+    /// The long prompt to prefill next, a chunk a step: the one under way,
+    /// else the oldest waiting when it is long and a KV slot is free.
+    fn chunk_next(&mut self) -> bool {
+        if self.chunking.is_some() {
+            return true;
+        }
+        let Some(&id) = self.waiting.front() else {
+            return false;
+        };
+        let long = self.seqs.get(&id).is_some_and(|q| self.is_long(q));
+        if !long || self.running.len() >= self.max_num_seqs {
+            return false;
+        }
+        let Ok(thinker) = self.model.thinker() else {
+            return false;
+        };
+        self.waiting.pop_front();
+        self.chunking = Some(Chunking {
+            id,
+            cache: thinker.new_cache(),
+            done: 0,
+            audio: None,
+            audio_used: 0,
+            embeds: Vec::new(),
+            hidden: Vec::new(),
+        });
+        true
     }
 
     /// Samples and sends each row's token; finished and failed requests leave.
@@ -608,7 +751,25 @@ impl StageModel for Qwen3OmniThinker {
                 }
             }
         }
-        // Then prefill what fits in the free slots and the prefill budget.
+        // Then a long prompt's next chunk, or what fits of the waiting
+        // prompts in the free slots and the prefill budget.
+        if self.chunk_next() {
+            let id = self.chunking.as_ref().map(|c| c.id);
+            out.batch += 1;
+            match self.prefill_chunk() {
+                Ok(Some(row)) => self.finish_rows(vec![row], out),
+                Ok(None) => {}
+                Err(e) => {
+                    self.chunking = None;
+                    if let Some(id) = id {
+                        self.running.retain(|r| *r != id);
+                        self.seqs.remove(&id);
+                        out.failed.push((id, ModelError::Invalid(e.to_string())));
+                    }
+                }
+            }
+            return;
+        }
         let group = self.next_prefill_group();
         if group.is_empty() {
             return;
@@ -627,6 +788,9 @@ impl StageModel for Qwen3OmniThinker {
     }
 
     fn remove(&mut self, id: RequestId) {
+        if self.chunking.as_ref().is_some_and(|c| c.id == id) {
+            self.chunking = None;
+        }
         self.seqs.remove(&id);
         self.waiting.retain(|w| *w != id);
         self.leave(id);

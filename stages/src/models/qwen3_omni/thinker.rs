@@ -373,6 +373,31 @@ impl Thinker {
         cache: &mut ThinkerCache,
         hidden: &[usize],
     ) -> Result<ThinkerOutput> {
+        self.extend(input_ids, None, cache, hidden, false)
+    }
+
+    /// Appends the next part `(b, s)` of a prompt after a [`Self::prefill`] of
+    /// its start (chunked prefill): `audio` holds the embeddings of this
+    /// part's audio placeholders, in order. Logits for the last position only,
+    /// as [`Self::prefill_last`].
+    pub fn extend_last(
+        &self,
+        input_ids: &Tensor,
+        audio: Option<AudioEmbeds>,
+        cache: &mut ThinkerCache,
+        hidden: &[usize],
+    ) -> Result<ThinkerOutput> {
+        self.extend(input_ids, audio, cache, hidden, true)
+    }
+
+    fn extend(
+        &self,
+        input_ids: &Tensor,
+        audio: Option<AudioEmbeds>,
+        cache: &mut ThinkerCache,
+        hidden: &[usize],
+        last_only: bool,
+    ) -> Result<ThinkerOutput> {
         let (b, s) = input_ids.dims2()?;
         if cache.next_pos.len() != b {
             candle_core::bail!(
@@ -380,7 +405,7 @@ impl Thinker {
                 cache.next_pos.len()
             );
         }
-        let embeds = self.embed_tokens(input_ids)?;
+        let embeds = self.embed_prompt(input_ids, audio)?;
         let pos: Vec<Vec<i64>> = cache
             .next_pos
             .iter()
@@ -390,7 +415,7 @@ impl Thinker {
             row.extend(std::iter::repeat_n(1u8, s));
             *n += s as i64;
         }
-        self.forward_embeds(&embeds, &pos, cache, hidden, false)
+        self.forward_embeds(&embeds, &pos, cache, hidden, last_only)
     }
 
     /// The decoder over `embeds` `(b, s, hidden)` at per-row positions `pos` (the same on

@@ -744,6 +744,12 @@ impl Conversation {
                     .as_mut()
                     .filter(|p| p.response_id == response_id)
                 {
+                    if p.playback.interrupted() {
+                        // Cut off: what its stages made before the cancel
+                        // reached them is never played (after the player
+                        // was cleared, it would start the answer again).
+                        return;
+                    }
                     p.playback.sent_until(until_s, now);
                 }
                 self.emit(Output::AnswerAudio { answer, bytes });

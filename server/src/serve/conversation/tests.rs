@@ -283,6 +283,18 @@ fn barge_in_cancels_clears_and_keeps_what_was_heard() {
         matches!(&w[..], [Work::ClearPlayer, Work::Cancel { response_id }] if *response_id == id),
         "{w:?}"
     );
+    // Audio its stages made before the cancel reached them is not played
+    // after the clear (it would start the answer over).
+    c.handle(
+        Input::AnswerAudio {
+            response_id: id.clone(),
+            bytes: vec![0; 4],
+            until_s: 3.2,
+        },
+        t1,
+    );
+    let o = outputs(&mut c);
+    assert!(o.is_empty(), "{o:?}");
     // The answer ends, cancelled: 1.6 s heard = 16 chars, cut at a word.
     end(&mut c, &id, End::Cancelled, t1);
     let o = outputs(&mut c);

@@ -76,6 +76,9 @@
 #              as many requests a level; then scripts/cuda/scaling.py: per count
 #              the load where p90 TTFP stays within 500 ms, audio-s/s, req/s and
 #              the share of linear scaling
+#   replicas-1p the same with one `omnistream serve` for all the GPUs: a copy of
+#              deploy/qwen3-omni-8gpu.yaml with N replicas of every stage on
+#              cuda:0..N-1 (a request stays on its Thinker's GPU), one URL
 #   serve      what a user sees: one `omnistream serve` (deploy/qwen3-omni-h200.yaml,
 #              server VAD on; carry models/silero-vad) driven by `omnistream bench`
 #              over loopback, one run after another against the same server:
@@ -271,6 +274,39 @@ if has replicas; then
   done
   step "replicas: scaling"
   python3 scripts/cuda/scaling.py "$OUT"/json/replicas-n*/bench.json
+fi
+if has replicas-1p; then
+  ngpu=$(nvidia-smi -L | wc -l)
+  reports=()
+  for n in ${REPLICA_GPUS:-1 2 4 8}; do
+    [ "$n" -le "$ngpu" ] || { echo "replicas-1p: $n GPUs asked, the host has $ngpu"; continue; }
+    step "replicas-1p: $n GPUs"
+    # Beside the profile: its paths are relative to its folder.
+    p=deploy/.qwen3-omni-${n}gpu.yaml
+    devs=$(seq -s ', ' -f 'cuda:%g' 0 $((n - 1)))
+    sed -E "s/replicas: 8/replicas: $n/; s/devices: \[[^]]*\]/devices: [$devs]/" deploy/qwen3-omni-8gpu.yaml >"$p"
+    grep -c "replicas: $n" "$p"
+    cuda-bin/omnistream serve --profile "$p" --port 8100 >"$OUT/replicas-1p-$n.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 600); do
+      grep -q "omnistream listening" "$OUT/replicas-1p-$n.log" && break
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 1
+    done
+    grep -E "listening|rror" "$OUT/replicas-1p-$n.log" | tail -2
+    for c in ${REPLICA_C:-8 16 32 48 64}; do
+      name="replicas1p-n$n-c$c"
+      timeout "${REPLICA_S:-240}" cuda-bin/omnistream bench --url http://127.0.0.1:8100 --voice ethan \
+        --no-plots --out "$OUT/json/$name" --endpoint chat --input-len 100 --output-len 200 \
+        --concurrency $((c * n)) --num-prompts $((2 * c * n)) --warmup 1 2>&1 | grep -v '^\s*$' | tail -3
+      sed -n '/^| load/,/^$/p' "$OUT/json/$name/bench.md"
+      reports+=("$n:$OUT/json/$name/bench.json")
+    done
+    kill "$pid"; wait "$pid" 2>/dev/null
+    rm -f "$p"
+  done
+  step "replicas-1p: scaling"
+  python3 scripts/cuda/scaling.py "${reports[@]}"
 fi
 if has reference; then
   step reference

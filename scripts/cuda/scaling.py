@@ -1,10 +1,12 @@
 """The scaling curve of whole-pipeline replicas from `omnistream bench`
 reports (bench.json, any number): the servers a run drove (its `--url` list)
-are its GPUs. Per GPU count, the highest load whose p90 TTFP stays within
+are its GPUs, unless the report is given as N:PATH (N GPUs behind one
+server, deploy/qwen3-omni-8gpu.yaml's replicas). Per GPU count, the highest load whose p90 TTFP stays within
 --ttfp-ms, its audio-s/s and req/s, per GPU, and the share of linear scaling
 from the smallest count. Prints a markdown table.
 
     python3 scripts/cuda/scaling.py bench-out/*/bench.json [--ttfp-ms 500]
+    python3 scripts/cuda/scaling.py 1:one/bench.json 2:two/bench.json
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import sys
 
 def levels(paths):
     """(servers, level) of every level of every run."""
-    for p in paths:
+    for arg in paths:
+        gpus, sep, p = arg.partition(":")
+        if not (sep and gpus.isdigit()):
+            gpus, p = None, arg
         with open(p) as f:
             report = json.load(f)
         for run in report["runs"]:
-            n = len([u for u in run["url"].split(",") if u])
+            n = int(gpus) if gpus else len([u for u in run["url"].split(",") if u])
             for lv in run["levels"]:
                 yield n, lv
 

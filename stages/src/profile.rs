@@ -1048,6 +1048,27 @@ connectors:
     }
 
     #[test]
+    fn the_8gpu_profile_puts_a_whole_pipeline_on_every_gpu() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/qwen3-omni-8gpu.yaml");
+        let text = std::fs::read_to_string(&path).unwrap();
+        // (A build without CUDA refuses cuda devices: parsed with cpu ones.)
+        let cpu = (0..8).fold(text.clone(), |t, i| t.replace(&format!("cuda:{i}"), "cpu"));
+        let p = Profile::parse(&cpu, &path).unwrap_or_else(|e| panic!("{e}"));
+        for s in &p.stages {
+            assert_eq!((s.replicas, s.devices.len()), (8, 8), "{}", s.name);
+            assert_eq!(s.placement, Placement::Local, "{}", s.name);
+        }
+        let gpus = format!(
+            "devices: [{}]",
+            (0..8)
+                .map(|i| format!("cuda:{i}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        assert_eq!(text.matches(&gpus).count(), 3, "each stage on every GPU");
+    }
+
+    #[test]
     fn the_shipped_qwen3_omni_profiles_parse() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
         // The tiny one points at the committed fixture checkpoint.

@@ -127,10 +127,15 @@ impl StageModel for CharTalker {
 #[derive(Default)]
 struct SlowDecoder {
     reqs: HashMap<RequestId, (Arc<RequestCtx>, usize, bool, u64)>,
+    /// Where set: each admitted request's route.
+    routes: Option<Arc<std::sync::Mutex<Vec<Vec<u64>>>>>,
 }
 
 impl StageModel for SlowDecoder {
     fn admit(&mut self, ctx: Arc<RequestCtx>) -> Result<()> {
+        if let Some(r) = &self.routes {
+            r.lock().unwrap().push(ctx.route.clone());
+        }
         self.reqs.insert(ctx.id, (ctx, 0, false, 0));
         Ok(())
     }
@@ -400,6 +405,7 @@ fn replicas_share_requests_and_keep_each_on_its_own() {
     let two = |m: fn() -> Box<dyn StageModel>| StagePlacement::Local {
         replicas: vec![m(), m()],
         input_capacity: 4,
+        devices: Vec::new(),
     };
     let p = Pipeline::start(
         vec![
@@ -444,4 +450,73 @@ fn replicas_share_requests_and_keep_each_on_its_own() {
         let total = s.stages.iter().find(|t| t.name == stage).unwrap();
         assert_eq!(total.finished, 12, "the stage's sum over its replicas");
     }
+}
+
+/// Whole pipelines replicated, a GPU each, in one process: a request's
+/// Talker and Code2Wav are the replicas on its Thinker's device (listed in
+/// another order on each stage), and the Thinkers share the load.
+#[test]
+fn each_request_stays_on_its_thinkers_device() {
+    let devices = |d: &[&str]| d.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let routes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let decoder = || -> Box<dyn StageModel> {
+        Box::new(SlowDecoder {
+            reqs: HashMap::new(),
+            routes: Some(routes.clone()),
+        })
+    };
+    let thinker = || -> Box<dyn StageModel> {
+        Box::new(WordThinker {
+            max: 8,
+            reqs: HashMap::new(),
+        })
+    };
+    let p = Pipeline::start(
+        vec![
+            StageDef {
+                name: "thinker".into(),
+                role: StageRole::Thinker,
+                placement: StagePlacement::Local {
+                    replicas: vec![thinker(), thinker()],
+                    input_capacity: 64,
+                    devices: devices(&["cuda:0", "cuda:1"]),
+                },
+            },
+            StageDef {
+                name: "talker".into(),
+                role: StageRole::Talker,
+                placement: StagePlacement::Local {
+                    replicas: vec![Box::<CharTalker>::default(), Box::<CharTalker>::default()],
+                    input_capacity: 4,
+                    devices: devices(&["cuda:1", "cuda:0"]),
+                },
+            },
+            StageDef {
+                name: "code2wav".into(),
+                role: StageRole::Code2Wav,
+                placement: StagePlacement::Local {
+                    replicas: vec![decoder(), decoder()],
+                    input_capacity: 4,
+                    devices: devices(&["cuda:0", "cuda:1"]),
+                },
+            },
+        ],
+        Some(100),
+    )
+    .unwrap();
+    let prompts: Vec<String> = (0..12)
+        .map(|i| vec![format!("q{i}"); 1 + i % 5].join(" "))
+        .collect();
+    let handles = submit_all_and_check(&p, &prompts);
+    drop(handles);
+    wait_idle(&p);
+    let routes = routes.lock().unwrap().clone();
+    assert_eq!(routes.len(), 12);
+    for r in &routes {
+        // Thinker replica i is on cuda:i; the Talker's on cuda:i is 1 - i.
+        assert_eq!(r[1], 1 - r[0], "route {r:?}");
+        assert_eq!(r[2], r[0], "route {r:?}");
+    }
+    let on_gpu0 = routes.iter().filter(|r| r[0] == 0).count();
+    assert!((3..=9).contains(&on_gpu0), "{on_gpu0} of 12 on cuda:0");
 }

@@ -41,6 +41,9 @@ pub enum StagePlacement {
     Local {
         replicas: Vec<Box<dyn StageModel>>,
         input_capacity: usize,
+        /// Each replica's device (`cuda:1`), for the route's affinity; empty
+        /// where it does not matter (one device, tests).
+        devices: Vec<String>,
     },
     /// Elsewhere (the NATS connector's stage processes).
     Remote(Arc<dyn StageInput>),
@@ -60,6 +63,7 @@ impl StageDef {
             placement: StagePlacement::Local {
                 replicas: vec![model],
                 input_capacity,
+                devices: Vec::new(),
             },
         }
     }
@@ -196,6 +200,7 @@ impl Pipeline {
                 StagePlacement::Local {
                     replicas,
                     input_capacity,
+                    devices,
                 } => {
                     let mut ports = Vec::new();
                     let mut workers = Vec::new();
@@ -208,7 +213,7 @@ impl Pipeline {
                         });
                         workers.push((model, rx, counters));
                     }
-                    inputs.push(Arc::new(LocalReplicas::new(s.name, ports)));
+                    inputs.push(Arc::new(LocalReplicas::new(s.name, ports, devices)));
                     pending.push(workers);
                 }
                 StagePlacement::Remote(input) => {
@@ -433,11 +438,17 @@ impl Pipeline {
                 }
             }
         };
-        // Each stage of the route picks its replica now, the least loaded; the
+        // Each stage of the route picks its replica now, the least loaded
+        // (of those on the previous stage's device, where it has some: whole
+        // pipelines replicated a GPU each keep a request on one GPU); the
         // request stays on it for its whole life.
         let mut route = vec![0; self.inputs.len()];
-        for (i, slot) in route.iter_mut().enumerate().take(last + 1).skip(first) {
-            *slot = self.inputs[i].pick()?;
+        for i in first..=last {
+            let near = match i > first {
+                true => self.inputs[i - 1].device_of(route[i - 1]),
+                false => None,
+            };
+            route[i] = self.inputs[i].pick_near(near.as_deref())?;
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (etx, erx) = flume::bounded(self.event_capacity);

@@ -20,6 +20,17 @@ pub type ReplicaId = u64;
 pub trait StageInput: Send + Sync {
     /// The replica a new request goes to: the least loaded live one.
     fn pick(&self) -> Result<ReplicaId, EngineError>;
+    /// [`Self::pick`] among the replicas on `device` (the request's previous
+    /// stage's), where this stage has some in this process.
+    fn pick_near(&self, device: Option<&str>) -> Result<ReplicaId, EngineError> {
+        let _ = device;
+        self.pick()
+    }
+    /// The device replica `replica` runs on, where this process knows it.
+    fn device_of(&self, replica: ReplicaId) -> Option<String> {
+        let _ = replica;
+        None
+    }
     /// Sends to one replica; blocks while its connector is full (backpressure).
     /// `Closed` when that replica is gone.
     fn send(&self, replica: ReplicaId, env: Envelope) -> Result<(), Closed>;
@@ -41,6 +52,27 @@ pub(crate) fn least_loaded(loads: &[usize], start: usize) -> Option<usize> {
     (0..n).map(|k| (start + k) % n).min_by_key(|&i| loads[i])
 }
 
+/// [`least_loaded`] among the replicas on `device` (`devices[i]` is replica
+/// i's) when any is there, else among all.
+pub(crate) fn least_loaded_near(
+    loads: &[usize],
+    devices: &[String],
+    device: Option<&str>,
+    start: usize,
+) -> Option<usize> {
+    let near: Vec<usize> = match device {
+        Some(d) => (0..loads.len())
+            .filter(|&i| devices.get(i).is_some_and(|x| x == d))
+            .collect(),
+        None => Vec::new(),
+    };
+    if near.is_empty() {
+        return least_loaded(loads, start);
+    }
+    let sub: Vec<usize> = near.iter().map(|&i| loads[i]).collect();
+    least_loaded(&sub, start).map(|k| near[k])
+}
+
 /// One local replica: its input connector and the counters its worker keeps.
 pub(crate) struct LocalReplica {
     pub tx: Box<dyn ConnectorTx<Envelope>>,
@@ -51,14 +83,17 @@ pub(crate) struct LocalReplica {
 pub(crate) struct LocalReplicas {
     pub name: String,
     pub replicas: Vec<LocalReplica>,
+    /// Each replica's device (empty: not known).
+    devices: Vec<String>,
     next: AtomicUsize,
 }
 
 impl LocalReplicas {
-    pub fn new(name: String, replicas: Vec<LocalReplica>) -> Self {
+    pub fn new(name: String, replicas: Vec<LocalReplica>, devices: Vec<String>) -> Self {
         Self {
             name,
             replicas,
+            devices,
             next: AtomicUsize::new(0),
         }
     }
@@ -66,6 +101,10 @@ impl LocalReplicas {
 
 impl StageInput for LocalReplicas {
     fn pick(&self) -> Result<ReplicaId, EngineError> {
+        self.pick_near(None)
+    }
+
+    fn pick_near(&self, device: Option<&str>) -> Result<ReplicaId, EngineError> {
         // Load = requests the worker holds + payloads waiting for it. The queue
         // is read live, so requests submitted back to back see each other.
         let loads: Vec<usize> = self
@@ -74,9 +113,13 @@ impl StageInput for LocalReplicas {
             .map(|r| r.counters.active.load(Ordering::Relaxed) + r.tx.len())
             .collect();
         let start = self.next.fetch_add(1, Ordering::Relaxed);
-        least_loaded(&loads, start)
+        least_loaded_near(&loads, &self.devices, device, start)
             .map(|i| i as ReplicaId)
             .ok_or_else(|| EngineError::Unavailable(format!("stage {} has no replica", self.name)))
+    }
+
+    fn device_of(&self, replica: ReplicaId) -> Option<String> {
+        self.devices.get(replica as usize).cloned()
     }
 
     fn send(&self, replica: ReplicaId, env: Envelope) -> Result<(), Closed> {
@@ -104,6 +147,39 @@ mod tests {
         assert_eq!(least_loaded(&[0, 0, 0], 0), Some(0));
         assert_eq!(least_loaded(&[0, 0, 0], 1), Some(1));
         assert_eq!(least_loaded(&[0, 0, 0], 5), Some(2));
+    }
+
+    #[test]
+    fn a_replica_on_the_previous_stages_device_goes_first() {
+        let devs: Vec<String> = ["cuda:0", "cuda:1", "cuda:1", "cuda:2"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        // On cuda:1: the less loaded of its two, though cuda:0's is idle.
+        assert_eq!(
+            least_loaded_near(&[0, 5, 3, 0], &devs, Some("cuda:1"), 0),
+            Some(2)
+        );
+        // Ties on the device go round.
+        assert_eq!(
+            least_loaded_near(&[0, 1, 1, 0], &devs, Some("cuda:1"), 1),
+            Some(2)
+        );
+        assert_eq!(
+            least_loaded_near(&[0, 1, 1, 0], &devs, Some("cuda:1"), 2),
+            Some(1)
+        );
+        // None there (vLLM-Omni's layout: the Thinker alone on cuda:3), or
+        // no device known: the least loaded of all.
+        assert_eq!(
+            least_loaded_near(&[4, 5, 3, 1], &devs, Some("cuda:3"), 0),
+            Some(3)
+        );
+        assert_eq!(least_loaded_near(&[4, 5, 3, 1], &devs, None, 0), Some(3));
+        assert_eq!(
+            least_loaded_near(&[4, 5, 3, 1], &[], Some("cuda:1"), 0),
+            Some(3)
+        );
         assert_eq!(least_loaded(&[1, 0, 0], 0), Some(1));
     }
 }

@@ -316,6 +316,13 @@ pub fn build_pipeline_placed(
                 StagePlacement::Local {
                     replicas,
                     input_capacity: input_capacity(profile, i),
+                    // `cuda` is `cuda:0`: one name a GPU, for the route's affinity.
+                    devices: (0..s.replicas)
+                        .map(|r| match s.device_of(r) {
+                            "cuda" => "cuda:0".to_string(),
+                            d => d.to_string(),
+                        })
+                        .collect(),
                 }
             }
         };

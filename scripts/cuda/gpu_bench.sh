@@ -242,6 +242,25 @@ if has layout3-dry; then
     --input-len 100 --output-len 200
   rm -f "${dry[@]}"
 fi
+# Waits until the server logging to LOG (pid PID) listens, exits, or SECONDS
+# pass; prints its last lines about it.
+wait_listening() {
+  local log=$1 pid=$2 secs=${3:-300}
+  for _ in $(seq 1 "$secs"); do
+    grep -q "omnistream listening" "$log" && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 1
+  done
+  grep -E "listening|rror" "$log" | tail -3
+}
+# One level of a replicas sweep: NAME, URL(S), requests in flight a GPU, GPUs.
+replica_level() {
+  local name=$1 url=$2 c=$3 n=$4
+  timeout "${REPLICA_S:-240}" cuda-bin/omnistream bench --url "$url" --voice ethan --no-plots \
+    --out "$OUT/json/$name" --endpoint chat --input-len 100 --output-len 200 \
+    --concurrency $((c * n)) --num-prompts $((2 * c * n)) --warmup 1 2>&1 | grep -v '^\s*$' | tail -3
+  sed -n '/^| load/,/^$/p' "$OUT/json/$name/bench.md"
+}
 if has replicas; then
   ngpu=$(nvidia-smi -L | wc -l)
   for n in ${REPLICA_GPUS:-1 2 4 8}; do
@@ -255,20 +274,11 @@ if has replicas; then
       pids+=($!) urls+=("http://127.0.0.1:$port")
     done
     for ((i = 0; i < n; i++)); do
-      for _ in $(seq 1 300); do
-        grep -q "omnistream listening" "$OUT/replicas-$n-$i.log" && break
-        kill -0 "${pids[$i]}" 2>/dev/null || break
-        sleep 1
-      done
-      grep -E "listening|rror" "$OUT/replicas-$n-$i.log" | tail -2
+      wait_listening "$OUT/replicas-$n-$i.log" "${pids[$i]}"
     done
     url=$(IFS=,; echo "${urls[*]}")
     for c in ${REPLICA_C:-8 16 32 48 64}; do
-      name="replicas-n$n-c$c"
-      timeout "${REPLICA_S:-240}" cuda-bin/omnistream bench --url "$url" --voice ethan --no-plots \
-        --out "$OUT/json/$name" --endpoint chat --input-len 100 --output-len 200 \
-        --concurrency $((c * n)) --num-prompts $((2 * c * n)) --warmup 1 2>&1 | grep -v '^\s*$' | tail -3
-      sed -n '/^| load/,/^$/p' "$OUT/json/$name/bench.md"
+      replica_level "replicas-n$n-c$c" "$url" "$c" "$n"
     done
     kill "${pids[@]}"; wait "${pids[@]}" 2>/dev/null
   done
@@ -288,19 +298,10 @@ if has replicas-1p; then
     grep -c "replicas: $n" "$p"
     cuda-bin/omnistream serve --profile "$p" --port 8100 >"$OUT/replicas-1p-$n.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 600); do
-      grep -q "omnistream listening" "$OUT/replicas-1p-$n.log" && break
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 1
-    done
-    grep -E "listening|rror" "$OUT/replicas-1p-$n.log" | tail -2
+    wait_listening "$OUT/replicas-1p-$n.log" "$pid" 600
     for c in ${REPLICA_C:-8 16 32 48 64}; do
-      name="replicas1p-n$n-c$c"
-      timeout "${REPLICA_S:-240}" cuda-bin/omnistream bench --url http://127.0.0.1:8100 --voice ethan \
-        --no-plots --out "$OUT/json/$name" --endpoint chat --input-len 100 --output-len 200 \
-        --concurrency $((c * n)) --num-prompts $((2 * c * n)) --warmup 1 2>&1 | grep -v '^\s*$' | tail -3
-      sed -n '/^| load/,/^$/p' "$OUT/json/$name/bench.md"
-      reports+=("$n:$OUT/json/$name/bench.json")
+      replica_level "replicas1p-n$n-c$c" http://127.0.0.1:8100 "$c" "$n"
+      reports+=("$n:$OUT/json/replicas1p-n$n-c$c/bench.json")
     done
     kill "$pid"; wait "$pid" 2>/dev/null
     rm -f "$p"
@@ -318,12 +319,7 @@ if has serve; then
   cuda-bin/omnistream serve --profile "${SERVE_PROFILE:-deploy/qwen3-omni-h200.yaml}" --port $PORT > "$OUT/serve.log" 2>&1 &
   SERVER=$!
   # It prints this line once loaded, warmed up and listening.
-  for _ in $(seq 1 300); do
-    grep -q "omnistream listening" "$OUT/serve.log" && break
-    kill -0 "$SERVER" 2>/dev/null || break
-    sleep 1
-  done
-  grep -E "listening|rror" "$OUT/serve.log" | tail -3
+  wait_listening "$OUT/serve.log" "$SERVER"
   # One bench against the running server: NAME, then its arguments.
   sb() {
     local name=$1; shift

@@ -69,7 +69,7 @@ struct Case {
     speaker: String,
     messages: Vec<ChatMessage>,
     audio: Option<Vec<f32>>,
-    /// The reference's prompt length (audio placeholders expanded).
+    /// The reference's prompt length (one `<|audio_pad|>` per audio embedding).
     prompt_len: usize,
     tokens: Vec<u32>,
     wav: Vec<f32>,
@@ -224,7 +224,7 @@ fn streamed_pipeline_equals_the_reference_generate() {
 }
 
 /// Chunked prefill: prompts prefilled 7 tokens a step (the spoken turn's
-/// placeholders split across chunks), the running batch decoding between
+/// `<|audio_pad|>` tokens split across chunks), the running batch decoding between
 /// the chunks: every answer's text and audio still equal the reference's.
 #[test]
 fn prompts_prefilled_in_chunks_equal_the_reference() {
@@ -257,7 +257,7 @@ fn prompts_prefilled_in_chunks_equal_the_reference() {
     assert_eq!(got.text, tok.decode(&cases[0].tokens).unwrap());
     assert!(got.audio.is_empty());
     // The chunks were real: each prompt takes three or more (the spoken
-    // turn's 17 placeholders span several).
+    // turn's 17 `<|audio_pad|>` tokens span several).
     for c in &cases {
         assert!(c.prompt_len > 14, "a prompt of {} tokens", c.prompt_len);
     }

@@ -5,6 +5,7 @@
 //! cores change the timings they judge (first audio, the death bound) and the
 //! Qwen3-Omni Talker's pacing against its Thinker.
 
+use std::io::{BufRead, BufReader};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -368,6 +369,44 @@ fn two_replicas_share_concurrent_requests_without_cross_talk() {
     assert_idle(&gw);
 }
 
+/// `tests/python/delay_proxy.py` (run under `prefix`, e.g. `ip netns exec`)
+/// with its `args`, once it says it is ready; its output for what it says next.
+fn delay_proxy(prefix: &[&str], args: &[&str]) -> (Proc, BufReader<std::process::ChildStdout>) {
+    let (cmd, pre) = prefix
+        .split_first()
+        .map_or(("python3", &[][..]), |(c, rest)| (*c, rest));
+    let mut c = std::process::Command::new(cmd);
+    c.args(pre);
+    if !prefix.is_empty() {
+        c.arg("python3");
+    }
+    let mut p = c
+        .arg(omnistream_e2e::root().join("tests/python/delay_proxy.py"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("delay proxy");
+    let mut out = BufReader::new(p.stdout.take().expect("piped"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("the proxy's first line");
+    assert!(line.contains("ready"), "{line}");
+    (Proc(p), out)
+}
+
+/// Each of `failed` (a client's result and when it ended) is a clear
+/// `stage_unavailable`, within 3 s of `since` (`what` happened then).
+fn assert_failed_soon(failed: &[&(Result<Vec<u8>, String>, Instant)], since: Instant, what: &str) {
+    for (r, at) in failed {
+        let e = r.as_ref().unwrap_err();
+        assert!(e.contains("stage_unavailable"), "unclear error: {e}");
+        let after = at.duration_since(since);
+        assert!(
+            after <= Duration::from_secs(3),
+            "failed {after:?} after the {what}"
+        );
+    }
+}
+
 /// `kill -9` of one Code2Wav replica mid-answers: its requests end with
 /// `stage_unavailable` within the bound, the others complete, new requests
 /// succeed; a restarted replica takes work again; a NATS restart is survived.
@@ -412,15 +451,7 @@ fn a_dead_replica_fails_only_its_requests_and_the_system_recovers() {
         ok >= 1,
         "the other replica's requests failed too: {results:?}"
     );
-    for (r, at) in &failed {
-        let e = r.as_ref().unwrap_err();
-        assert!(e.contains("stage_unavailable"), "unclear error: {e}");
-        let after = at.duration_since(killed);
-        assert!(
-            after <= Duration::from_secs(3),
-            "failed {after:?} after the kill"
-        );
-    }
+    assert_failed_soon(&failed, killed, "kill");
     // New requests go to the replica that is left.
     speak(&gw.url, "The next request works.").expect("after the kill");
     assert_eq!(replica_counts(&gw, "code2wav", "alive").len(), 1);
@@ -517,20 +548,17 @@ fn a_stage_process_that_loses_its_connection_briefly_fails_what_it_held() {
     let nats = Nats::start();
     // The Talker reaches NATS through a proxy that can cut its connection.
     let port = omnistream_e2e::free_port();
-    let mut proxy = std::process::Command::new("python3")
-        .arg(omnistream_e2e::root().join("tests/python/delay_proxy.py"))
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .args(["--to", &format!("127.0.0.1:{}", nats.port)])
-        .args(["--delay-ms", "0"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("proxy");
-    let mut proxy_out = std::io::BufReader::new(proxy.stdout.take().unwrap());
-    let proxy = Proc(proxy);
-    let mut line = String::new();
-    use std::io::BufRead;
-    proxy_out.read_line(&mut line).unwrap();
-    assert!(line.contains("ready"), "{line}");
+    let (proxy, mut proxy_out) = delay_proxy(
+        &[],
+        &[
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--to",
+            &format!("127.0.0.1:{}", nats.port),
+            "--delay-ms",
+            "0",
+        ],
+    );
     let talker = spawn_stage(SPLIT, "talker", &format!("nats://127.0.0.1:{port}"), &[]);
     let _c2w = spawn_stage(SPLIT, "code2wav", &nats.url, &[]);
     let gw = spawn_server(&["--profile", SPLIT, "--nats", &nats.url]);
@@ -554,7 +582,7 @@ fn a_stage_process_that_loses_its_connection_briefly_fails_what_it_held() {
         .status()
         .expect("kill");
     assert!(sent.success());
-    line.clear();
+    let mut line = String::new();
     proxy_out.read_line(&mut line).unwrap();
     assert!(
         line.starts_with("cut ") && !line.starts_with("cut 0"),
@@ -566,15 +594,7 @@ fn a_stage_process_that_loses_its_connection_briefly_fails_what_it_held() {
         !failed.is_empty(),
         "no answer was held by the Talker: {results:?}"
     );
-    for (r, at) in &failed {
-        let e = r.as_ref().unwrap_err();
-        assert!(e.contains("stage_unavailable"), "unclear error: {e}");
-        let after = at.duration_since(cut);
-        assert!(
-            after <= Duration::from_secs(3),
-            "failed {after:?} after the cut"
-        );
-    }
+    assert_failed_soon(&failed, cut, "cut");
     // It was an outage, not a death: the Talker reconnected and works on.
     assert!(
         eventually(20, || speak(&gw.url, "The next request works.").is_ok()),
@@ -952,25 +972,22 @@ fn stages_on_another_host_over_a_delayed_link() {
     let mut proxies = Vec::new();
     let carried = |port: u16| dir.path().join(format!("carried-{port}"));
     for (port, delay) in [(14222, "20"), (14223, "0")] {
-        let mut p = std::process::Command::new(&on_gw[0])
-            .args(&on_gw[1..])
-            .arg("python3")
-            .arg(omnistream_e2e::root().join("tests/python/delay_proxy.py"))
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(["--to", &format!("{}:4222", hosts.stages_ip)])
-            .args(["--delay-ms", delay])
-            .arg("--stats")
-            .arg(carried(port))
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .expect("delay proxy");
-        let mut line = String::new();
-        use std::io::BufRead;
-        std::io::BufReader::new(p.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert!(line.contains("ready"), "{line}");
-        proxies.push(Proc(p));
+        let prefix: Vec<&str> = on_gw.iter().map(String::as_str).collect();
+        let stats = carried(port);
+        let (p, _) = delay_proxy(
+            &prefix,
+            &[
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--to",
+                &format!("{}:4222", hosts.stages_ip),
+                "--delay-ms",
+                delay,
+                "--stats",
+                &stats.to_string_lossy(),
+            ],
+        );
+        proxies.push(p);
     }
     let gw: Vec<&str> = on_gw.iter().map(String::as_str).collect();
     let far = omnistream_e2e::spawn_server_in(

@@ -247,7 +247,7 @@ impl Qwen3OmniThinker {
             seqs.iter().map(|q| q.prompt.len()).max().unwrap_or(0),
         );
         // The group's spoken turns, heard in one pass of the audio encoder;
-        // their embeddings come in row order, the order of the placeholders.
+        // their embeddings come in row order, the order of their `<|audio_pad|>` tokens.
         let pcms: Vec<&[f32]> = seqs.iter().filter_map(|q| q.audio.as_deref()).collect();
         let heard = match pcms.is_empty() {
             true => None,
@@ -314,7 +314,7 @@ impl Qwen3OmniThinker {
         };
         if c.done == 0 {
             if let Some(pcm) = &seq.audio {
-                c.audio = Some(self.model.hear_all(&[pcm])?.0);
+                c.audio = Some(self.model.hear(pcm)?.0);
             }
         }
         let end = (c.done + self.prefill_chunk.unwrap_or(usize::MAX)).min(seq.prompt.len());
@@ -760,9 +760,9 @@ impl StageModel for Qwen3OmniThinker {
                 Ok(Some(row)) => self.finish_rows(vec![row], out),
                 Ok(None) => {}
                 Err(e) => {
+                    // (It joins `running` only once nothing can fail.)
                     self.chunking = None;
                     if let Some(id) = id {
-                        self.running.retain(|r| *r != id);
                         self.seqs.remove(&id);
                         out.failed.push((id, ModelError::Invalid(e.to_string())));
                     }

@@ -378,7 +378,7 @@ impl Thinker {
 
     /// Appends the next part `(b, s)` of a prompt after a [`Self::prefill`] of
     /// its start (chunked prefill): `audio` holds the embeddings of this
-    /// part's audio placeholders, in order. Logits for the last position only,
+    /// part's `<|audio_pad|>` tokens, in order. Logits for the last position only,
     /// as [`Self::prefill_last`].
     pub fn extend_last(
         &self,

@@ -115,21 +115,55 @@ pub fn assert_wer_like_reference(
 /// Word errors (substitutions, insertions, deletions) of `hyp` against
 /// `reference`, and the reference's word count; both normalised as
 /// `tests/python/wer.py` does for text without numbers (lower case, no
-/// punctuation, American spelling, compounds written apart on one side
-/// joined).
+/// punctuation, contractions written out, American spelling, compounds
+/// written apart on one side joined).
 pub fn word_error_rate(reference: &str, hyp: &str) -> (usize, usize) {
     static SPELLING: std::sync::LazyLock<HashMap<String, String>> =
         std::sync::LazyLock::new(|| {
             serde_json::from_str(include_str!("python/spelling.json")).expect("spelling.json")
         });
+    // Contractions written out as wer.py does (they're -> they are): Whisper
+    // writes either for the same sound; 's and 'd are ambiguous and kept.
+    let expand = |w: &str| -> Vec<String> {
+        let w = w.trim_matches('\'');
+        let whole = match w {
+            "won't" => Some("will not"),
+            "can't" | "cannot" => Some("can not"),
+            "shan't" => Some("shall not"),
+            _ => None,
+        };
+        if let Some(whole) = whole {
+            return whole.split(' ').map(str::to_owned).collect();
+        }
+        for (suffix, word) in [
+            ("n't", "not"),
+            ("'re", "are"),
+            ("'ve", "have"),
+            ("'ll", "will"),
+            ("'m", "am"),
+        ] {
+            if let Some(stem) = w
+                .strip_suffix(suffix)
+                .filter(|s| s.ends_with(char::is_alphabetic))
+            {
+                return vec![stem.replace('\'', ""), word.to_owned()];
+            }
+        }
+        vec![w.replace('\'', "")]
+    };
     let words = |s: &str| -> Vec<String> {
         s.to_lowercase()
             .chars()
-            .filter(|c| !matches!(c, '\'' | '\u{2019}' | '`'))
-            .map(|c| if c.is_alphanumeric() { c } else { ' ' })
+            .map(|c| match c {
+                '\'' | '\u{2019}' | '`' => '\'',
+                c if c.is_alphanumeric() => c,
+                _ => ' ',
+            })
             .collect::<String>()
             .split_whitespace()
-            .map(|w| SPELLING.get(w).cloned().unwrap_or_else(|| w.to_owned()))
+            .flat_map(expand)
+            .filter(|w| !w.is_empty())
+            .map(|w| SPELLING.get(&w).cloned().unwrap_or(w))
             .collect()
     };
     // As wer.py's join_compounds.
@@ -761,5 +795,21 @@ mod tests {
             word_error_rate("tomatoes and carrots", "tomatoes in carrots"),
             (1, 3)
         );
+    }
+
+    #[test]
+    fn contractions_count_as_their_words() {
+        assert_eq!(
+            word_error_rate(
+                "They\u{2019}re sure we'll go; I'm not",
+                "they are sure we will go i am not"
+            ),
+            (0, 9)
+        );
+        assert_eq!(word_error_rate("won't, can't", "will not cannot"), (0, 4));
+        // A quote is no contraction, and 's stays one word.
+        assert_eq!(word_error_rate("'rest' it's", "rest its"), (0, 2));
+        // We're is not were.
+        assert_eq!(word_error_rate("we're here", "were here"), (2, 3));
     }
 }

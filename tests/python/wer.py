@@ -10,8 +10,9 @@ n-th ref goes with the n-th WAV. `pairs.json` is `[{"wav": ..., "ref": ...}]`
 
 Audio of any sample rate / channel count is decoded and resampled to 16 kHz
 mono by faster-whisper (PyAV). Text is normalised (lower case, no punctuation,
-numbers and clock times spelled out, American spelling, compounds written
-apart on one side joined) before a word-level Levenshtein distance.
+numbers and clock times spelled out, contractions written out, American
+spelling, compounds written apart on one side joined) before a word-level
+Levenshtein distance.
 
 Prints `{"items": [{"wav", "ref", "hyp", "wer"}], "wer": aggregate}` (the
 aggregate is total word errors / total reference words) and exits 0; exits 2 on
@@ -96,9 +97,23 @@ def join_compounds(words: list[str], other: list[str]) -> list[str]:
     return out
 
 
+# The same list as tests/lib.rs's word_error_rate.
+_CONTRACTIONS = [
+    (r"\bwon't\b", "will not"),
+    (r"\bcan't\b", "can not"),
+    (r"\bshan't\b", "shall not"),
+    (r"\bcannot\b", "can not"),
+    (r"(?<=[a-z])n't\b", " not"),
+    (r"(?<=[a-z])'re\b", " are"),
+    (r"(?<=[a-z])'ve\b", " have"),
+    (r"(?<=[a-z])'ll\b", " will"),
+    (r"(?<=[a-z])'m\b", " am"),
+]
+
+
 def normalize(text: str) -> list[str]:
     """Lower case, accents and punctuation removed, numbers and clock times as
-    words, American spelling; the words."""
+    words, contractions written out, American spelling; the words."""
     text = unicodedata.normalize("NFKD", text)
     text = "".join(c for c in text if not unicodedata.combining(c)).lower()
     text = text.replace("%", " percent ").replace("&", " and ")
@@ -108,8 +123,13 @@ def normalize(text: str) -> list[str]:
     text = re.sub(r"\$\s?(\d[\d,]*(?:\.\d+)?)", r"\1 dollars", text)  # $3.5 -> 3.5 dollars
     # 1,000 / 3.5 / 42 -> words (before punctuation goes).
     text = re.sub(r"\d+(?:,\d{3})*(?:\.\d+)?", _number_words, text)
-    # Apostrophes join (don't -> dont); other punctuation separates words.
-    text = re.sub(r"['\u2019`]", "", text)
+    # Contractions written out (they're -> they are): Whisper writes either for
+    # the same sound. Only the unambiguous ones ('s and 'd are not).
+    text = re.sub(r"[\u2019`]", "'", text)
+    for pattern, words in _CONTRACTIONS:
+        text = re.sub(pattern, words, text)
+    # Other apostrophes join (o'clock -> oclock); other punctuation separates words.
+    text = text.replace("'", "")
     text = re.sub(r"[^\w\s]|_", " ", text)
     return [SPELLING.get(w, w) for w in text.split()]
 

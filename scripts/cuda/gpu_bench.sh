@@ -83,7 +83,9 @@
 #              server VAD on; carry models/silero-vad) driven by `omnistream bench`
 #              over loopback, one run after another against the same server:
 #              SERVE_RUNS picks them (default all, in this order):
-#                chat       HTTP SSE chat, 100-word prompts, 200 tokens, audio:
+#                chat       HTTP SSE chat, 100-word prompts (CHAT_WORDS; the test
+#                           tokenizer makes 100 words about 400 tokens, 25 about
+#                           100), 200 tokens, audio:
 #                           c=1 (8 requests), 8 (32), 32 (64), 64 (128); CHAT_C
 #                           picks others ("8:32 32:64": concurrency:requests)
 #                text       text only, sampled at TEMP (default 1.0), c=32 (64)
@@ -330,7 +332,7 @@ if has serve; then
     grep -E '\| (TTFT|TTFP|audio RTF|turn end)' "$OUT/json/serve-$name/bench.md"
   }
   runs=" ${SERVE_RUNS:-chat text rt spoken long} "
-  CHAT=(--input-len 100 --output-len 200)
+  CHAT=(--input-len "${CHAT_WORDS:-100}" --output-len 200)
   if [[ $runs == *" chat "* ]]; then
     for c in ${CHAT_C:-1:8 8:32 32:64 64:128}; do
       sb "chat-c${c%:*}" --endpoint chat "${CHAT[@]}" --concurrency "${c%:*}" --num-prompts "${c#*:}"

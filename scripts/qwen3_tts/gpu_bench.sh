@@ -74,6 +74,9 @@ for v in $VARIANTS; do
       --num-prompts "${c#*:}" --warmup 2 --no-plots --out "$OUT/json/$name" 2>&1 | grep -v '^\s*$' | tail -3
     sed -n '/^| load/,/^$/p' "$OUT/json/$name/bench.md"
     grep -E '\| (TTFP|audio RTF)' "$OUT/json/$name/bench.md"
+    # Where a cloned voice's encode goes (summed since the server started).
+    python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" |
+      grep -E '^omnistream_voice_encode_seconds_(sum|count)'
   done
   kill "$SERVER"; wait "$SERVER"
   grep -iE "warn|error" "$OUT/serve-$v.log" | tail -5

@@ -41,7 +41,20 @@ def pcm(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
 
 
+def encodes() -> dict[str, int]:
+    """`omnistream_voice_encode_seconds_count` by part, from /metrics."""
+    import httpx
+
+    text = httpx.get(URL.rstrip("/") + "/metrics", timeout=30).text
+    prefix = "omnistream_voice_encode_seconds_count{part=\""
+    return {
+        line[len(prefix):].split('"')[0]: int(float(line.split()[-1]))
+        for line in text.splitlines() if line.startswith(prefix)
+    }
+
+
 def test_it_speaks_only_cloned_voices(client):
+    before = encodes()
     # No preset voice: a named one (OpenAI's too) is refused, as is none.
     for voice in ["alloy", "vivian"]:
         with pytest.raises(openai.BadRequestError) as e:
@@ -64,6 +77,10 @@ def test_it_speaks_only_cloned_voices(client):
     again = pcm(client.audio.speech.create(
         model="qwen3-tts", voice=voice.id, input=CASE["text"], response_format="pcm").content)
     assert again.shape == got.shape and float(np.abs(again - got).max()) < TOL
+    # Two clips encoded, each part timed once a clip; the one spoken by id was not encoded again.
+    after = encodes()
+    assert {p: after.get(p, 0) - before.get(p, 0) for p in ("wait", "speaker", "codes")} == {
+        "wait": 2, "speaker": 2, "codes": 2}, (before, after)
 
 
 def test_no_voice_at_all_is_refused(client):

@@ -26,6 +26,9 @@ pub struct Metrics {
     pub rtf: HistogramVec,
     /// Speech recognition of one user turn, end to end through the Listener.
     pub transcribe_seconds: HistogramVec,
+    /// A cloned voice's reference clip encoded, by `part`: `wait` (for a
+    /// blocking thread), `speaker` (the x-vector), `codes` (in-context).
+    pub voice_encode_seconds: HistogramVec,
     pub bytes_out: IntCounterVec,
     /// WebRTC frames of silence sent in the middle of an answer (generation
     /// slower than real time).
@@ -85,6 +88,14 @@ impl Metrics {
             "A user turn's audio handed to the Listener to its transcript",
             LATENCY_BUCKETS,
         )?;
+        let voice_encode_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "voice_encode_seconds",
+                "A reference clip to a cloned voice, by part: wait, speaker, codes",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["part"],
+        )?;
         let bytes_out = IntCounterVec::new(
             Opts::new("audio_bytes_out_total", "Audio bytes sent to clients"),
             &["endpoint"],
@@ -105,6 +116,7 @@ impl Metrics {
         registry.register(Box::new(ttfp.clone()))?;
         registry.register(Box::new(rtf.clone()))?;
         registry.register(Box::new(transcribe_seconds.clone()))?;
+        registry.register(Box::new(voice_encode_seconds.clone()))?;
         registry.register(Box::new(bytes_out.clone()))?;
         registry.register(Box::new(stage.clone()))?;
         let replica = GaugeVec::new(
@@ -158,6 +170,7 @@ impl Metrics {
             ttfp,
             rtf,
             transcribe_seconds,
+            voice_encode_seconds,
             bytes_out,
             webrtc_underrun_frames,
             slow_clients,

@@ -44,7 +44,14 @@ async fn cloned_voice(
         let transcript = voices::ref_text(encoder, transcript.map(str::to_string))?;
         let bytes = voices::ref_audio_bytes(clip)?;
         return Ok(Some(
-            voices::clone_clip(encoder, &bytes, "ref_audio", transcript).await?,
+            voices::clone_clip(
+                encoder,
+                &state.metrics.voice_encode_seconds,
+                &bytes,
+                "ref_audio",
+                transcript,
+            )
+            .await?,
         ));
     }
     let Some(id) = body.cloned_voice_id() else {

@@ -103,10 +103,11 @@ pub fn ref_text(
 /// A reference clip (WAV or Ogg Opus bytes) to a cloned voice: its speaker
 /// embedding, its length and, with its transcript (`ref_text`), its codes for
 /// in-context cloning. Checked for length and silence, resampled to the
-/// encoder's rate, encoded off the async threads. `param` names the field it
-/// came in.
+/// encoder's rate, encoded off the async threads, each part's time observed
+/// in `timings` (`voice_encode_seconds`). `param` names the field it came in.
 pub async fn clone_clip(
     encoder: &Arc<dyn VoiceEncoder>,
+    timings: &prometheus::HistogramVec,
     bytes: &[u8],
     param: &'static str,
     ref_text: Option<String>,
@@ -164,10 +165,20 @@ pub async fn clone_clip(
     };
     let enc = encoder.clone();
     let in_context = ref_text.is_some();
+    let timings = timings.clone();
+    let asked = std::time::Instant::now();
     let (embedding, codes) = tokio::task::spawn_blocking(move || {
+        let observe = |part: &str, since: std::time::Instant| {
+            timings
+                .with_label_values(&[part])
+                .observe(since.elapsed().as_secs_f64());
+            std::time::Instant::now()
+        };
+        let started = observe("wait", asked);
         let embedding = enc
             .embed(&pcm)
             .map_err(|e| format!("the speaker encoder failed: {e}"))?;
+        let embedded = observe("speaker", started);
         let codes = match in_context {
             true => Some(
                 enc.codes(&pcm)
@@ -175,6 +186,9 @@ pub async fn clone_clip(
             ),
             false => None,
         };
+        if in_context {
+            observe("codes", embedded);
+        }
         Ok::<_, String>((embedding, codes))
     })
     .await
@@ -278,7 +292,13 @@ async fn create(State(state): State<Arc<AppState>>, req: Request) -> Response {
             bad("audio_sample", "missing_file", "the `audio_sample` field is required")
         })?;
         let transcript = ref_text(encoder, transcript)?;
-        let clip = clone_clip(encoder, &sample, "audio_sample", transcript).await?;
+        let clip = clone_clip(
+            encoder,
+            &state.metrics.voice_encode_seconds,
+            &sample,
+            "audio_sample",
+            transcript,
+        ).await?;
         let voice = store
             .create(&owner, &name, consent.filter(|c| !c.is_empty()), clip)
             .map_err(store_error)?;

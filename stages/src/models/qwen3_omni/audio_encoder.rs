@@ -399,8 +399,8 @@ const HOP: usize = 160;
 /// rounding only.
 #[derive(Debug, Clone)]
 pub struct AudioFeatureExtractor {
-    /// `[N_FFT, 2 * n_bins]`: the Hann-windowed DFT basis, cos then -sin.
-    basis: Tensor,
+    /// The Hann-windowed FFT of N_FFT samples.
+    stft: stft::Stft,
     /// `[n_bins, n_mels]`.
     filters: Tensor,
 }
@@ -408,7 +408,7 @@ pub struct AudioFeatureExtractor {
 impl AudioFeatureExtractor {
     pub fn new(n_mels: usize) -> Result<Self> {
         Ok(Self {
-            basis: stft::dft_basis(N_FFT)?,
+            stft: stft::Stft::new(N_FFT),
             filters: stft::mel_basis(SAMPLE_RATE, N_FFT, n_mels)?,
         })
     }
@@ -430,7 +430,7 @@ impl AudioFeatureExtractor {
             );
         }
         let n_frames = pcm.len() / HOP;
-        let (re, im) = stft::spectrum(pcm, &self.basis, HOP, pad, n_frames)?;
+        let (re, im) = self.stft.spectrum(pcm, HOP, pad, n_frames)?;
         let power = (re.sqr()? + im.sqr()?)?;
         let mel = power
             .matmul(&self.filters)?

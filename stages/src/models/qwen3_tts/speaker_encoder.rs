@@ -22,8 +22,8 @@ const RATE: usize = 24_000;
 /// qwen-tts's `mel_spectrogram` for the speaker encoder: `(1, frames, n_mels)` f32.
 #[derive(Debug, Clone)]
 pub struct MelFrontEnd {
-    /// `[N_FFT, 2 * n_bins]`: the Hann-windowed DFT basis, cos then -sin.
-    basis: Tensor,
+    /// The Hann-windowed FFT of N_FFT samples.
+    stft: stft::Stft,
     /// `[n_bins, n_mels]`.
     filters: Tensor,
 }
@@ -31,7 +31,7 @@ pub struct MelFrontEnd {
 impl MelFrontEnd {
     pub fn new(n_mels: usize) -> Result<Self> {
         Ok(Self {
-            basis: stft::dft_basis(N_FFT)?,
+            stft: stft::Stft::new(N_FFT),
             filters: stft::mel_basis(RATE, N_FFT, n_mels)?,
         })
     }
@@ -56,7 +56,7 @@ impl MelFrontEnd {
                 pad + 1
             );
         }
-        let (re, im) = stft::spectrum(pcm, &self.basis, HOP, pad, Self::frames(pcm.len()))?;
+        let (re, im) = self.stft.spectrum(pcm, HOP, pad, Self::frames(pcm.len()))?;
         let mag = ((re.sqr()? + im.sqr()?)? + 1e-9)?.sqrt()?;
         mag.matmul(&self.filters)?
             .clamp(1e-5, f64::INFINITY)?

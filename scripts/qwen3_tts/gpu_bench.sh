@@ -10,6 +10,9 @@
 # target/refwheels (scripts/qwen3_tts/ref_wheels.sh). Then:
 #   OUT=$OUT VARIANTS="1.7b-customvoice 1.7b-base" bash scripts/qwen3_tts/gpu_bench.sh
 #
+# BIN (default cuda-bin/omnistream, or its .xz) picks the server binary, so two
+# builds can run side by side in one device call (each with its own OUT).
+#
 # Every request speaks exactly FRAMES codec frames (default 125: 10 s), so the
 # runs do equal work (random weights would end anywhere). Base variants clone a
 # voice in context in every request: a 5 s clip and its words sent as
@@ -23,8 +26,11 @@ LOADS=${LOADS:-1:8 64:128}
 mkdir -p "$OUT/json"
 exec > >(tee "$OUT/log.txt") 2>&1
 export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/tmp/cuda-cache} CUDA_CACHE_MAXSIZE=4294967296
-for f in cuda-bin/*.xz; do xz -dkf "$f"; done
-chmod +x cuda-bin/omnistream
+BIN=${BIN:-cuda-bin/omnistream}
+for f in cuda-bin/*.xz "$BIN.xz"; do [ -f "$f" ] && xz -dkf "$f"; done
+# Beside the binary: libopus.so.0 ($ORIGIN is on its rpath).
+[ -f "$(dirname "$BIN")/libopus.so.0" ] || cp cuda-bin/libopus.so.0 "$(dirname "$BIN")/"
+chmod +x "$BIN"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 step() { echo; echo "=== $* ($(date +%T))"; }
 
@@ -53,7 +59,7 @@ REF_TEXT="The reference clip's words."
 PORT=8094
 for v in $VARIANTS; do
   step "serve $v"
-  cuda-bin/omnistream serve --profile "deploy/qwen3_tts_released/$v.yaml" --port $PORT > "$OUT/serve-$v.log" 2>&1 &
+  "$BIN" serve --profile "deploy/qwen3_tts_released/$v.yaml" --port $PORT > "$OUT/serve-$v.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 300); do
     grep -q "omnistream listening" "$OUT/serve-$v.log" && break
@@ -69,7 +75,7 @@ for v in $VARIANTS; do
   for c in $LOADS; do
     name="$v-c${c%:*}"
     step "bench $name"
-    timeout "${SB_S:-200}" cuda-bin/omnistream bench --url "http://127.0.0.1:$PORT" --endpoint speech \
+    timeout "${SB_S:-200}" "$BIN" bench --url "http://127.0.0.1:$PORT" --endpoint speech \
       --input-len 30 --speech-frames "$FRAMES" "${ARGS[@]}" --concurrency "${c%:*}" \
       --num-prompts "${c#*:}" --warmup 2 --no-plots --out "$OUT/json/$name" 2>&1 | grep -v '^\s*$' | tail -3
     sed -n '/^| load/,/^$/p' "$OUT/json/$name/bench.md"

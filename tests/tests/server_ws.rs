@@ -410,6 +410,19 @@ async fn realtime_cancel_mid_answer_frees_every_stage() {
         next.done
     );
     assert!(!next.text.is_empty() && next.pcm.is_empty());
+    // ignore_eos (the extension benchmarks use, as on chat): exactly the limit.
+    ask(
+        &mut ws,
+        "Say yes.",
+        json!({"output_modalities": ["text"], "max_output_tokens": 24, "ignore_eos": true}),
+    )
+    .await;
+    let exact = read_response(&mut ws).await;
+    assert_eq!(
+        exact.done["response"]["usage"]["output_tokens"], 24,
+        "{:?}",
+        exact.done
+    );
     drop(ws);
     assert_idle(&server).await;
 }
@@ -781,6 +794,20 @@ async fn bad_input_gets_clear_errors() {
             "{e}"
         );
         assert!(e["error"]["type"].is_string(), "{e}");
+    }
+    // ignore_eos with no limit would never end: refused, naming it.
+    for (kind, field) in [
+        ("session.update", "session"),
+        ("response.create", "response"),
+    ] {
+        send(
+            &mut ws,
+            json!({"type": kind, field: {"max_output_tokens": "inf", "ignore_eos": true}}),
+        )
+        .await;
+        let e = expect_error(&mut ws).await;
+        assert_eq!(e["error"]["code"], "invalid_value", "{e}");
+        assert_eq!(e["error"]["param"], format!("{field}.ignore_eos"), "{e}");
     }
     // Still usable: valid audio is buffered, committed and heard: silence
     // holds no words (no made-up transcript).

@@ -282,6 +282,9 @@ impl Client {
         if let Some(n) = shape.max_tokens {
             response["max_output_tokens"] = json!(n);
         }
+        if shape.ignore_eos {
+            response["ignore_eos"] = json!(true);
+        }
         if let Some(t) = shape.temperature {
             response["temperature"] = json!(t);
         }
@@ -338,6 +341,9 @@ impl Client {
         });
         if let Some(n) = shape.max_tokens {
             session["max_output_tokens"] = json!(n);
+        }
+        if shape.ignore_eos {
+            session["ignore_eos"] = json!(true);
         }
         if let Some(t) = shape.temperature {
             session["temperature"] = json!(t);

@@ -125,6 +125,8 @@ pub struct Respond {
     /// `Some(None)`: no limit.
     pub max_tokens: Option<Option<usize>>,
     pub temperature: Option<f64>,
+    /// Every token up to `max_tokens` (benchmarks), where set.
+    pub ignore_eos: Option<bool>,
     /// Whether the answer joins the conversation.
     pub record: bool,
     /// A typed user turn that this answer answers (joins the history when
@@ -156,6 +158,7 @@ impl Respond {
             voice: None,
             max_tokens: None,
             temperature: None,
+            ignore_eos: None,
             record: true,
             user_text: None,
             busy,
@@ -1159,6 +1162,24 @@ impl Conversation {
         if let Some(id) = self.answering() {
             return Err((r.busy)(id));
         }
+        // The answer's own settings first: a bad one is named whatever the
+        // conversation holds, and takes nothing from it.
+        let mut sampling = self.settings.sampling.clone();
+        if let Some(m) = r.max_tokens {
+            sampling.max_tokens = m;
+        }
+        if let Some(t) = r.temperature {
+            sampling.temperature = Some(t);
+        }
+        if let Some(i) = r.ignore_eos {
+            sampling.ignore_eos = i;
+        }
+        if sampling.ignore_eos && sampling.max_tokens.is_none() {
+            return Err(ClientError::param(
+                "response.ignore_eos",
+                "`ignore_eos` needs `max_output_tokens`: the answer would never end",
+            ));
+        }
         self.idle_at = None;
         let user = r.user_text.map(ChatMessage::user);
         let instructions = r.instructions.or(self.settings.instructions.clone());
@@ -1180,13 +1201,6 @@ impl Conversation {
                 "conversation_empty",
                 "the conversation has no message to answer: add an item first",
             ));
-        }
-        let mut sampling = self.settings.sampling.clone();
-        if let Some(m) = r.max_tokens {
-            sampling.max_tokens = m;
-        }
-        if let Some(t) = r.temperature {
-            sampling.temperature = Some(t);
         }
         let audio = r.audio_out.unwrap_or(self.settings.audio_out);
         let max_out = sampling.max_tokens;

@@ -329,6 +329,9 @@ struct SessionPatch {
     max_output_tokens: Option<Value>,
     max_response_output_tokens: Option<Value>,
     temperature: Option<f64>,
+    /// omnistream's extension, as on chat completions (benchmarks): every
+    /// answer exactly its `max_output_tokens`.
+    ignore_eos: Option<bool>,
     tools: Option<Value>,
     tool_choice: Option<Value>,
 }
@@ -378,6 +381,8 @@ struct ResponseParams {
     max_output_tokens: Option<Value>,
     max_response_output_tokens: Option<Value>,
     temperature: Option<f64>,
+    /// As the session's.
+    ignore_eos: Option<bool>,
     conversation: Option<String>,
     input: Option<Vec<Value>>,
     tools: Option<Value>,
@@ -421,6 +426,7 @@ struct SessionChange {
     audio_out: Option<bool>,
     max_tokens: Option<Option<usize>>,
     temperature: Option<f64>,
+    ignore_eos: Option<bool>,
     speed: Option<f32>,
     /// Checked in `session_update` against the session's tools.
     tools: Option<Value>,
@@ -501,6 +507,7 @@ impl SessionPatch {
             audio_out,
             max_tokens,
             temperature,
+            ignore_eos: self.ignore_eos,
             speed,
             tools: self.tools,
             tool_choice: self.tool_choice,
@@ -519,6 +526,7 @@ struct ResponseOptions {
     voice: Option<String>,
     max_tokens: Option<Option<usize>>,
     temperature: Option<f64>,
+    ignore_eos: Option<bool>,
     /// Checked in `on_event` against the session's tools.
     tools: Option<Value>,
     tool_choice: Option<Value>,
@@ -638,6 +646,7 @@ impl ResponseParams {
                 .map(|v| parse_max_tokens(&v, "max_output_tokens"))
                 .transpose()?,
             temperature: self.temperature.map(check_temperature).transpose()?,
+            ignore_eos: self.ignore_eos,
             tools: self.tools,
             tool_choice: self.tool_choice,
             input,
@@ -743,6 +752,7 @@ impl Realtime {
                     voice,
                     max_tokens: o.max_tokens,
                     temperature: o.temperature,
+                    ignore_eos: o.ignore_eos,
                     record: o.record,
                     user_text: None,
                     busy,
@@ -852,6 +862,15 @@ impl Realtime {
         }
         if let Some(t) = change.temperature {
             s.sampling.temperature = Some(t);
+        }
+        if let Some(i) = change.ignore_eos {
+            s.sampling.ignore_eos = i;
+        }
+        if s.sampling.ignore_eos && s.sampling.max_tokens.is_none() {
+            return Err(ClientError::param(
+                "session.ignore_eos",
+                "`ignore_eos` needs `max_output_tokens`: the answers would never end",
+            ));
         }
         if let Some(sp) = change.speed {
             s.sampling.speed = Some(sp);

@@ -95,7 +95,8 @@
 #                           input_audio and Realtime turns paced as a microphone
 #                           with server VAD (silence 200 ms), 100 tokens: c=1 (6),
 #                           8 (16), 32 (32) each
-#                long       2,500-word prompts, 900 tokens, audio: c=1 (2), 32 (32)
+#                long       625-word prompts (LONG_WORDS; about 2,500 tokens), 900
+#                           tokens, audio: c=1 (2), 32 (32); LONG_C picks others
 #
 # Everything printed goes to $OUT/log.txt; the JSON reports to $OUT/json.tar.gz
 # ($OUT, or bench-out/gpu; at most 8 files come back from the device tool).
@@ -352,8 +353,10 @@ if has serve; then
     done
   fi
   if [[ $runs == *" long "* ]]; then
-    sb long-c1 --endpoint chat --input-len 2500 --output-len 900 --concurrency 1 --num-prompts 2 --warmup 1
-    sb long-c32 --endpoint chat --input-len 2500 --output-len 900 --concurrency 32 --num-prompts 32 --warmup 1
+    for c in ${LONG_C:-1:2 32:32}; do
+      sb "long-c${c%:*}" --endpoint chat --input-len "${LONG_WORDS:-625}" --output-len 900 \
+        --concurrency "${c%:*}" --num-prompts "${c#*:}" --warmup 1
+    done
   fi
   kill "$SERVER"; wait "$SERVER"
   tail -n 20 "$OUT/serve.log"

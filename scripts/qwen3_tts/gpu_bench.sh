@@ -70,6 +70,8 @@ for v in $VARIANTS; do
   case $v in
     # In-context cloning (qwen-tts's default for a clip with its words).
     *base) ARGS=(--ref-audio "$OUT/ref.wav" --ref-text "$REF_TEXT" --voice alloy); MODE=clone ;;
+    # A voice described in words, in every request.
+    *voicedesign) ARGS=(--instructions "A calm, warm female voice, low and unhurried." --voice alloy); MODE=design ;;
     *) ARGS=(--voice vivian); MODE=custom ;;
   esac
   for c in $LOADS; do

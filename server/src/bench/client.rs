@@ -46,6 +46,8 @@ pub struct RequestShape {
     pub ref_audio: Option<Arc<String>>,
     /// Speech: the clip's words (in-context cloning).
     pub ref_text: Option<String>,
+    /// Speech: `instructions` (a voice described in words, or a style).
+    pub instructions: Option<String>,
     pub temperature: Option<f64>,
     #[serde(skip)]
     pub timeout: Duration,
@@ -256,6 +258,9 @@ impl Client {
         }
         if let Some(clip) = &shape.ref_audio {
             body["ref_audio"] = json!(clip.as_str());
+        }
+        if let Some(i) = &shape.instructions {
+            body["instructions"] = json!(i);
         }
         if let Some(t) = &shape.ref_text {
             body["ref_text"] = json!(t);

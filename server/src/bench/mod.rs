@@ -109,6 +109,10 @@ pub struct BenchArgs {
     /// cloning (the clip's codes in every prompt).
     #[arg(long, requires = "ref_audio")]
     pub ref_text: Option<String>,
+    /// Speech: `instructions` with every request (the voice described in
+    /// words for a VoiceDesign checkpoint, a style for CustomVoice).
+    #[arg(long)]
+    pub instructions: Option<String>,
     /// Stop at the model's end of sequence instead of generating exactly --output-len.
     #[arg(long)]
     pub no_ignore_eos: bool,
@@ -229,6 +233,7 @@ impl BenchArgs {
             },
             ref_audio,
             ref_text: self.ref_text.clone(),
+            instructions: self.instructions.clone(),
             temperature: self.temperature,
             timeout: Duration::from_secs(self.timeout.max(1)),
             questions,

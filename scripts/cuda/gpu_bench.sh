@@ -111,9 +111,13 @@ chmod +x cuda-bin/omnistream cuda-bin/stages-tests 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo; echo "=== $* ($(date +%T))"; }
-# The test binary finds the fixtures where it was built.
+# The test binary finds the fixtures where it was built (a worktree, say):
+# that path, read from the binary, leads here.
 if [ -x cuda-bin/stages-tests ]; then
-  mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
+  built=$(grep -aom1 -E '/[[:alnum:]_/-]+/stages\.\./tests/fixtures' cuda-bin/stages-tests | sed 's|/stages\.\./tests/fixtures$||')
+  built=${built:-/work/main}
+  mkdir -p "$(dirname "$built")" && [ -e "$built" ] || ln -s "$PWD" "$built"
+  echo "fixtures: $built -> $PWD"
   if has tests; then
     step tests
     timeout 240 cuda-bin/stages-tests on_gpu cuda_tests --test-threads 1 --nocapture

@@ -27,7 +27,9 @@ mkdir -p "$OUT/json"
 exec > >(tee "$OUT/log.txt") 2>&1
 export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/tmp/cuda-cache} CUDA_CACHE_MAXSIZE=4294967296
 BIN=${BIN:-cuda-bin/omnistream}
-for f in cuda-bin/*.xz "$BIN.xz"; do [ -f "$f" ] && xz -dkf "$f"; done
+for f in cuda-bin/*.xz; do [ -f "$f" ] && xz -dkf "$f"; done
+# A binary from elsewhere (another build, side by side).
+case $BIN in cuda-bin/*) ;; *) [ -f "$BIN.xz" ] && xz -dkf "$BIN.xz" ;; esac
 # Beside the binary: libopus.so.0 ($ORIGIN is on its rpath).
 [ -f "$(dirname "$BIN")/libopus.so.0" ] || cp cuda-bin/libopus.so.0 "$(dirname "$BIN")/"
 chmod +x "$BIN"

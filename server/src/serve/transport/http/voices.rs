@@ -180,15 +180,15 @@ pub async fn clone_clip(
             .map_err(|e| format!("the speaker encoder failed: {e}"))?;
         let embedded = observe("speaker", started);
         let codes = match in_context {
-            true => Some(
-                enc.codes(&pcm)
-                    .map_err(|e| format!("the codec encoder failed: {e}"))?,
-            ),
+            true => {
+                let codes = enc
+                    .codes(&pcm)
+                    .map_err(|e| format!("the codec encoder failed: {e}"))?;
+                observe("codes", embedded);
+                Some(codes)
+            }
             false => None,
         };
-        if in_context {
-            observe("codes", embedded);
-        }
         Ok::<_, String>((embedding, codes))
     })
     .await

@@ -61,7 +61,8 @@ fn qwen3_tts_voice_design_through_the_openai_sdk() {
 }
 
 /// A Base checkpoint as released, with no preset speaker
-/// (deploy/qwen3-tts-base-tiny.yaml): it starts, speaks cloned voices only and
+/// (deploy/qwen3-tts-base-tiny.yaml): it starts, speaks cloned voices only,
+/// encodes clips uploaded at once in shared batches, each as alone, and
 /// refuses a request with none (tests/python/test_qwen3_tts_base.py).
 #[test]
 fn qwen3_tts_base_speaks_only_cloned_voices() {
@@ -75,7 +76,7 @@ fn qwen3_tts_base_speaks_only_cloned_voices() {
     ];
     let mut server = spawn_server(&args);
     let report = run_pytest(&server, "test_qwen3_tts_base.py");
-    assert!(report.contains("2 passed"), "{report}");
+    assert!(report.contains("3 passed"), "{report}");
     let log = server.log.lock().map(|l| l.clone()).unwrap_or_default();
     assert!(server.alive(), "the server died:\n{log}");
 }

@@ -3,7 +3,7 @@
 //! read at scrape time.
 
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
@@ -26,9 +26,12 @@ pub struct Metrics {
     pub rtf: HistogramVec,
     /// Speech recognition of one user turn, end to end through the Listener.
     pub transcribe_seconds: HistogramVec,
-    /// A cloned voice's reference clip encoded, by `part`: `wait` (for a
-    /// blocking thread), `speaker` (the x-vector), `codes` (in-context).
+    /// A cloned voice's reference clip encoded, by `part`: `wait` (for its
+    /// batch to start), `speaker` (its batch's x-vectors), `codes` (its
+    /// batch's in-context codes).
     pub voice_encode_seconds: HistogramVec,
+    /// Reference clips encoded together, per batch.
+    pub voice_encode_batch_clips: Histogram,
     pub bytes_out: IntCounterVec,
     /// WebRTC frames of silence sent in the middle of an answer (generation
     /// slower than real time).
@@ -96,6 +99,13 @@ impl Metrics {
             .buckets(LATENCY_BUCKETS.to_vec()),
             &["part"],
         )?;
+        let voice_encode_batch_clips = Histogram::with_opts(
+            HistogramOpts::new(
+                "voice_encode_batch_clips",
+                "Reference clips encoded together in one batch",
+            )
+            .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]),
+        )?;
         let bytes_out = IntCounterVec::new(
             Opts::new("audio_bytes_out_total", "Audio bytes sent to clients"),
             &["endpoint"],
@@ -117,6 +127,7 @@ impl Metrics {
         registry.register(Box::new(rtf.clone()))?;
         registry.register(Box::new(transcribe_seconds.clone()))?;
         registry.register(Box::new(voice_encode_seconds.clone()))?;
+        registry.register(Box::new(voice_encode_batch_clips.clone()))?;
         registry.register(Box::new(bytes_out.clone()))?;
         registry.register(Box::new(stage.clone()))?;
         let replica = GaugeVec::new(
@@ -171,6 +182,7 @@ impl Metrics {
             rtf,
             transcribe_seconds,
             voice_encode_seconds,
+            voice_encode_batch_clips,
             bytes_out,
             webrtc_underrun_frames,
             slow_clients,

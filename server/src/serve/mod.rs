@@ -4,6 +4,7 @@
 mod answer;
 mod audio;
 mod auth;
+mod clip_encoder;
 mod conn;
 mod connections;
 mod conversation;
@@ -38,7 +39,7 @@ pub use state::{AppState, ServerConfig};
 
 use crate::run::{chat_spec, load_profile_placed, run_request};
 use omnistream_stages::engine::{
-    Modalities, RequestInput, RequestSpec, SamplingOverrides, StageRole, TRANSCRIBE_RATE,
+    Modalities, RequestInput, RequestSpec, SamplingOverrides, StageRole, VoiceClip, TRANSCRIBE_RATE,
 };
 use omnistream_stages::models::silero_vad::SileroVad;
 
@@ -83,13 +84,17 @@ pub async fn run(opts: ServeOptions) -> Result<()> {
             warm.sampling.max_tokens = Some(4);
             // A Talker with no preset voice (Qwen3-TTS Base) speaks only cloned
             // ones: a voice cloned from a synthetic clip, which warms the
-            // speaker encoder too.
+            // clip encoders too.
             if p.voices().is_empty() {
                 if let Some(enc) = p.voice_encoder() {
-                    warm.style.speaker_embedding = Some(
-                        enc.embed(&warm_up_clip(enc.sample_rate(), enc.min_samples()))
-                            .context("warm-up: the speaker encoder")?,
-                    );
+                    let clip = warm_up_clip(enc.sample_rate(), enc.min_samples());
+                    let (mut done, _) = enc
+                        .encode(&[VoiceClip {
+                            pcm: &clip,
+                            in_context: enc.in_context(),
+                        }])
+                        .context("warm-up: the speaker encoder")?;
+                    warm.style.speaker_embedding = done.pop().map(|d| d.embedding);
                 }
             }
             run_request(&p, warm, |_| {}).context("warm-up request")?;

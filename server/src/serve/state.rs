@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use omnistream_stages::engine::{Pipeline, RequestSpec};
 
 use super::metrics::Metrics;
@@ -74,6 +74,9 @@ pub struct AppState {
     pub voices: Voices,
     /// Cloned voices, where the pipeline can clone (`None`: it cannot).
     pub voice_store: Option<super::voice_store::VoiceStore>,
+    /// The pipeline's voice encoders behind their batching queue, where it
+    /// can clone (`None`: it cannot).
+    pub clip_encoder: Option<super::clip_encoder::ClipEncoder>,
 }
 
 impl AppState {
@@ -148,9 +151,23 @@ impl AppState {
         };
         let voices = Voices::new(pipeline.voices().to_vec(), &config.voice_aliases)
             .map_err(anyhow::Error::msg)?;
+        let clip_encoder = match pipeline.voice_encoder() {
+            Some(enc) => Some(
+                super::clip_encoder::ClipEncoder::start(
+                    enc.clone(),
+                    super::clip_encoder::EncodeMetrics {
+                        parts: metrics.voice_encode_seconds.clone(),
+                        batch: metrics.voice_encode_batch_clips.clone(),
+                    },
+                )
+                .context("starting the voice encoding thread")?,
+            ),
+            None => None,
+        };
         Ok(Arc::new(Self {
             voices,
             voice_store,
+            clip_encoder,
             sessions: SessionManager::new(config.limits.clone(), metrics.clone()),
             pipeline,
             metrics,

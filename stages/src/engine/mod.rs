@@ -24,9 +24,9 @@ pub use pipeline::{
 };
 pub use replica::{ReplicaId, StageInput};
 pub use request::{
-    CancelReason, ChatMessage, Event, Modalities, RemoteOutlet, RequestCtx, RequestHandle,
-    RequestId, RequestInput, RequestSpec, Role, SamplingOverrides, SpeechStyle, Usage,
-    VoiceEncoder, VoiceReference, TRANSCRIBE_RATE,
+    CancelReason, ChatMessage, EncodeTimes, EncodedVoice, Event, Modalities, RemoteOutlet,
+    RequestCtx, RequestHandle, RequestId, RequestInput, RequestSpec, Role, SamplingOverrides,
+    SpeechStyle, Usage, VoiceClip, VoiceEncoder, VoiceReference, TRANSCRIBE_RATE,
 };
 pub use stage::{StageModel, StepOutput};
 pub use tools::{ToolCall, ToolChoice, Tools};

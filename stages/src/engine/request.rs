@@ -207,21 +207,51 @@ pub struct VoiceReference {
     pub codes: Vec<Vec<u32>>,
 }
 
-/// Turns a reference clip into the speaker embedding a Talker clones a voice
-/// from (Qwen3-TTS Base's speaker encoder), for the server's voice registry.
+/// A reference clip for [`VoiceEncoder::encode`]: mono PCM in [-1, 1] at
+/// [`VoiceEncoder::sample_rate`].
+#[derive(Debug, Clone, Copy)]
+pub struct VoiceClip<'a> {
+    pub pcm: &'a [f32],
+    /// Also its codes, for in-context cloning ([`VoiceEncoder::in_context`]).
+    pub in_context: bool,
+}
+
+/// A clip as [`VoiceEncoder::encode`] makes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EncodedVoice {
+    /// The speaker embedding (x-vector) a Talker clones the voice from.
+    pub embedding: Vec<f32>,
+    /// The speech tokenizer's codes, one row a frame
+    /// ([`VoiceReference::codes`]), for a clip asked `in_context`.
+    pub codes: Option<Vec<Vec<u32>>>,
+}
+
+/// Where a batch of [`VoiceEncoder::encode`] spent its time.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EncodeTimes {
+    /// The speaker embeddings.
+    pub speaker: std::time::Duration,
+    /// The codes (zero when no clip asked for them).
+    pub codes: std::time::Duration,
+}
+
+/// Turns reference clips into what a Talker clones a voice from (Qwen3-TTS
+/// Base's speaker encoder, and its speech tokenizer's encoder), for the
+/// server's voice registry and `ref_audio`.
 pub trait VoiceEncoder: Send + Sync {
-    /// The rate of the PCM [`Self::embed`] takes.
+    /// The rate of the PCM [`Self::encode`] takes.
     fn sample_rate(&self) -> u32;
     /// The shortest clip it takes, in samples.
     fn min_samples(&self) -> usize;
-    /// Mono PCM in [-1, 1] at [`Self::sample_rate`] to the embedding.
-    fn embed(&self, pcm: &[f32]) -> Result<Vec<f32>, crate::models::ModelError>;
-    /// Whether it also makes a clip's codes ([`Self::codes`]): in-context
-    /// cloning (the checkpoint's speech tokenizer has its encoder).
+    /// Whether it also makes a clip's codes: in-context cloning (the
+    /// checkpoint's speech tokenizer has its encoder).
     fn in_context(&self) -> bool;
-    /// Mono PCM at [`Self::sample_rate`] to the speech tokenizer's codes, one
-    /// row a frame ([`VoiceReference::codes`]).
-    fn codes(&self, pcm: &[f32]) -> Result<Vec<Vec<u32>>, crate::models::ModelError>;
+    /// Several clips at once, each encoded as it would be alone; the results
+    /// in the clips' order. One bad clip fails the call.
+    fn encode(
+        &self,
+        clips: &[VoiceClip<'_>],
+    ) -> Result<(Vec<EncodedVoice>, EncodeTimes), crate::models::ModelError>;
 }
 
 /// Why a request stopped early.

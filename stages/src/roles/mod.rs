@@ -28,8 +28,8 @@ pub use qwen3_tts_talker::Qwen3TtsTalker;
 
 use crate::engine::remote::StageMeta;
 use crate::engine::{
-    EngineError, Pipeline, RequestId, StageDef, StageInput, StageModel, StagePlacement, StageRole,
-    StepOutput, VoiceEncoder,
+    EncodeTimes, EncodedVoice, EngineError, Pipeline, RequestId, StageDef, StageInput, StageModel,
+    StagePlacement, StageRole, StepOutput, VoiceClip, VoiceEncoder,
 };
 use crate::models::piper::{PiperVoice, Scales};
 use crate::models::quantized_llama::QuantizedLlama;
@@ -651,27 +651,58 @@ impl VoiceEncoder for XVectors {
         self.0.speaker().min_samples()
     }
 
-    fn embed(&self, pcm: &[f32]) -> Result<Vec<f32>, ModelError> {
-        Ok(self
-            .0
-            .speaker()
-            .embed_pcm(pcm)?
-            .to_dtype(candle_core::DType::F32)?
-            .to_vec1::<f32>()?)
-    }
-
     fn in_context(&self) -> bool {
         self.0.codec().is_some()
     }
 
-    fn codes(&self, pcm: &[f32]) -> Result<Vec<Vec<u32>>, ModelError> {
-        let enc = self.0.codec().ok_or_else(|| {
-            ModelError::Invalid("this checkpoint's speech tokenizer has no encoder".into())
-        })?;
-        let codes = enc
-            .encode(pcm)
-            .map_err(|e| ModelError::Invalid(e.to_string()))?;
-        Ok(codes.to_dtype(candle_core::DType::U32)?.to_vec2::<u32>()?)
+    fn encode(
+        &self,
+        clips: &[VoiceClip<'_>],
+    ) -> Result<(Vec<EncodedVoice>, EncodeTimes), ModelError> {
+        let started = std::time::Instant::now();
+        let pcm: Vec<&[f32]> = clips.iter().map(|c| c.pcm).collect();
+        let embeddings = self
+            .0
+            .speaker()
+            .embed_batch(&pcm)?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec2::<f32>()?;
+        let embedded = std::time::Instant::now();
+        let wanted: Vec<&[f32]> = clips
+            .iter()
+            .filter(|c| c.in_context)
+            .map(|c| c.pcm)
+            .collect();
+        let mut codes = match wanted.is_empty() {
+            true => Vec::new(),
+            false => {
+                let enc = self.0.codec().ok_or_else(|| {
+                    ModelError::Invalid("this checkpoint's speech tokenizer has no encoder".into())
+                })?;
+                enc.encode_batch(&wanted)
+                    .map_err(|e| ModelError::Invalid(e.to_string()))?
+                    .into_iter()
+                    .map(|c| c.to_dtype(candle_core::DType::U32)?.to_vec2::<u32>())
+                    .collect::<candle_core::Result<Vec<_>>>()?
+            }
+        }
+        .into_iter();
+        let times = EncodeTimes {
+            speaker: embedded - started,
+            codes: match wanted.is_empty() {
+                true => std::time::Duration::ZERO,
+                false => embedded.elapsed(),
+            },
+        };
+        let encoded = clips
+            .iter()
+            .zip(embeddings)
+            .map(|(c, embedding)| EncodedVoice {
+                embedding,
+                codes: c.in_context.then(|| codes.next()).flatten(),
+            })
+            .collect();
+        Ok((encoded, times))
     }
 }
 

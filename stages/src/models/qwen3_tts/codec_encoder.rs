@@ -17,9 +17,12 @@
 //!                       the nearest by Euclidean distance, residuals subtracted
 //! ```
 //!
-//! The SEANet encoder and the downsample conv are candle-transformers' Mimi
-//! modules ([`SeaNetEncoder`], [`StreamableConv1d`]): their weight names,
-//! padding and activations are the reference's. The transformer and the
+//! The SEANet encoder's convs and resnet blocks and the downsample conv are
+//! candle-transformers' Mimi modules ([`StreamableConv1d`],
+//! [`SeaNetResnetBlock`]): their weight names, padding and activations are the
+//! reference's. The SEANet is put together here (as candle's `SeaNetEncoder`
+//! does) so that a batch of clips can be encoded at once, each exactly as alone
+//! (see *Batches*). The transformer and the
 //! quantizer are written here: the reference's eager and sdpa attention is
 //! plain causal (transformers applies `sliding_window` only on its
 //! flash-attention path, and qwen-tts loads the tokenizer without it), where
@@ -36,6 +39,17 @@
 //! The encode is one-shot, for reference clips of seconds (attention is
 //! quadratic in the clip's 25 Hz steps: 750 for 30 s).
 //!
+//! # Batches
+//!
+//! [`CodecEncoder::encode_batch`] encodes clips of different lengths together,
+//! right-padded to the longest. Every layer is causal, so a clip's steps never
+//! see the padding after it, with one exception: a conv of stride `s` pads the
+//! last stride out on the right (zeros, or the last step repeated for the
+//! downsample's replicate padding), and in a batch the shorter clips have the
+//! longer ones' steps there instead. So before each strided conv, each clip's
+//! steps past its own length are set to what its padding alone would be; then
+//! every step it keeps is computed from the same inputs as alone.
+//!
 //! # Exactness
 //!
 //! Codes are argmins of distances, computed here as `|e|² - 2 x·e` (the
@@ -50,9 +64,10 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::Activation;
 use candle_nn::{LayerNorm, Linear, VarBuilder};
-use candle_transformers::models::mimi::conv::{Norm, PadMode, StreamableConv1d};
-use candle_transformers::models::mimi::seanet::{self, SeaNetEncoder};
+use candle_transformers::models::mimi::conv::{PadMode, StreamableConv1d};
+use candle_transformers::models::mimi::seanet::SeaNetResnetBlock;
 use serde::Deserialize;
 
 use super::codec::CodecError;
@@ -307,8 +322,8 @@ fn pad_mode(s: &str) -> Option<PadMode> {
 pub enum EncodeError {
     #[error("the clip is empty")]
     Empty,
-    #[error("the clip has a non-finite sample at {0}")]
-    NotFinite(usize),
+    #[error("clip {clip} has a non-finite sample at {sample}")]
+    NotFinite { clip: usize, sample: usize },
     #[error(transparent)]
     Model(#[from] candle_core::Error),
 }
@@ -457,10 +472,139 @@ impl ResidualVectorQuantizer {
     }
 }
 
+/// `x` `(b, c, t)` with each row's steps from its length `lens[row]` on as the
+/// right padding of a causal conv sees them when the row is alone: zeros, or
+/// its last step repeated (`mode`). Unchanged where every row fills `t`.
+fn pad_past(x: &Tensor, lens: &[usize], mode: PadMode) -> Result<Tensor> {
+    let (b, c, t) = x.dims3()?;
+    if lens.len() != b || lens.iter().any(|&l| l == 0 || l > t) {
+        candle_core::bail!("pad_past: lengths {lens:?} for {b} rows of {t} steps");
+    }
+    if lens.iter().all(|&l| l == t) {
+        return Ok(x.clone());
+    }
+    match mode {
+        PadMode::Replicate => {
+            let idx: Vec<u32> = lens
+                .iter()
+                .flat_map(|&l| (0..t).map(move |j| j.min(l - 1) as u32))
+                .collect();
+            let idx = Tensor::from_vec(idx, (b, 1, t), x.device())?
+                .broadcast_as((b, c, t))?
+                .contiguous()?;
+            x.contiguous()?.gather(&idx, 2)
+        }
+        // Zeros (the only other mode `check` lets through).
+        _ => {
+            let mask: Vec<f32> = lens
+                .iter()
+                .flat_map(|&l| (0..t).map(move |j| if j < l { 1.0 } else { 0.0 }))
+                .collect();
+            let mask = Tensor::from_vec(mask, (b, 1, t), x.device())?.to_dtype(x.dtype())?;
+            x.broadcast_mul(&mask)
+        }
+    }
+}
+
+/// One strided level of the SEANet: resnet blocks, then ELU and a causal conv
+/// of kernel `2 * stride`.
+#[derive(Debug, Clone)]
+struct SeaNetLayer {
+    residuals: Vec<SeaNetResnetBlock>,
+    downsample: StreamableConv1d,
+    stride: usize,
+}
+
+/// The SEANet encoder (`MimiEncoder`), as candle's `SeaNetEncoder` builds it
+/// (weights `layers.{i}`), with the convs unnormed as the reference's are.
+#[derive(Debug, Clone)]
+struct SeaNet {
+    init_conv1d: StreamableConv1d,
+    layers: Vec<SeaNetLayer>,
+    final_conv1d: StreamableConv1d,
+    pad_mode: PadMode,
+}
+
+const ELU: Activation = Activation::Elu(1.0);
+
+impl SeaNet {
+    fn new(c: &CodecEncoderConfig, vb: VarBuilder) -> Result<Self> {
+        let pad_mode = pad_mode(&c.pad_mode).unwrap_or(PadMode::Constant);
+        let vb = vb.pp("layers");
+        let conv = |cin, cout, k, stride, vb: VarBuilder| {
+            StreamableConv1d::new(
+                cin, cout, k, stride, /* dilation */ 1, /* groups */ 1,
+                /* bias */ true, /* causal */ true, /* norm */ None, pad_mode, vb,
+            )
+        };
+        let init_conv1d = conv(c.audio_channels, c.num_filters, c.kernel_size, 1, vb.pp(0))?;
+        let (mut idx, mut mult) = (1, 1);
+        let mut layers = Vec::with_capacity(c.upsampling_ratios.len());
+        for &ratio in c.upsampling_ratios.iter().rev() {
+            let dim = mult * c.num_filters;
+            let residuals = (0..c.num_residual_layers)
+                .map(|j| {
+                    let dilation = c.dilation_growth_rate.pow(j as u32);
+                    SeaNetResnetBlock::new(
+                        dim,
+                        &[(c.residual_kernel_size, dilation), (1, 1)],
+                        ELU,
+                        None,
+                        /* causal */ true,
+                        pad_mode,
+                        c.compress,
+                        /* true_skip */ !c.use_conv_shortcut,
+                        vb.pp(idx + j),
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            idx += c.num_residual_layers;
+            // `idx` is the ELU before it.
+            let downsample = conv(dim, 2 * dim, 2 * ratio, ratio, vb.pp(idx + 1))?;
+            idx += 2;
+            layers.push(SeaNetLayer {
+                residuals,
+                downsample,
+                stride: ratio,
+            });
+            mult *= 2;
+        }
+        let final_conv1d = conv(
+            mult * c.num_filters,
+            c.hidden_size,
+            c.last_kernel_size,
+            1,
+            vb.pp(idx + 1),
+        )?;
+        Ok(Self {
+            init_conv1d,
+            layers,
+            final_conv1d,
+            pad_mode,
+        })
+    }
+
+    /// `x` `(b, 1, t)`, each row `lens[row]` samples long, to `(b, hidden, t')`
+    /// and each row's length in steps.
+    fn forward(&self, x: &Tensor, lens: &[usize]) -> Result<(Tensor, Vec<usize>)> {
+        let mut lens = lens.to_vec();
+        let mut x = x.apply(&self.init_conv1d)?;
+        for layer in &self.layers {
+            for r in &layer.residuals {
+                x = x.apply(r)?;
+            }
+            let h = pad_past(&x.apply(&ELU)?, &lens, self.pad_mode)?;
+            x = h.apply(&layer.downsample)?;
+            lens.iter_mut().for_each(|l| *l = l.div_ceil(layer.stride));
+        }
+        Ok((x.apply(&ELU)?.apply(&self.final_conv1d)?, lens))
+    }
+}
+
 /// The speech tokenizer's encoder: PCM to `(frames, valid quantizers)` codes.
 #[derive(Debug, Clone)]
 pub struct CodecEncoder {
-    encoder: SeaNetEncoder,
+    encoder: SeaNet,
     layers: Vec<TransformerLayer>,
     rope: RotaryEmbedding,
     downsample: Option<StreamableConv1d>,
@@ -484,30 +628,7 @@ impl CodecEncoder {
         if let Err(msg) = c.check(valid, cfg.encode_downsample_rate) {
             candle_core::bail!("{msg}");
         }
-        let pad = pad_mode(&c.pad_mode).unwrap_or(PadMode::Constant);
-        let seanet = seanet::Config {
-            dimension: c.hidden_size,
-            channels: c.audio_channels,
-            causal: true,
-            n_filters: c.num_filters,
-            n_residual_layers: c.num_residual_layers,
-            ratios: c.upsampling_ratios.clone(),
-            activation: candle_nn::Activation::Elu(1.0),
-            // Never used: disable_norm_outer_blocks covers every block (the
-            // reference's convs are plain `conv.weight` + `conv.bias`).
-            norm: Norm::WeightNorm,
-            kernel_size: c.kernel_size,
-            residual_kernel_size: c.residual_kernel_size,
-            last_kernel_size: c.last_kernel_size,
-            dilation_base: c.dilation_growth_rate,
-            pad_mode: pad,
-            true_skip: !c.use_conv_shortcut,
-            compress: c.compress,
-            lstm: 0,
-            disable_norm_outer_blocks: c.upsampling_ratios.len() + 2,
-            final_activation: None,
-        };
-        let encoder = SeaNetEncoder::new(&seanet, vb.pp("encoder"))?;
+        let encoder = SeaNet::new(c, vb.pp("encoder"))?;
         let layers = (0..c.num_hidden_layers)
             .map(|i| TransformerLayer::new(c, vb.pp("encoder_transformer").pp("layers").pp(i)))
             .collect::<Result<_>>()?;
@@ -569,28 +690,54 @@ impl CodecEncoder {
     /// device, `frames` = [`Self::frames`]`(pcm.len())`, as the reference's
     /// `Qwen3TTSTokenizerV2Model.encode` (one clip, unpadded).
     pub fn encode(&self, pcm: &[f32]) -> std::result::Result<Tensor, EncodeError> {
-        if pcm.is_empty() {
-            return Err(EncodeError::Empty);
+        let mut codes = self.encode_batch(&[pcm])?;
+        Ok(codes.remove(0))
+    }
+
+    /// [`Self::encode`] of several clips at once, each exactly as alone (see
+    /// *Batches* in the module doc): one `(frames, quantizers)` tensor a clip,
+    /// in order. A bad clip fails the batch, naming its index.
+    pub fn encode_batch(&self, clips: &[&[f32]]) -> std::result::Result<Vec<Tensor>, EncodeError> {
+        for (i, pcm) in clips.iter().enumerate() {
+            if pcm.is_empty() {
+                return Err(EncodeError::Empty);
+            }
+            if let Some(sample) = pcm.iter().position(|x| !x.is_finite()) {
+                return Err(EncodeError::NotFinite { clip: i, sample });
+            }
         }
-        if let Some(i) = pcm.iter().position(|x| !x.is_finite()) {
-            return Err(EncodeError::NotFinite(i));
+        let Some(longest) = clips.iter().map(|c| c.len()).max() else {
+            return Ok(Vec::new());
+        };
+        let b = clips.len();
+        let mut padded = vec![0f32; b * longest];
+        for (row, pcm) in padded.chunks_mut(longest).zip(clips) {
+            row[..pcm.len()].copy_from_slice(pcm);
         }
-        let n = pcm.len();
-        let x = Tensor::from_slice(pcm, (1, 1, n), &self.device)?;
-        let x = self.encoder.forward(&x)?.transpose(1, 2)?.contiguous()?;
-        let x = self.transformer(&x)?;
+        let lens: Vec<usize> = clips.iter().map(|c| c.len()).collect();
+        let x = Tensor::from_vec(padded, (b, 1, longest), &self.device)?;
+        let (x, lens) = self.encoder.forward(&x, &lens)?;
+        let x = self.transformer(&x.transpose(1, 2)?.contiguous()?)?;
         let x = match &self.downsample {
-            Some(d) => d
-                .forward(&x.transpose(1, 2)?.contiguous()?)?
-                .transpose(1, 2)?,
+            Some(d) => {
+                let x = pad_past(&x.transpose(1, 2)?.contiguous()?, &lens, PadMode::Replicate)?;
+                d.forward(&x)?.transpose(1, 2)?
+            }
             None => x,
         };
-        let x = x.squeeze(0)?.contiguous()?;
-        let mut codes = self.semantic.encode(&x)?;
-        codes.extend(self.acoustic.encode(&x)?);
-        let codes = Tensor::stack(&codes, 1)?;
-        let frames = self.frames(n).min(codes.dim(0)?);
-        Ok(codes.narrow(0, 0, frames)?)
+        let (_, t, hidden) = x.dims3()?;
+        let flat = x.contiguous()?.reshape((b * t, hidden))?;
+        let mut codes = self.semantic.encode(&flat)?;
+        codes.extend(self.acoustic.encode(&flat)?);
+        let codes = Tensor::stack(&codes, 1)?.reshape((b, t, self.num_quantizers()))?;
+        clips
+            .iter()
+            .enumerate()
+            .map(|(i, pcm)| {
+                let frames = self.frames(pcm.len()).min(t);
+                Ok(codes.get(i)?.narrow(0, 0, frames)?)
+            })
+            .collect()
     }
 
     /// `encoder_transformer` over `x` `(1, t, hidden)`, every step seeing all
@@ -685,6 +832,53 @@ mod tests {
         }
     }
 
+    /// Clips of different lengths encoded together, each as alone: the
+    /// reference's clips (7, 15 and 38 frames) and ones ending mid-stride at
+    /// every level, so each strided conv's right padding is exercised.
+    #[test]
+    fn a_batch_encodes_each_clip_as_alone() {
+        let enc = encoder();
+        let io = fixtures::io("encoder");
+        let meta = fixtures::meta("encoder");
+        let mut clips: Vec<Vec<f32>> = meta["clips"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| fixtures::pcm16(&io, n.as_u64().unwrap() as usize))
+            .collect();
+        let long = clips.iter().map(Vec::len).max().unwrap();
+        for n in [1usize, 959, 1921, 4803, long - 7] {
+            clips.push(clips[2][..n].to_vec());
+        }
+        let refs: Vec<&[f32]> = clips.iter().map(Vec::as_slice).collect();
+        let batch = enc.encode_batch(&refs).unwrap();
+        assert_eq!(batch.len(), clips.len());
+        for (pcm, got) in clips.iter().zip(&batch) {
+            let alone = enc.encode(pcm).unwrap().to_vec2::<u32>().unwrap();
+            assert_eq!(
+                got.to_vec2::<u32>().unwrap(),
+                alone,
+                "{} samples",
+                pcm.len()
+            );
+        }
+        // The padding itself, as a conv alone would see it.
+        let x = Tensor::arange(1f32, 13., &Device::Cpu)
+            .unwrap()
+            .reshape((2, 1, 6))
+            .unwrap();
+        let zeros = pad_past(&x, &[4, 6], PadMode::Constant).unwrap();
+        assert_eq!(
+            zeros.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            [1., 2., 3., 4., 0., 0., 7., 8., 9., 10., 11., 12.]
+        );
+        let same = pad_past(&x, &[2, 6], PadMode::Replicate).unwrap();
+        assert_eq!(
+            same.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            [1., 2., 2., 2., 2., 2., 7., 8., 9., 10., 11., 12.]
+        );
+    }
+
     #[test]
     fn a_clip_of_n_samples_makes_ceil_n_over_1920_frames() {
         let enc = encoder();
@@ -704,7 +898,18 @@ mod tests {
         pcm[1234] = f32::NAN;
         assert!(matches!(
             enc.encode(&pcm),
-            Err(EncodeError::NotFinite(1234))
+            Err(EncodeError::NotFinite {
+                clip: 0,
+                sample: 1234
+            })
+        ));
+        let ok = vec![0.1f32; 3000];
+        assert!(matches!(
+            enc.encode_batch(&[&ok, &pcm]),
+            Err(EncodeError::NotFinite {
+                clip: 1,
+                sample: 1234
+            })
         ));
     }
 

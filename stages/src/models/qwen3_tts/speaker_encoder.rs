@@ -8,8 +8,14 @@
 //! `sqrt(re² + im² + 1e-9)`, librosa's slaney mel filterbank (128 bins, 0 to 12
 //! kHz), `ln(max(x, 1e-5))`); the DFT and filterbank run in float64 here.
 //! Every conv is `padding="same"` with reflect padding, as the reference's.
+//!
+//! Several clips can be embedded at once ([`SpeakerEncoder::embed_batch`]),
+//! right-padded to the longest, each exactly as alone: every conv reflects
+//! each clip at its own ends (one gather a conv), and the squeeze-excitation
+//! means and the attentive pooling count only each clip's own frames
+//! ([`Rows`]).
 
-use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use super::config::SpeakerEncoderConfig;
@@ -85,6 +91,110 @@ fn reflect_pad(x: &Tensor, left: usize, right: usize) -> Result<Tensor> {
     x.index_select(&idx, 2)
 }
 
+/// The frame counts of a batch of clips right-padded to the longest `t`:
+/// how each conv pads and how time is pooled so that each clip is as alone.
+#[derive(Debug, Clone)]
+struct Rows {
+    lens: Vec<usize>,
+    t: usize,
+    /// `(b, 1, t)`: 1 on a clip's frames, 0 past them; `None` when every
+    /// clip fills `t`.
+    mask: Option<Tensor>,
+    /// `(b, 1, t)`: 0 on a clip's frames, -inf past them.
+    beyond: Option<Tensor>,
+    /// `(b, 1, 1)`: each clip's frame count.
+    counts: Tensor,
+}
+
+impl Rows {
+    fn new(lens: &[usize], dtype: DType, device: &Device) -> Result<Self> {
+        let t = lens.iter().copied().max().unwrap_or(0);
+        let b = lens.len();
+        let per_frame = |inside: f32, past: f32| -> Result<Option<Tensor>> {
+            if lens.iter().all(|&l| l == t) {
+                return Ok(None);
+            }
+            let m: Vec<f32> = lens
+                .iter()
+                .flat_map(|&l| (0..t).map(move |j| if j < l { inside } else { past }))
+                .collect();
+            Ok(Some(
+                Tensor::from_vec(m, (b, 1, t), device)?.to_dtype(dtype)?,
+            ))
+        };
+        let counts: Vec<f32> = lens.iter().map(|&l| l as f32).collect();
+        Ok(Self {
+            lens: lens.to_vec(),
+            t,
+            mask: per_frame(1.0, 0.0)?,
+            beyond: per_frame(0.0, f32::NEG_INFINITY)?,
+            counts: Tensor::from_vec(counts, (b, 1, 1), device)?.to_dtype(dtype)?,
+        })
+    }
+
+    /// `x` `(b, c, t)` reflect-padded by `left` and `right`, each clip at its
+    /// own ends (what is past a clip's padded end is its last frame, unread).
+    fn pad(&self, x: &Tensor, left: usize, right: usize) -> Result<Tensor> {
+        if self.mask.is_none() || left + right == 0 {
+            return reflect_pad(x, left, right);
+        }
+        let (b, c, t) = x.dims3()?;
+        if let Some(l) = self.lens.iter().find(|&&l| left >= l || right >= l) {
+            candle_core::bail!("reflect padding of {left}/{right} needs more than {l} frames");
+        }
+        let width = left + t + right;
+        let idx: Vec<u32> = self
+            .lens
+            .iter()
+            .flat_map(|&l| {
+                (0..width).map(move |p| {
+                    let q = p as isize - left as isize;
+                    let last = l as isize - 1;
+                    let r = match q {
+                        q if q < 0 => -q,
+                        q if q <= last => q,
+                        q if q <= last + right as isize => 2 * last - q,
+                        _ => last,
+                    };
+                    r as u32
+                })
+            })
+            .collect();
+        let idx = Tensor::from_vec(idx, (b, 1, width), x.device())?
+            .broadcast_as((b, c, width))?
+            .contiguous()?;
+        x.contiguous()?.gather(&idx, 2)
+    }
+
+    /// The mean over each clip's frames, `(b, c, 1)`.
+    fn mean(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.mask {
+            None => x.mean_keepdim(2),
+            Some(m) => x
+                .broadcast_mul(m)?
+                .sum_keepdim(2)?
+                .broadcast_div(&self.counts),
+        }
+    }
+
+    /// Equal weights over each clip's frames, `(b, 1, t)`, summing to 1.
+    fn uniform(&self, b: usize, device: &Device, dtype: DType) -> Result<Tensor> {
+        match &self.mask {
+            None => Tensor::full(1.0 / self.t as f64, (b, 1, self.t), device)?.to_dtype(dtype),
+            Some(m) => m.broadcast_div(&self.counts),
+        }
+    }
+
+    /// Softmax over time of `a` `(b, c, t)`, within each clip's frames.
+    fn softmax(&self, a: &Tensor) -> Result<Tensor> {
+        let a = match &self.beyond {
+            None => a.clone(),
+            Some(m) => a.broadcast_add(m)?,
+        };
+        candle_nn::ops::softmax(&a, D::Minus1)
+    }
+}
+
 /// `nn.Conv1d(padding="same", padding_mode="reflect")`.
 #[derive(Debug, Clone)]
 struct SameConv {
@@ -114,9 +224,9 @@ impl SameConv {
     }
 }
 
-impl Module for SameConv {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        reflect_pad(x, self.left, self.right)?
+impl SameConv {
+    fn forward(&self, x: &Tensor, rows: &Rows) -> Result<Tensor> {
+        rows.pad(x, self.left, self.right)?
             .conv1d(&self.weight, 0, 1, self.dilation, 1)?
             .broadcast_add(&self.bias)
     }
@@ -144,9 +254,9 @@ impl Tdnn {
     }
 }
 
-impl Module for Tdnn {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.0.forward(x)?.relu()
+impl Tdnn {
+    fn forward(&self, x: &Tensor, rows: &Rows) -> Result<Tensor> {
+        self.0.forward(x, rows)?.relu()
     }
 }
 
@@ -187,28 +297,29 @@ impl SeRes2NetBlock {
     }
 }
 
-impl Module for SeRes2NetBlock {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.tdnn1.forward(x)?;
+impl SeRes2NetBlock {
+    fn forward(&self, x: &Tensor, rows: &Rows) -> Result<Tensor> {
+        let h = self.tdnn1.forward(x, rows)?;
         let parts = h.chunk(self.scale, 1)?;
         let mut outs: Vec<Tensor> = Vec::with_capacity(self.scale);
         for (i, p) in parts.iter().enumerate() {
             let o = match i {
                 0 => p.clone(),
-                1 => self.res2net[0].forward(p)?,
-                _ => self.res2net[i - 1].forward(&(p + &outs[i - 1])?)?,
+                1 => self.res2net[0].forward(p, rows)?,
+                _ => self.res2net[i - 1].forward(&(p + &outs[i - 1])?, rows)?,
             };
             outs.push(o);
         }
-        let h = self.tdnn2.forward(&Tensor::cat(&outs, 1)?)?;
-        let s = h.mean_keepdim(2)?;
-        let s =
-            candle_nn::ops::sigmoid(&self.se_conv2.forward(&self.se_conv1.forward(&s)?.relu()?)?)?;
+        let h = self.tdnn2.forward(&Tensor::cat(&outs, 1)?, rows)?;
+        // (b, c, 1): one frame, which every clip fills.
+        let one = Rows::new(&vec![1; rows.lens.len()], h.dtype(), h.device())?;
+        let s = self.se_conv1.forward(&rows.mean(&h)?, &one)?.relu()?;
+        let s = candle_nn::ops::sigmoid(&self.se_conv2.forward(&s, &one)?)?;
         h.broadcast_mul(&s)? + x
     }
 }
 
-/// `AttentiveStatisticsPooling` over a whole clip (no padding): the attention-
+/// `AttentiveStatisticsPooling` over each clip's frames: the attention-
 /// weighted mean and standard deviation per channel, `(b, 2c, 1)`.
 #[derive(Debug, Clone)]
 struct AttentiveStatsPool {
@@ -230,11 +341,10 @@ fn stats(x: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok((mean, var.sqrt()?))
 }
 
-impl Module for AttentiveStatsPool {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl AttentiveStatsPool {
+    fn forward(&self, x: &Tensor, rows: &Rows) -> Result<Tensor> {
         let (b, c, t) = x.dims3()?;
-        let uniform = Tensor::full(1.0 / t as f64, (b, 1, t), x.device())?.to_dtype(x.dtype())?;
-        let (mean, std) = stats(x, &uniform)?;
+        let (mean, std) = stats(x, &rows.uniform(b, x.device(), x.dtype())?)?;
         let ctx = Tensor::cat(
             &[
                 x.clone(),
@@ -243,8 +353,10 @@ impl Module for AttentiveStatsPool {
             ],
             1,
         )?;
-        let a = self.conv.forward(&self.tdnn.forward(&ctx)?.tanh()?)?;
-        let a = candle_nn::ops::softmax(&a, D::Minus1)?;
+        let a = self
+            .conv
+            .forward(&self.tdnn.forward(&ctx, rows)?.tanh()?, rows)?;
+        let a = rows.softmax(&a)?;
         let (mean, std) = stats(x, &a)?;
         Tensor::cat(&[mean, std], 1)
     }
@@ -328,30 +440,57 @@ impl SpeakerEncoder {
 
     /// The x-vector `(enc_dim,)` of log-mels `(1, frames, mel_dim)`.
     pub fn forward(&self, mels: &Tensor) -> Result<Tensor> {
+        self.forward_batch(std::slice::from_ref(mels))?.squeeze(0)
+    }
+
+    /// The x-vectors `(b, enc_dim)` of clips' log-mels, each `(1, frames,
+    /// mel_dim)` with its own frame count, each as [`Self::forward`] alone.
+    pub fn forward_batch(&self, mels: &[Tensor]) -> Result<Tensor> {
         let dtype = self.fc.weight.dtype();
-        let x = mels.to_dtype(dtype)?.transpose(1, 2)?.contiguous()?;
-        let mut h = self.first.forward(&x)?;
+        let device = self.fc.weight.device();
+        let lens = mels.iter().map(|m| m.dim(1)).collect::<Result<Vec<_>>>()?;
+        let rows = Rows::new(&lens, dtype, device)?;
+        let padded = mels
+            .iter()
+            .zip(&lens)
+            .map(|(m, &l)| m.to_dtype(dtype)?.pad_with_zeros(1, 0, rows.t - l))
+            .collect::<Result<Vec<_>>>()?;
+        let x = Tensor::cat(&padded, 0)?.transpose(1, 2)?.contiguous()?;
+        let mut h = self.first.forward(&x, &rows)?;
         let mut outs = Vec::with_capacity(self.blocks.len());
         for b in &self.blocks {
-            h = b.forward(&h)?;
+            h = b.forward(&h, &rows)?;
             outs.push(h.clone());
         }
-        let h = self.mfa.forward(&Tensor::cat(&outs, 1)?)?;
-        let pooled = self.asp.forward(&h)?;
-        self.fc.forward(&pooled)?.squeeze(2)?.squeeze(0)
+        let h = self.mfa.forward(&Tensor::cat(&outs, 1)?, &rows)?;
+        let pooled = self.asp.forward(&h, &rows)?;
+        let one = Rows::new(&vec![1; lens.len()], dtype, device)?;
+        self.fc.forward(&pooled, &one)?.squeeze(2)
     }
 
     /// The x-vector of 24 kHz mono PCM in [-1, 1].
     pub fn embed_pcm(&self, pcm: &[f32]) -> Result<Tensor> {
-        if pcm.len() < self.min_samples() {
-            candle_core::bail!(
-                "a reference clip of {} samples is too short (at least {})",
-                pcm.len(),
-                self.min_samples()
-            );
-        }
-        let mels = self.mel.extract(pcm, self.fc.weight.device())?;
-        self.forward(&mels)
+        self.embed_batch(&[pcm])?.squeeze(0)
+    }
+
+    /// The x-vectors `(b, enc_dim)` of several clips at once, each as
+    /// [`Self::embed_pcm`] alone.
+    pub fn embed_batch(&self, clips: &[&[f32]]) -> Result<Tensor> {
+        let device = self.fc.weight.device();
+        let mels = clips
+            .iter()
+            .map(|pcm| {
+                if pcm.len() < self.min_samples() {
+                    candle_core::bail!(
+                        "a reference clip of {} samples is too short (at least {})",
+                        pcm.len(),
+                        self.min_samples()
+                    );
+                }
+                self.mel.extract(pcm, device)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.forward_batch(&mels)
     }
 }
 
@@ -381,6 +520,26 @@ mod tests {
         assert!(e < 1e-4, "x-vector from the reference mels {e}");
         let e = max_abs_diff(&enc.embed_pcm(&pcm).unwrap(), &io["embedding"]);
         assert!(e < 1e-4, "x-vector from PCM {e}");
+    }
+
+    /// Clips of different lengths embedded together, each as alone.
+    #[test]
+    fn a_batch_embeds_each_clip_as_alone() {
+        let enc = encoder();
+        let io = fixtures::io("speaker");
+        let pcm: Vec<f32> = io["pcm"].to_vec1().unwrap();
+        let n = pcm.len();
+        let min = enc.min_samples();
+        let clips: Vec<&[f32]> = vec![&pcm, &pcm[..min], &pcm[n / 3..], &pcm[..n / 2 + 77]];
+        let batch = enc.embed_batch(&clips).unwrap();
+        assert_eq!(batch.dims(), [4, enc.cfg.enc_dim]);
+        for (i, clip) in clips.iter().enumerate() {
+            let alone = enc.embed_pcm(clip).unwrap();
+            let e = max_abs_diff(&batch.get(i).unwrap(), &alone);
+            assert!(e < 1e-5, "clip {i} ({} samples): {e}", clip.len());
+        }
+        let e = max_abs_diff(&batch.get(0).unwrap(), &io["embedding"]);
+        assert!(e < 1e-4, "the reference's clip in a batch {e}");
     }
 
     #[test]

@@ -32,7 +32,7 @@ async fn cloned_voice(
         ..e
     };
     if let Some((clip, transcript)) = body.ref_audio()? {
-        let Some(encoder) = state.pipeline.voice_encoder() else {
+        let Some(encoder) = &state.clip_encoder else {
             return Err(param(
                 "ref_audio",
                 ApiError::bad_request(
@@ -44,14 +44,7 @@ async fn cloned_voice(
         let transcript = voices::ref_text(encoder, transcript.map(str::to_string))?;
         let bytes = voices::ref_audio_bytes(clip)?;
         return Ok(Some(
-            voices::clone_clip(
-                encoder,
-                &state.metrics.voice_encode_seconds,
-                &bytes,
-                "ref_audio",
-                transcript,
-            )
-            .await?,
+            voices::clone_clip(encoder, &bytes, "ref_audio", transcript).await?,
         ));
     }
     let Some(id) = body.cloned_voice_id() else {

@@ -3,8 +3,9 @@
 //! clip's words, for in-context cloning) makes a voice from a reference clip,
 //! `GET /v1/audio/voices` lists the caller's, `DELETE /v1/audio/voices/{id}`
 //! removes one. The speaker embedding (and with `ref_text` the clip's codes)
-//! is computed once, at upload, by the pipeline's [`VoiceEncoder`] (a
-//! Qwen3-TTS Base Talker in this process) and kept in the [`VoiceStore`];
+//! is computed once, at upload, by the pipeline's voice encoders (a Qwen3-TTS
+//! Base checkpoint's, batched by the [`ClipEncoder`]) and kept in the
+//! [`VoiceStore`];
 //! `/v1/audio/speech` then speaks with `voice: "voice_…"` or
 //! `{"id": "voice_…"}`, or with a clip of its own (`ref_audio`).
 
@@ -20,10 +21,11 @@ use base64::Engine as _;
 use serde_json::json;
 
 use omnistream_codecs::StreamResampler;
-use omnistream_stages::engine::{VoiceEncoder, VoiceReference};
+use omnistream_stages::engine::VoiceReference;
 
 use super::transcriptions::{decode_upload, multipart_error};
 use crate::serve::auth::bearer;
+use crate::serve::clip_encoder::ClipEncoder;
 use crate::serve::connections::declared_length;
 use crate::serve::error::ApiError;
 use crate::serve::state::AppState;
@@ -58,8 +60,8 @@ fn bad(param: &'static str, code: &'static str, msg: impl Into<String>) -> ApiEr
 }
 
 /// The store and encoder, or why this server clones no voices.
-fn cloning(state: &AppState) -> Result<(&VoiceStore, &Arc<dyn VoiceEncoder>), ApiError> {
-    match (&state.voice_store, state.pipeline.voice_encoder()) {
+fn cloning(state: &AppState) -> Result<(&VoiceStore, &ClipEncoder), ApiError> {
+    match (&state.voice_store, &state.clip_encoder) {
         (Some(s), Some(e)) => Ok((s, e)),
         _ => Err(ApiError::bad_request(
             "voice_cloning_unsupported",
@@ -75,14 +77,11 @@ pub fn caller(headers: &HeaderMap) -> String {
 
 /// A reference clip's transcript, for in-context cloning: `None` when absent
 /// or blank, else checked against the encoder and its length.
-pub fn ref_text(
-    encoder: &Arc<dyn VoiceEncoder>,
-    text: Option<String>,
-) -> Result<Option<String>, ApiError> {
+pub fn ref_text(encoder: &ClipEncoder, text: Option<String>) -> Result<Option<String>, ApiError> {
     let Some(text) = text.map(|t| t.trim().to_string()).filter(|t| !t.is_empty()) else {
         return Ok(None);
     };
-    if !encoder.in_context() {
+    if !encoder.encoder().in_context() {
         return Err(bad(
             "ref_text",
             "in_context_unsupported",
@@ -103,11 +102,10 @@ pub fn ref_text(
 /// A reference clip (WAV or Ogg Opus bytes) to a cloned voice: its speaker
 /// embedding, its length and, with its transcript (`ref_text`), its codes for
 /// in-context cloning. Checked for length and silence, resampled to the
-/// encoder's rate, encoded off the async threads, each part's time observed
-/// in `timings` (`voice_encode_seconds`). `param` names the field it came in.
+/// encoder's rate, encoded in the encoders' next batch (off the async
+/// threads). `param` names the field it came in.
 pub async fn clone_clip(
-    encoder: &Arc<dyn VoiceEncoder>,
-    timings: &prometheus::HistogramVec,
+    encoder: &ClipEncoder,
     bytes: &[u8],
     param: &'static str,
     ref_text: Option<String>,
@@ -148,7 +146,7 @@ pub async fn clone_clip(
             "the reference clip is silent: there is no voice to clone",
         ));
     }
-    let target = encoder.sample_rate();
+    let target = encoder.encoder().sample_rate();
     let pcm = if rate == target {
         samples
     } else {
@@ -163,42 +161,15 @@ pub async fn clone_clip(
         );
         out
     };
-    let enc = encoder.clone();
-    let in_context = ref_text.is_some();
-    let timings = timings.clone();
-    let asked = std::time::Instant::now();
-    let (embedding, codes) = tokio::task::spawn_blocking(move || {
-        let observe = |part: &str, since: std::time::Instant| {
-            timings
-                .with_label_values(&[part])
-                .observe(since.elapsed().as_secs_f64());
-            std::time::Instant::now()
-        };
-        let started = observe("wait", asked);
-        let embedding = enc
-            .embed(&pcm)
-            .map_err(|e| format!("the speaker encoder failed: {e}"))?;
-        let embedded = observe("speaker", started);
-        let codes = match in_context {
-            true => {
-                let codes = enc
-                    .codes(&pcm)
-                    .map_err(|e| format!("the codec encoder failed: {e}"))?;
-                observe("codes", embedded);
-                Some(codes)
-            }
-            false => None,
-        };
-        Ok::<_, String>((embedding, codes))
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("the voice encoders stopped: {e}")))?
-    .map_err(ApiError::internal)?;
+    let encoded = encoder
+        .encode(pcm, ref_text.is_some())
+        .await
+        .map_err(ApiError::internal)?;
     Ok(ClonedClip {
         seconds,
-        embedding,
+        embedding: encoded.embedding,
         reference: ref_text
-            .zip(codes)
+            .zip(encoded.codes)
             .map(|(text, codes)| VoiceReference { text, codes }),
     })
 }
@@ -294,7 +265,6 @@ async fn create(State(state): State<Arc<AppState>>, req: Request) -> Response {
         let transcript = ref_text(encoder, transcript)?;
         let clip = clone_clip(
             encoder,
-            &state.metrics.voice_encode_seconds,
             &sample,
             "audio_sample",
             transcript,

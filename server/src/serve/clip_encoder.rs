@@ -1,0 +1,201 @@
+//! Reference clips encoded in batches: every clip that arrives while a batch
+//! is encoding goes into the next one, so 64 requests cloning at once cost a
+//! few batched passes of the speaker and codec encoders instead of 64
+//! interleaved ones (each encode alone is bound by kernel launches on a GPU).
+//! Each clip comes out as it would alone (the encoders mask each clip's own
+//! length: see the Qwen3-TTS speaker and codec encoders).
+//!
+//! One thread runs the encoders; [`next_batch`] decides what it takes (first
+//! come first, up to a clip count and a total length), without I/O.
+
+use std::collections::VecDeque;
+use std::sync::{mpsc, Arc};
+use std::time::Instant;
+
+use omnistream_stages::engine::{EncodeTimes, EncodedVoice, VoiceClip, VoiceEncoder};
+use prometheus::{Histogram, HistogramVec};
+use tokio::sync::oneshot;
+
+/// The most clips a batch takes.
+pub const MAX_BATCH_CLIPS: usize = 64;
+/// The most audio a batch takes, in seconds: bounds the encoders' activations
+/// (the codec encoder's first layers run at the full sample rate).
+pub const MAX_BATCH_SECONDS: usize = 320;
+
+/// One clip waiting to be encoded.
+struct Job {
+    pcm: Vec<f32>,
+    in_context: bool,
+    asked: Instant,
+    reply: oneshot::Sender<Result<EncodedVoice, String>>,
+}
+
+/// The encoders' batching front: cheap to share, [`Self::encode`] from any task.
+pub struct ClipEncoder {
+    encoder: Arc<dyn VoiceEncoder>,
+    jobs: mpsc::Sender<Job>,
+}
+
+/// The metrics a batch reports.
+#[derive(Clone)]
+pub struct EncodeMetrics {
+    /// `voice_encode_seconds{part}`: each clip's wait, speaker and codes time.
+    pub parts: HistogramVec,
+    /// `voice_encode_batch_clips`: clips per batch.
+    pub batch: Histogram,
+}
+
+impl ClipEncoder {
+    /// Starts the encoding thread; it ends when the last handle is dropped.
+    pub fn start(encoder: Arc<dyn VoiceEncoder>, metrics: EncodeMetrics) -> std::io::Result<Self> {
+        let (jobs, rx) = mpsc::channel();
+        let max_samples = MAX_BATCH_SECONDS * encoder.sample_rate() as usize;
+        let enc = encoder.clone();
+        std::thread::Builder::new()
+            .name("voice-encode".into())
+            .spawn(move || run(enc.as_ref(), rx, &metrics, max_samples))?;
+        Ok(Self { encoder, jobs })
+    }
+
+    /// The encoders behind it (their rate, shortest clip, in-context support).
+    pub fn encoder(&self) -> &Arc<dyn VoiceEncoder> {
+        &self.encoder
+    }
+
+    /// `pcm` (at the encoder's rate) to its embedding and, `in_context`, its
+    /// codes, in the next batch.
+    pub async fn encode(&self, pcm: Vec<f32>, in_context: bool) -> Result<EncodedVoice, String> {
+        let (reply, rx) = oneshot::channel();
+        let job = Job {
+            pcm,
+            in_context,
+            asked: Instant::now(),
+            reply,
+        };
+        self.jobs
+            .send(job)
+            .map_err(|_| "the voice encoders stopped".to_string())?;
+        rx.await
+            .map_err(|_| "the voice encoders stopped".to_string())?
+    }
+}
+
+/// Takes the next batch off the front of `queue`: at least one clip, then
+/// more in order while there are at most `max_clips` and `max_samples` in all.
+fn next_batch<T>(
+    queue: &mut VecDeque<T>,
+    len: impl Fn(&T) -> usize,
+    max_clips: usize,
+    max_samples: usize,
+) -> Vec<T> {
+    let mut batch = Vec::new();
+    let mut total = 0;
+    while let Some(next) = queue.front() {
+        let n = len(next);
+        if !batch.is_empty() && (batch.len() >= max_clips || total + n > max_samples) {
+            break;
+        }
+        total += n;
+        batch.extend(queue.pop_front());
+    }
+    batch
+}
+
+fn run(
+    encoder: &dyn VoiceEncoder,
+    rx: mpsc::Receiver<Job>,
+    metrics: &EncodeMetrics,
+    max_samples: usize,
+) {
+    let mut queue = VecDeque::new();
+    loop {
+        if queue.is_empty() {
+            match rx.recv() {
+                Ok(job) => queue.push_back(job),
+                Err(_) => return,
+            }
+        }
+        queue.extend(rx.try_iter());
+        let batch = next_batch(&mut queue, |j| j.pcm.len(), MAX_BATCH_CLIPS, max_samples);
+        // A client gone before its clip's turn costs nothing.
+        let batch: Vec<Job> = batch.into_iter().filter(|j| !j.reply.is_closed()).collect();
+        if batch.is_empty() {
+            continue;
+        }
+        let started = Instant::now();
+        metrics.batch.observe(batch.len() as f64);
+        for job in &batch {
+            metrics
+                .parts
+                .with_label_values(&["wait"])
+                .observe((started - job.asked).as_secs_f64());
+        }
+        let clips: Vec<VoiceClip> = batch
+            .iter()
+            .map(|j| VoiceClip {
+                pcm: &j.pcm,
+                in_context: j.in_context,
+            })
+            .collect();
+        let results: Vec<Result<(EncodedVoice, EncodeTimes), String>> = match encoder.encode(&clips)
+        {
+            Ok((done, times)) => done.into_iter().map(|d| Ok((d, times))).collect(),
+            // One clip's failure is not the others': each again alone.
+            Err(_) if clips.len() > 1 => clips
+                .iter()
+                .map(|c| {
+                    encoder
+                        .encode(std::slice::from_ref(c))
+                        .map_err(|e| e.to_string())
+                        .and_then(|(mut d, t)| match d.pop() {
+                            Some(d) => Ok((d, t)),
+                            None => Err("the voice encoders returned nothing".into()),
+                        })
+                })
+                .collect(),
+            Err(e) => vec![Err(e.to_string())],
+        };
+        for (job, result) in batch.into_iter().zip(results) {
+            let result = result.map(|(done, times)| {
+                let observe = |part, d: std::time::Duration| {
+                    metrics
+                        .parts
+                        .with_label_values(&[part])
+                        .observe(d.as_secs_f64())
+                };
+                observe("speaker", times.speaker);
+                if done.codes.is_some() {
+                    observe("codes", times.codes);
+                }
+                done
+            });
+            // The client may have gone meanwhile.
+            let _ = job.reply.send(result);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn take(queue: &[usize], clips: usize, samples: usize) -> (Vec<usize>, Vec<usize>) {
+        let mut q: VecDeque<usize> = queue.iter().copied().collect();
+        let batch = next_batch(&mut q, |&n| n, clips, samples);
+        (batch, q.into_iter().collect())
+    }
+
+    #[test]
+    fn a_batch_takes_clips_in_order_within_its_limits() {
+        // Everything waiting, when it fits.
+        assert_eq!(take(&[3, 4, 5], 8, 100), (vec![3, 4, 5], vec![]));
+        // No more than the clip count.
+        assert_eq!(take(&[3, 4, 5], 2, 100), (vec![3, 4], vec![5]));
+        // No more than the total length, and never out of order (the 1 that
+        // would fit waits behind the 9).
+        assert_eq!(take(&[3, 4, 9, 1], 8, 10), (vec![3, 4], vec![9, 1]));
+        // A clip longer than the limit still goes, alone.
+        assert_eq!(take(&[50, 1], 8, 10), (vec![50], vec![1]));
+        assert_eq!(take(&[], 8, 10), (vec![], vec![]));
+    }
+}

@@ -71,7 +71,9 @@ for v in $VARIANTS; do
   grep -E "listening|captured|rror" "$OUT/serve-$v.log" | tail -5
   case $v in
     # In-context cloning (qwen-tts's default for a clip with its words).
-    *base) ARGS=(--ref-audio "$OUT/ref.wav" --ref-text "$REF_TEXT" --voice alloy); MODE=clone ;;
+    *base) ARGS=(--ref-audio "$OUT/ref.wav" --ref-text "$REF_TEXT" --voice alloy); MODE=clone
+      # XVECTOR=1: from the clip alone (its x-vector, no codes in the prompt).
+      [ "${XVECTOR:-0}" = 1 ] && ARGS=(--ref-audio "$OUT/ref.wav" --voice alloy) ;;
     # A voice described in words, in every request.
     *voicedesign) ARGS=(--instructions "A calm, warm female voice, low and unhurried." --voice alloy); MODE=design ;;
     *) ARGS=(--voice vivian); MODE=custom ;;
@@ -84,9 +86,10 @@ for v in $VARIANTS; do
       --num-prompts "${c#*:}" --warmup 2 --no-plots --out "$OUT/json/$name" 2>&1 | grep -v '^\s*$' | tail -3
     sed -n '/^| load/,/^$/p' "$OUT/json/$name/bench.md"
     grep -E '\| (TTFP|audio RTF)' "$OUT/json/$name/bench.md"
-    # Where a cloned voice's encode goes (summed since the server started).
+    # Where a cloned voice's encode goes, and how many clips a batch took
+    # (summed since the server started).
     python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" |
-      grep -E '^omnistream_voice_encode_seconds_(sum|count)'
+      grep -E '^omnistream_voice_encode_(seconds|batch_clips)_(sum|count)'
   done
   kill "$SERVER"; wait "$SERVER"
   grep -iE "warn|error" "$OUT/serve-$v.log" | tail -5

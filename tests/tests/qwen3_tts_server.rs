@@ -79,6 +79,11 @@ fn qwen3_tts_base_speaks_only_cloned_voices() {
     assert!(report.contains("3 passed"), "{report}");
     let log = server.log.lock().map(|l| l.clone()).unwrap_or_default();
     assert!(server.alive(), "the server died:\n{log}");
+    // A failed batch is encoded again clip by clip, which would hide it.
+    assert!(
+        !log.contains("encoding each alone"),
+        "a batch failed:\n{log}"
+    );
 }
 
 /// Qwen3-TTS as the voice of a cascade (deploy/smollm2-qwen3-tts-tiny.yaml):

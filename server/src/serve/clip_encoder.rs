@@ -18,9 +18,12 @@ use tokio::sync::oneshot;
 
 /// The most clips a batch takes.
 pub const MAX_BATCH_CLIPS: usize = 64;
-/// The most audio a batch takes, in seconds: bounds the encoders' activations
-/// (the codec encoder's first layers run at the full sample rate).
-pub const MAX_BATCH_SECONDS: usize = 320;
+/// The most audio a batch takes, in seconds: bounds the encoders' activations.
+/// The codec encoder's first layers run at the full sample rate: at the
+/// released shapes (f32) a batch peaks at about 42 MB a second of audio
+/// (measured on the CPU: 4 and 8 clips of 5 s, +850 and +1,711 MB), so about
+/// 6.7 GB here; the speaker encoder takes a sixth of that.
+pub const MAX_BATCH_SECONDS: usize = 160;
 
 /// One clip waiting to be encoded.
 struct Job {

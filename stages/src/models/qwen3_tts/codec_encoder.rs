@@ -850,6 +850,8 @@ mod tests {
         for n in [1usize, 959, 1921, 4803, long - 7] {
             clips.push(clips[2][..n].to_vec());
         }
+        // The same clip twice among them: rows of one length, unpadded.
+        clips.push(clips[2].clone());
         let refs: Vec<&[f32]> = clips.iter().map(Vec::as_slice).collect();
         let batch = enc.encode_batch(&refs).unwrap();
         assert_eq!(batch.len(), clips.len());

@@ -104,6 +104,47 @@ fn next_batch<T>(
     batch
 }
 
+/// `clips` encoded in one batch, one result a clip in order. A batch that
+/// fails is encoded again clip by clip, so one clip's failure is not the
+/// others' (and is logged: a failing batch would otherwise go unseen).
+fn encode_each(
+    encoder: &dyn VoiceEncoder,
+    clips: &[VoiceClip],
+) -> Vec<Result<(EncodedVoice, EncodeTimes), String>> {
+    match encoder.encode(clips) {
+        Ok((done, times)) if done.len() == clips.len() => {
+            done.into_iter().map(|d| Ok((d, times))).collect()
+        }
+        Ok((done, _)) => vec![
+            Err(format!(
+                "the voice encoders returned {} results for {} clips",
+                done.len(),
+                clips.len()
+            ));
+            clips.len()
+        ],
+        Err(e) if clips.len() > 1 => {
+            tracing::warn!(
+                "a batch of {} clips failed ({e}); encoding each alone",
+                clips.len()
+            );
+            clips
+                .iter()
+                .map(|c| {
+                    let (mut done, times) = encoder
+                        .encode(std::slice::from_ref(c))
+                        .map_err(|e| e.to_string())?;
+                    match done.pop() {
+                        Some(d) => Ok((d, times)),
+                        None => Err("the voice encoders returned nothing".into()),
+                    }
+                })
+                .collect()
+        }
+        Err(e) => vec![Err(e.to_string())],
+    }
+}
+
 fn run(
     encoder: &dyn VoiceEncoder,
     rx: mpsc::Receiver<Job>,
@@ -140,24 +181,7 @@ fn run(
                 in_context: j.in_context,
             })
             .collect();
-        let results: Vec<Result<(EncodedVoice, EncodeTimes), String>> = match encoder.encode(&clips)
-        {
-            Ok((done, times)) => done.into_iter().map(|d| Ok((d, times))).collect(),
-            // One clip's failure is not the others': each again alone.
-            Err(_) if clips.len() > 1 => clips
-                .iter()
-                .map(|c| {
-                    encoder
-                        .encode(std::slice::from_ref(c))
-                        .map_err(|e| e.to_string())
-                        .and_then(|(mut d, t)| match d.pop() {
-                            Some(d) => Ok((d, t)),
-                            None => Err("the voice encoders returned nothing".into()),
-                        })
-                })
-                .collect(),
-            Err(e) => vec![Err(e.to_string())],
-        };
+        let results = encode_each(encoder, &clips);
         for (job, result) in batch.into_iter().zip(results) {
             let result = result.map(|(done, times)| {
                 let observe = |part, d: std::time::Duration| {
@@ -181,6 +205,62 @@ fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use omnistream_stages::models::ModelError;
+
+    /// Embeds a clip as its first sample; fails any call with a NaN clip.
+    struct Fake;
+
+    impl VoiceEncoder for Fake {
+        fn sample_rate(&self) -> u32 {
+            24_000
+        }
+        fn min_samples(&self) -> usize {
+            1
+        }
+        fn in_context(&self) -> bool {
+            true
+        }
+        fn encode(
+            &self,
+            clips: &[VoiceClip<'_>],
+        ) -> Result<(Vec<EncodedVoice>, EncodeTimes), ModelError> {
+            if clips.iter().any(|c| c.pcm.iter().any(|x| x.is_nan())) {
+                return Err(ModelError::Invalid("a NaN clip".into()));
+            }
+            let done = clips
+                .iter()
+                .map(|c| EncodedVoice {
+                    embedding: vec![c.pcm[0]],
+                    codes: c.in_context.then(|| vec![vec![c.pcm.len() as u32]]),
+                })
+                .collect();
+            Ok((done, EncodeTimes::default()))
+        }
+    }
+
+    #[test]
+    fn a_bad_clip_fails_only_itself() {
+        let (good, bad, other) = ([0.5f32; 4], [f32::NAN; 4], [0.25f32; 3]);
+        let clip = |pcm, in_context| VoiceClip { pcm, in_context };
+        let got = encode_each(
+            &Fake,
+            &[clip(&good, true), clip(&bad, false), clip(&other, false)],
+        );
+        assert_eq!(got.len(), 3);
+        let (first, _) = got[0].as_ref().unwrap();
+        assert_eq!(
+            (first.embedding.as_slice(), first.codes.clone()),
+            (&[0.5][..], Some(vec![vec![4]]))
+        );
+        assert!(got[1].as_ref().unwrap_err().contains("NaN"));
+        let (third, _) = got[2].as_ref().unwrap();
+        assert_eq!(
+            (third.embedding.as_slice(), third.codes.clone()),
+            (&[0.25][..], None)
+        );
+        // Alone, a bad clip is its own error.
+        assert!(encode_each(&Fake, &[clip(&bad, true)])[0].is_err());
+    }
 
     fn take(queue: &[usize], clips: usize, samples: usize) -> (Vec<usize>, Vec<usize>) {
         let mut q: VecDeque<usize> = queue.iter().copied().collect();

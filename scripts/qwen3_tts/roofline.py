@@ -70,6 +70,11 @@ def frame_cost(cfg: dict, batch: int, kv_len: int) -> dict:
     }
 
 
+def bound_ms(c: dict, gpu: dict) -> tuple[float, float]:
+    """(memory, compute) bound of a frame cost, ms."""
+    return c["bytes"] / (gpu["tb_s"] * 1e12) * 1e3, c["flops"] / (gpu["tflops"] * 1e12) * 1e3
+
+
 def measured(paths: list[str]) -> list[tuple[str, float, float]]:
     """(label, mean batch, ms a Talker step) for each level of each bench.json."""
     rows = []
@@ -101,13 +106,10 @@ def main() -> None:
     print("| batch | weights read (M) | bytes (GB) | GFLOP | memory bound ms | compute bound ms | "
           "bound ms a step | best RTF | most audio-s/s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    bounds = {}
     for b in (1, 8, 16, 32, 48, 64):
         c = frame_cost(cfg, b, a.kv)
-        mem = c["bytes"] / (gpu["tb_s"] * 1e12) * 1e3
-        comp = c["flops"] / (gpu["tflops"] * 1e12) * 1e3
+        mem, comp = bound_ms(c, gpu)
         bound = max(mem, comp)
-        bounds[b] = bound
         print(f"| {b} | {c['weights'] / 1e6:.0f} | {c['bytes'] / 1e9:.2f} | {c['flops'] / 1e9:.1f} | "
               f"{mem:.3f} | {comp:.3f} | {bound:.3f} | {bound / 1e3 / FRAME_S:.4f} | "
               f"{b * FRAME_S / (bound / 1e3):.0f} |")
@@ -117,8 +119,7 @@ def main() -> None:
         print("| measured | mean batch | ms a Talker step | bound ms (nearest batch) | share of the bound |")
         print("|---|---|---|---|---|")
         for label, batch, ms in rows:
-            c = frame_cost(cfg, max(1, round(batch)), a.kv)
-            bound = max(c["bytes"] / (gpu["tb_s"] * 1e12), c["flops"] / (gpu["tflops"] * 1e12)) * 1e3
+            bound = max(bound_ms(frame_cost(cfg, max(1, round(batch)), a.kv), gpu))
             print(f"| {label} | {batch:.1f} | {ms:.2f} | {bound:.3f} | {bound / ms:.0%} |")
 
 

@@ -41,11 +41,15 @@ def pcm(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
 
 
-def encodes() -> dict[str, int]:
-    """`omnistream_voice_encode_seconds_count` by part, from /metrics."""
+def metrics() -> str:
     import httpx
 
-    text = httpx.get(URL.rstrip("/") + "/metrics", timeout=30).text
+    return httpx.get(URL.rstrip("/") + "/metrics", timeout=30).text
+
+
+def encodes() -> dict[str, int]:
+    """`omnistream_voice_encode_seconds_count` by part, from /metrics."""
+    text = metrics()
     prefix = "omnistream_voice_encode_seconds_count{part=\""
     return {
         line[len(prefix):].split('"')[0]: int(float(line.split()[-1]))
@@ -85,11 +89,8 @@ def test_it_speaks_only_cloned_voices(client):
 
 def batches() -> tuple[int, int]:
     """`omnistream_voice_encode_batch_clips`: (batches, clips in them)."""
-    import httpx
-
-    text = httpx.get(URL.rstrip("/") + "/metrics", timeout=30).text
     got = {}
-    for line in text.splitlines():
+    for line in metrics().splitlines():
         for key in ("_count", "_sum"):
             if line.startswith("omnistream_voice_encode_batch_clips" + key + " "):
                 got[key] = int(float(line.split()[-1]))

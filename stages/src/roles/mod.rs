@@ -673,27 +673,26 @@ impl VoiceEncoder for XVectors {
             .filter(|c| c.in_context)
             .map(|c| c.pcm)
             .collect();
-        let mut codes = match wanted.is_empty() {
-            true => Vec::new(),
+        let (codes, codes_time) = match wanted.is_empty() {
+            true => (Vec::new(), std::time::Duration::ZERO),
             false => {
                 let enc = self.0.codec().ok_or_else(|| {
                     ModelError::Invalid("this checkpoint's speech tokenizer has no encoder".into())
                 })?;
-                enc.encode_batch(&wanted)
+                let codes = enc
+                    .encode_batch(&wanted)
                     .map_err(|e| ModelError::Invalid(e.to_string()))?
                     .into_iter()
                     .map(|c| c.to_dtype(candle_core::DType::U32)?.to_vec2::<u32>())
-                    .collect::<candle_core::Result<Vec<_>>>()?
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                (codes, embedded.elapsed())
             }
-        }
-        .into_iter();
+        };
         let times = EncodeTimes {
             speaker: embedded - started,
-            codes: match wanted.is_empty() {
-                true => std::time::Duration::ZERO,
-                false => embedded.elapsed(),
-            },
+            codes: codes_time,
         };
+        let mut codes = codes.into_iter();
         let encoded = clips
             .iter()
             .zip(embeddings)

@@ -135,6 +135,7 @@ impl Rows {
 
     /// `x` `(b, c, t)` reflect-padded by `left` and `right`, each clip at its
     /// own ends (what is past a clip's padded end is its last frame, unread).
+    /// With no padding (a k=1 conv) `x` is returned as it is, whatever its length.
     fn pad(&self, x: &Tensor, left: usize, right: usize) -> Result<Tensor> {
         if self.mask.is_none() || left + right == 0 {
             return reflect_pad(x, left, right);
@@ -312,10 +313,9 @@ impl SeRes2NetBlock {
             outs.push(o);
         }
         let h = self.tdnn2.forward(&Tensor::cat(&outs, 1)?, rows)?;
-        // (b, c, 1): one frame, which every clip fills.
-        let one = Rows::new(&vec![1; rows.lens.len()], h.dtype(), h.device())?;
-        let s = self.se_conv1.forward(&rows.mean(&h)?, &one)?.relu()?;
-        let s = candle_nn::ops::sigmoid(&self.se_conv2.forward(&s, &one)?)?;
+        // The squeeze-excitation convs are k=1 over one frame: they pad nothing.
+        let s = self.se_conv1.forward(&rows.mean(&h)?, rows)?.relu()?;
+        let s = candle_nn::ops::sigmoid(&self.se_conv2.forward(&s, rows)?)?;
         h.broadcast_mul(&s)? + x
     }
 }
@@ -465,8 +465,8 @@ impl SpeakerEncoder {
         }
         let h = self.mfa.forward(&Tensor::cat(&outs, 1)?, &rows)?;
         let pooled = self.asp.forward(&h, &rows)?;
-        let one = Rows::new(&vec![1; lens.len()], dtype, device)?;
-        self.fc.forward(&pooled, &one)?.squeeze(2)
+        // k=1 over the pooled frame: it pads nothing.
+        self.fc.forward(&pooled, &rows)?.squeeze(2)
     }
 
     /// The x-vector of 24 kHz mono PCM in [-1, 1].

@@ -1654,17 +1654,72 @@ fn profile_released_thinker_layer() {
 #[test]
 #[ignore]
 fn profile_talker_steps() {
-    use super::layers::KvCache;
-    use super::sampling::{Sampler, SamplingConfig};
-    use super::talker::{SlotRows, Talker, TalkerConfig, TalkerGraphs};
-    use std::time::Instant;
+    use super::sampling::SamplingConfig;
+    use super::talker::{Talker, TalkerConfig};
     let cfg: TalkerConfig =
         serde_json::from_value(bench_config()["talker_config"].clone()).unwrap();
     let dev = gpu();
     let talker = Talker::new(&cfg, weights::random(DType::BF16, &dev).pp("talker")).unwrap();
+    let sampled = SamplingConfig {
+        temperature: 1.0,
+        ..SamplingConfig::code_predictor()
+    };
+    profile_talker(&talker, &cfg, &sampled, &[1, 8, 16, 24, 32], 300);
+}
+
+/// Qwen3-TTS's Talker at a released variant's shapes (random bf16; the
+/// variant's folder under deploy/qwen3_tts_released/bench from
+/// `OMNISTREAM_TTS_VARIANT`, 1.7b-customvoice by default), as
+/// [`profile_talker_steps`], at the rows in `OMNISTREAM_PROFILE_ROWS` (default
+/// 1,8,16,32,48,64) with 200 cached positions, the code predictor sampling as
+/// the released generation config does (temperature 0.9, top-k 50).
+#[test]
+#[ignore]
+fn profile_tts_talker_steps() {
+    use super::sampling::SamplingConfig;
+    use crate::models::qwen3_tts::config::Qwen3TtsConfig;
+    use crate::models::qwen3_tts::talker::Qwen3TtsTalker;
+    let variant =
+        std::env::var("OMNISTREAM_TTS_VARIANT").unwrap_or_else(|_| "1.7b-customvoice".into());
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/qwen3_tts_released/bench")
+        .join(&variant);
+    let rows: Vec<usize> = std::env::var("OMNISTREAM_PROFILE_ROWS")
+        .unwrap_or_else(|_| "1,8,16,32,48,64".into())
+        .split(',')
+        .map(|r| r.trim().parse().unwrap())
+        .collect();
+    let cfg = Qwen3TtsConfig::load(&dir).unwrap();
+    let dev = gpu();
+    let talker = Qwen3TtsTalker::new(&cfg, weights::random(DType::BF16, &dev)).unwrap();
+    let sampled = SamplingConfig {
+        temperature: 0.9,
+        top_k: 50,
+        top_p: 1.0,
+        ..SamplingConfig::code_predictor()
+    };
+    eprintln!("{variant}:");
+    profile_talker(talker.talker(), &cfg.talker(), &sampled, &rows, 200);
+}
+
+/// Times a Talker's step parts at each row count in `batches` (see
+/// [`profile_talker_steps`]), every row with `cached` positions in its slot.
+fn profile_talker(
+    talker: &super::talker::Talker,
+    cfg: &super::talker::TalkerConfig,
+    sampled: &super::sampling::SamplingConfig,
+    batches: &[usize],
+    cached: usize,
+) {
+    use super::layers::KvCache;
+    use super::sampling::{Sampler, SamplingConfig};
+    use super::talker::{SlotRows, TalkerGraphs};
+    use std::time::Instant;
+    let dev = gpu();
     let tc = &cfg.text_config;
     const ITERS: usize = 10;
-    let (max_rows, max_len, cached) = (32usize, 1024usize, 300usize);
+    let max_rows = batches.iter().copied().max().unwrap_or(1);
+    let max_len = 1024usize;
     let scratch = TalkerGraphs::scratch_slots(max_rows);
     let slots = talker.new_slots(max_rows + scratch, max_len).unwrap();
     for slot in 0..max_rows {
@@ -1676,10 +1731,6 @@ fn profile_talker_steps() {
         }
     }
     let mut graphs = TalkerGraphs::new(max_rows);
-    let sampled = SamplingConfig {
-        temperature: 1.0,
-        ..SamplingConfig::code_predictor()
-    };
     let time = |f: &mut dyn FnMut()| {
         for _ in 0..3 {
             f();
@@ -1692,7 +1743,7 @@ fn profile_talker_steps() {
         dev.synchronize().unwrap();
         t.elapsed().as_secs_f64() * 1e3 / ITERS as f64
     };
-    for b in [1usize, 8, 16, 24, 32] {
+    for &b in batches {
         let ids: Vec<usize> = (0..b).collect();
         let lens = vec![cached; b];
         let pos = vec![cached as u32; b];
@@ -1711,17 +1762,20 @@ fn profile_talker_steps() {
                 .unwrap();
         });
         let cp_sampled = time(&mut || {
-            cp.generate_graphed(&mut graphs.predictor, &hidden, &e0, &sampled)
+            cp.generate_graphed(&mut graphs.predictor, &hidden, &e0, sampled)
                 .unwrap();
         });
         let cp_eager = time(&mut || {
-            cp.generate_on_device(&hidden, &e0, &sampled).unwrap();
+            cp.generate_on_device(&hidden, &e0, sampled).unwrap();
         });
         // The same positions every time: the KV rows at `cached` are rewritten.
         let decode = time(&mut || {
             talker
                 .decode_slots(&slots, &rows, &hidden, Some(&mut graphs))
                 .unwrap();
+        });
+        let decode_eager = time(&mut || {
+            talker.decode_slots(&slots, &rows, &hidden, None).unwrap();
         });
         let code0: Vec<u32> = (0..b as u32).map(|i| i * 7 % 2048).collect();
         let text = bf16_randn((b, 1, tc.hidden_size), &dev);
@@ -1741,7 +1795,8 @@ fn profile_talker_steps() {
         });
         eprintln!(
             "talker {b:>2} rows: code predictor graphed {cp_greedy:.2} ms greedy, {cp_sampled:.2} sampled \
-             (eager {cp_eager:.2}); decode graphed {decode:.2}; whole step {step:.2} ms ({:.0} frames/s)",
+             (eager {cp_eager:.2}); decode graphed {decode:.2} (eager {decode_eager:.2}); \
+             whole step {step:.2} ms ({:.0} frames/s)",
             b as f64 / (step / 1e3)
         );
     }

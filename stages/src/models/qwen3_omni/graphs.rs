@@ -16,7 +16,7 @@ use candle_core::{Device, Result};
 
 /// Batch sizes a graphed step is captured at; a batch runs at the next one up
 /// (padded rows compute into free slots and are dropped).
-pub const BATCH_BUCKETS: [usize; 9] = [1, 2, 4, 8, 12, 16, 24, 32, 48];
+pub const BATCH_BUCKETS: [usize; 10] = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64];
 
 /// Key/value lengths are rounded up to a multiple of this (at most the slot length).
 pub const KV_BUCKET: usize = 256;
@@ -292,6 +292,7 @@ mod tests {
         assert_eq!(bucket(5, 301, 6, 300), None);
         assert_eq!(bucket(0, 1, 6, 300), None);
         assert_eq!(bucket(48, 10, 64, 4096), Some((48, 256)));
-        assert_eq!(bucket(49, 10, 64, 4096), None);
+        assert_eq!(bucket(49, 10, 64, 4096), Some((64, 256)));
+        assert_eq!(bucket(65, 10, 128, 4096), None);
     }
 }

@@ -1793,6 +1793,25 @@ fn profile_talker(
                 .unwrap();
             s.logits.to_vec2::<f32>().unwrap();
         });
+        if std::env::var_os("OMNISTREAM_PROFILE_RANGE").is_some() {
+            // One more whole step inside a profiler range: `ncu --profile-from-start
+            // off` sees only these kernels (scripts/qwen3_tts/talker_profile.sh).
+            dev.synchronize().unwrap();
+            let range = candle_core::cuda::cudarc::driver::Profiler::new().unwrap();
+            let (s, _) = talker
+                .step_slots(
+                    &slots,
+                    &rows,
+                    &code0,
+                    &text,
+                    &mut samplers,
+                    Some(&mut graphs),
+                )
+                .unwrap();
+            s.logits.to_vec2::<f32>().unwrap();
+            dev.synchronize().unwrap();
+            drop(range);
+        }
         eprintln!(
             "talker {b:>2} rows: code predictor graphed {cp_greedy:.2} ms greedy, {cp_sampled:.2} sampled \
              (eager {cp_eager:.2}); decode graphed {decode:.2} (eager {decode_eager:.2}); \

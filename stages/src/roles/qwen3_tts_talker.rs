@@ -15,7 +15,7 @@
 //! Requests run batched on KV slots, as Qwen3-Omni's Talker does (the same
 //! frame loop, code predictor and CUDA graphs).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
@@ -123,6 +123,34 @@ impl TextTokens {
             .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
+}
+
+/// Draws `r`'s next code 0 if it has none; returns whether its speech ended.
+fn draw_code0(eos: usize, r: &mut Req) -> Result<bool> {
+    if r.code0.is_some() {
+        return Ok(false);
+    }
+    let mut logits = r
+        .logits
+        .take()
+        .ok_or_else(|| ModelError::Invalid("talker: no logits".into()))?;
+    if let Some(n) = r.fixed_frames {
+        if r.frames >= n {
+            return Ok(true);
+        }
+    }
+    if r.frames < MIN_FRAMES || r.fixed_frames.is_some() {
+        if let Some(l) = logits.get_mut(eos) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+    let c = r.sampler.sample(&logits)?;
+    // As max_new_tokens: the budget's last code 0 is not spoken.
+    if c as usize == eos || r.frames + 1 >= r.max_frames {
+        return Ok(true);
+    }
+    r.code0 = Some(c);
+    Ok(false)
 }
 
 /// The last position `p >= from` in `text` where a space follows a character
@@ -475,35 +503,39 @@ impl Qwen3TtsTalker {
         Ok(())
     }
 
-    /// Draws `r`'s next code 0 if it has none; returns whether the request is done.
-    fn draw_code0(&self, id: RequestId, r: &mut Req, out: &mut StepOutput) -> Result<bool> {
-        if r.code0.is_some() {
-            return Ok(false);
-        }
-        let mut logits = r
-            .logits
-            .take()
-            .ok_or_else(|| ModelError::Invalid("talker: no logits".into()))?;
+    /// Draws the next code 0 of every running request that has none, in slot
+    /// order; returns the requests whose speech ended. Past a few rows the draws
+    /// run in parallel: each is a top-k and a softmax over the codec vocabulary on
+    /// the host (~2 ms a step for 64 rows on one core), with the GPU idle.
+    fn draw_codes0(
+        &self,
+        reqs: &mut HashMap<RequestId, Req>,
+        out: &mut StepOutput,
+    ) -> Result<Vec<RequestId>> {
+        use rayon::prelude::*;
+        const PARALLEL_FROM: usize = 8;
         let eos = self.model.talker().talker().config().codec_eos_token_id as usize;
-        if let Some(n) = r.fixed_frames {
-            if r.frames >= n {
-                end_of_speech(out, id);
-                return Ok(true);
+        let running: HashSet<RequestId> = self.running.iter().copied().collect();
+        let draw = |(id, r): (&RequestId, &mut Req)| (*id, draw_code0(eos, r));
+        let mut drawn: HashMap<RequestId, Result<bool>> = if running.len() >= PARALLEL_FROM {
+            reqs.par_iter_mut()
+                .filter(|(id, _)| running.contains(id))
+                .map(draw)
+                .collect()
+        } else {
+            reqs.iter_mut()
+                .filter(|(id, _)| running.contains(id))
+                .map(draw)
+                .collect()
+        };
+        let mut done = Vec::new();
+        for id in &self.running {
+            if drawn.remove(id).transpose()?.unwrap_or(false) {
+                end_of_speech(out, *id);
+                done.push(*id);
             }
         }
-        if r.frames < MIN_FRAMES || r.fixed_frames.is_some() {
-            if let Some(l) = logits.get_mut(eos) {
-                *l = f32::NEG_INFINITY;
-            }
-        }
-        let c = r.sampler.sample(&logits)?;
-        // As max_new_tokens: the budget's last code 0 is not spoken.
-        if c as usize == eos || r.frames + 1 >= r.max_frames {
-            end_of_speech(out, id);
-            return Ok(true);
-        }
-        r.code0 = Some(c);
-        Ok(false)
+        Ok(done)
     }
 
     /// One frame for every running request whose text vector is there, batched.
@@ -513,7 +545,8 @@ impl Qwen3TtsTalker {
         graphs: Option<&mut TalkerGraphs>,
         out: &mut StepOutput,
     ) -> Result<Vec<RequestId>> {
-        let (mut ids, mut finished) = (Vec::new(), Vec::new());
+        let finished = self.draw_codes0(reqs, out)?;
+        let mut ids = Vec::new();
         let (mut slots_of, mut lens, mut pos, mut code0, mut texts, mut hidden) = (
             Vec::new(),
             Vec::new(),
@@ -526,8 +559,7 @@ impl Qwen3TtsTalker {
             let Some(r) = reqs.get_mut(&id) else {
                 continue;
             };
-            if self.draw_code0(id, r, out)? {
-                finished.push(id);
+            if finished.contains(&id) {
                 continue;
             }
             let text = self.text_for(r, r.frames);

@@ -659,37 +659,61 @@ impl VoiceEncoder for XVectors {
         &self,
         clips: &[VoiceClip<'_>],
     ) -> Result<(Vec<EncodedVoice>, EncodeTimes), ModelError> {
-        let started = std::time::Instant::now();
+        use std::time::{Duration, Instant};
         let pcm: Vec<&[f32]> = clips.iter().map(|c| c.pcm).collect();
-        let embeddings = self
-            .0
-            .speaker()
-            .embed_batch(&pcm)?
-            .to_dtype(candle_core::DType::F32)?
-            .to_vec2::<f32>()?;
-        let embedded = std::time::Instant::now();
         let wanted: Vec<&[f32]> = clips
             .iter()
             .filter(|c| c.in_context)
             .map(|c| c.pcm)
             .collect();
-        let (codes, codes_time) = match wanted.is_empty() {
-            true => (Vec::new(), std::time::Duration::ZERO),
-            false => {
-                let enc = self.0.codec().ok_or_else(|| {
-                    ModelError::Invalid("this checkpoint's speech tokenizer has no encoder".into())
-                })?;
-                let codes = enc
-                    .encode_batch(&wanted)
-                    .map_err(|e| ModelError::Invalid(e.to_string()))?
-                    .into_iter()
-                    .map(|c| c.to_dtype(candle_core::DType::U32)?.to_vec2::<u32>())
-                    .collect::<candle_core::Result<Vec<_>>>()?;
-                (codes, embedded.elapsed())
-            }
+        let codec = match wanted.is_empty() {
+            true => None,
+            false => Some(self.0.codec().ok_or_else(|| {
+                ModelError::Invalid("this checkpoint's speech tokenizer has no encoder".into())
+            })?),
         };
+        let embed = || -> Result<(Vec<Vec<f32>>, Duration), ModelError> {
+            let t = Instant::now();
+            let e = self
+                .0
+                .speaker()
+                .embed_batch(&pcm)?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec2::<f32>()?;
+            Ok((e, t.elapsed()))
+        };
+        // Per in-context clip, its (frames, groups) codes.
+        type Codes = Vec<Vec<Vec<u32>>>;
+        let encode = || -> Result<(Codes, Duration), ModelError> {
+            let Some(enc) = codec else {
+                return Ok((Vec::new(), Duration::ZERO));
+            };
+            let t = Instant::now();
+            let codes = enc
+                .encode_batch(&wanted)
+                .map_err(|e| ModelError::Invalid(e.to_string()))?
+                .into_iter()
+                .map(|c| c.to_dtype(candle_core::DType::U32)?.to_vec2::<u32>())
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Ok((codes, t.elapsed()))
+        };
+        // On a GPU the two encoders run at once, each from its own thread and so
+        // on its own stream: both are bound by their many small launches, which
+        // then overlap. (On a CPU each already takes every core.)
+        let (embedded, coded) = match codec.is_some() && self.0.on_gpu() {
+            true => std::thread::scope(|s| {
+                let codes = s.spawn(encode);
+                let embedded = embed();
+                let coded = codes.join().unwrap_or_else(|_| {
+                    Err(ModelError::Invalid("the codec encoder panicked".into()))
+                });
+                (embedded, coded)
+            }),
+            false => (embed(), encode()),
+        };
+        let ((embeddings, speaker), (codes, codes_time)) = (embedded?, coded?);
         let times = EncodeTimes {
-            speaker: embedded - started,
+            speaker,
             codes: codes_time,
         };
         let mut codes = codes.into_iter();

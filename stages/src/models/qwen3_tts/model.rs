@@ -160,6 +160,7 @@ pub struct CloneEncoders {
     codec: Option<CodecEncoder>,
     /// The rate the speaker encoder hears (the codec encoder's too).
     sample_rate: u32,
+    on_gpu: bool,
 }
 
 impl CloneEncoders {
@@ -218,6 +219,7 @@ impl CloneEncoders {
             speaker,
             codec,
             sample_rate: se.sample_rate,
+            on_gpu: device.is_cuda(),
         }))
     }
 
@@ -228,6 +230,11 @@ impl CloneEncoders {
     /// Where the speech tokenizer ships its encoder.
     pub fn codec(&self) -> Option<&CodecEncoder> {
         self.codec.as_ref()
+    }
+
+    /// Whether the encoders run on a GPU.
+    pub fn on_gpu(&self) -> bool {
+        self.on_gpu
     }
 
     /// The rate the encoders hear a clip at.

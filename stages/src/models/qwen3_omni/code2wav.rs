@@ -887,35 +887,30 @@ fn host_mask(
 }
 
 /// [`host_mask`] from positions on the device, `first` (rows, 1, 1) f32, with
-/// tensor ops only (a graph replays it): a key's window and causality do not depend
-/// on the row (fixed `total` and `n`), only "not before 0" does,
-/// `first + n - total + j >= 0`.
+/// tensor ops only (a graph replays it, and a capture cannot upload more than
+/// candle's 4 KiB parameter cache holds, so no table of `n x total` comes from
+/// the host): a key's window and causality do not depend on the row (fixed
+/// `total` and `n`), only "not before 0" does, `first + n - total + j >= 0`.
 fn device_mask(first: &Tensor, n: usize, total: usize, window: usize) -> Result<Tensor> {
     let dev = first.device();
     let rows = first.dim(0)?;
-    // Any row far enough in: only the window and causality count.
-    let far = (total + window) as i64;
-    let fixed: Vec<f32> = (0..n as i64)
-        .flat_map(|i| {
-            (0..total as i64).map(move |j| {
-                if visible(far, i, j, n as i64, total as i64, window as i64) {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
-    let fixed =
-        Tensor::from_vec(fixed, (1, 1, n, total), dev)?.broadcast_as((rows, 1, n, total))?;
+    let shape = (rows, 1, n, total);
+    let i = Tensor::arange(0f32, n as f32, dev)?.reshape((1, 1, n, 1))?;
     let j = Tensor::arange(0f32, total as f32, dev)?.reshape((1, 1, 1, total))?;
+    // Query i sits at key index total - n + i: it sees keys j with
+    // 0 <= (total - n + i) - j < window, i.e. total - n - window < j - i <= total - n.
+    let d = j.broadcast_sub(&i)?;
+    let back = (total - n) as f64;
+    let in_window = (d.le(back)? * d.gt(back - window as f64)?)?.broadcast_as(shape)?;
     let started = first
         .reshape((rows, 1, 1, 1))?
         .broadcast_add(&j)?
-        .ge((total - n) as f64)?
-        .broadcast_as((rows, 1, n, total))?;
-    let hidden = Tensor::full(f32::NEG_INFINITY, (rows, 1, n, total), dev)?;
-    started.where_cond(&fixed, &hidden)
+        .ge(back)?
+        .broadcast_as(shape)?;
+    let visible = (in_window * started)?;
+    let open = Tensor::zeros(shape, DType::F32, dev)?;
+    let hidden = Tensor::full(f32::NEG_INFINITY, shape, dev)?;
+    visible.where_cond(&open, &hidden)
 }
 
 /// `Qwen3OmniMoeCode2WavDecoderResidualUnit`: x + conv2(act2(conv1(act1(x)))).
@@ -2137,7 +2132,14 @@ mod tests {
     #[test]
     fn device_mask_equals_host_mask() {
         let dev = Device::Cpu;
-        for (window, n) in [(8usize, 4usize), (72, 4), (72, 1), (8, 9)] {
+        for (window, n) in [
+            (8usize, 4usize),
+            (72, 4),
+            (72, 1),
+            (8, 9),
+            (72, 22),
+            (72, 100),
+        ] {
             let total = window - 1 + n;
             let firsts = [1usize, 2, 5, window - 2, window - 1, window, 3 * window];
             let host = host_mask(&firsts, n, total, window, &dev).unwrap();

@@ -883,6 +883,10 @@ mod tests {
     use crate::models::qwen3_tts::model::Weights;
 
     fn stage() -> Qwen3TtsTalker {
+        stage_of(4)
+    }
+
+    fn stage_of(max_num_seqs: usize) -> Qwen3TtsTalker {
         let dev = candle_core::Device::Cpu;
         let model = Qwen3Tts::load(
             &fixtures::model_dir(),
@@ -910,7 +914,7 @@ mod tests {
             greedy,
             Some(cp),
             None,
-            4,
+            max_num_seqs,
             512,
             false,
         )
@@ -1057,6 +1061,49 @@ mod tests {
         let chunk = TextChunk::text(case["text"].as_str().unwrap().into(), Vec::new(), true);
         stage.push(7, Payload::Text(chunk)).unwrap();
         assert_eq!(run(&mut stage, 7), want("custom"));
+    }
+
+    /// Nine requests at once (their code 0s drawn in parallel, past eight rows)
+    /// each speak as the reference does alone.
+    #[test]
+    fn nine_requests_at_once_each_speak_as_alone() {
+        let mut stage = stage_of(9);
+        let text = case("custom")["text"].as_str().unwrap().to_string();
+        let ids: Vec<RequestId> = (20..29).collect();
+        for &id in &ids {
+            stage
+                .admit(ctx(id, "Vivian", SpeechStyle::default()))
+                .unwrap();
+            let chunk = TextChunk::text(text.clone(), Vec::new(), true);
+            stage.push(id, Payload::Text(chunk)).unwrap();
+        }
+        let mut frames: HashMap<RequestId, Vec<Vec<u32>>> = HashMap::new();
+        let mut finished = HashSet::new();
+        let mut widest = 0;
+        for _ in 0..200 {
+            let mut out = StepOutput::default();
+            stage.step(&mut out);
+            assert!(out.failed.is_empty(), "{:?}", out.failed);
+            widest = widest.max(out.batch);
+            for (id, p) in out.downstream {
+                if let Payload::Frames(FrameChunk {
+                    frames: Some(f), ..
+                }) = p
+                {
+                    let f = f.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+                    frames.entry(id).or_default().push(f);
+                }
+            }
+            finished.extend(out.finished);
+            if finished.len() == ids.len() {
+                break;
+            }
+        }
+        assert_eq!(widest, 9, "the nine never stepped together");
+        for id in ids {
+            assert!(finished.contains(&id), "request {id} never finished");
+            assert_eq!(frames[&id], want("custom"), "request {id}");
+        }
     }
 
     /// A text streamed in pieces of any size is tokenized as the whole text

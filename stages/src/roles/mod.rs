@@ -697,10 +697,12 @@ impl VoiceEncoder for XVectors {
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Ok((codes, t.elapsed()))
         };
+        // The Talker holds its next step back meanwhile (graphs::yield_to_encodes).
+        let _section = crate::models::qwen3_omni::graphs::EncodeSection::on(self.0.device());
         // On a GPU the two encoders run at once, each from its own thread and so
         // on its own stream: both are bound by their many small launches, which
         // then overlap. (On a CPU each already takes every core.)
-        let (embedded, coded) = match codec.is_some() && self.0.on_gpu() {
+        let (embedded, coded) = match codec.is_some() && self.0.device().is_cuda() {
             true => std::thread::scope(|s| {
                 let codes = s.spawn(encode);
                 let embedded = embed();

@@ -1681,15 +1681,21 @@ fn profile_tts_talker_steps() {
     use crate::models::qwen3_tts::talker::Qwen3TtsTalker;
     let variant =
         std::env::var("OMNISTREAM_TTS_VARIANT").unwrap_or_else(|_| "1.7b-customvoice".into());
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../deploy/qwen3_tts_released/bench")
-        .join(&variant);
+    // From the repository root (as scripts/qwen3_tts/talker_profile.sh runs
+    // it), else where the binary was built.
+    let bench = std::path::Path::new("deploy/qwen3_tts_released/bench");
+    let dir = match bench.is_dir() {
+        true => bench.to_path_buf(),
+        false => std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/qwen3_tts_released/bench"),
+    }
+    .join(&variant);
     let rows: Vec<usize> = std::env::var("OMNISTREAM_PROFILE_ROWS")
         .unwrap_or_else(|_| "1,8,16,32,48,64".into())
         .split(',')
         .map(|r| r.trim().parse().unwrap())
         .collect();
-    let cfg = Qwen3TtsConfig::load(&dir).unwrap();
+    let cfg = Qwen3TtsConfig::load(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     let dev = gpu();
     let talker = Qwen3TtsTalker::new(&cfg, weights::random(DType::BF16, &dev)).unwrap();
     let sampled = SamplingConfig {

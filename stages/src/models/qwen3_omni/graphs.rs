@@ -269,6 +269,52 @@ pub fn yield_to_urgent(max: std::time::Duration) {
     }
 }
 
+/// Clip encodes started and finished (Qwen3-TTS Base: a request's reference
+/// clip, encoded before its prefill). Beside the Talker's back-to-back graph
+/// replays on the urgent stream, a batch of clips that takes about 12 ms alone
+/// took about 380 ms at c=64 on an H100 (docs/bench/qwen3-tts-gpu.md), and every
+/// cloned request waits for it: the Talker lets the encodes in flight finish
+/// before its next step ([`yield_to_encodes`]).
+static ENCODES_STARTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static ENCODES_FINISHED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// While alive, a clip encode is in flight (see [`yield_to_encodes`]).
+#[derive(Debug)]
+pub struct EncodeSection(());
+
+impl EncodeSection {
+    /// A section for an encode on `device`, where it shares a GPU (none on the CPU).
+    pub fn on(device: &Device) -> Option<Self> {
+        device.is_cuda().then(|| {
+            ENCODES_STARTED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Self(())
+        })
+    }
+}
+
+impl Drop for EncodeSection {
+    fn drop(&mut self) {
+        ENCODES_FINISHED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Waits, at most `max`, until the clip encodes in flight now have finished (not
+/// those that start meanwhile, so a stream of encodes cannot hold the caller
+/// back for long). `OMNISTREAM_ENCODE_PRIORITY=off` turns the wait off (for
+/// measurement).
+pub fn yield_to_encodes(max: std::time::Duration) {
+    use std::sync::atomic::Ordering::SeqCst;
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("OMNISTREAM_ENCODE_PRIORITY").is_ok_and(|v| v == "off")) {
+        return;
+    }
+    let target = ENCODES_STARTED.load(SeqCst);
+    let start = std::time::Instant::now();
+    while ENCODES_FINISHED.load(SeqCst) < target && start.elapsed() < max {
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
+}
+
 /// Whether decode steps on `device` can run as graphs (a CUDA device in the cuda build).
 pub fn available(device: &Device) -> bool {
     cfg!(feature = "cuda") && device.is_cuda()
@@ -277,6 +323,37 @@ pub fn available(device: &Device) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The wait ends when the encodes in flight at its start finish, whatever
+    /// starts meanwhile; and at its cap if they do not.
+    #[test]
+    fn yield_to_encodes_waits_for_the_encodes_in_flight_only() {
+        use std::sync::atomic::Ordering::SeqCst;
+        use std::time::{Duration, Instant};
+        // The counters as a GPU's sections move them (a CPU takes none).
+        ENCODES_STARTED.fetch_add(1, SeqCst);
+        let done = std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(30));
+            // Another starts before the first ends.
+            ENCODES_STARTED.fetch_add(1, SeqCst);
+            ENCODES_FINISHED.fetch_add(1, SeqCst);
+        });
+        let t = Instant::now();
+        yield_to_encodes(Duration::from_secs(5));
+        let waited = t.elapsed();
+        done.join().unwrap();
+        assert!(waited >= Duration::from_millis(30), "{waited:?}");
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
+        // The second is still in flight: the next wait ends at its cap.
+        let t = Instant::now();
+        yield_to_encodes(Duration::from_millis(20));
+        assert!(t.elapsed() >= Duration::from_millis(20));
+        ENCODES_FINISHED.fetch_add(1, SeqCst);
+        let t = Instant::now();
+        yield_to_encodes(Duration::from_secs(5));
+        assert!(t.elapsed() < Duration::from_secs(1));
+        assert!(EncodeSection::on(&Device::Cpu).is_none());
+    }
 
     #[test]
     fn buckets_round_up_within_the_slots() {

@@ -160,7 +160,7 @@ pub struct CloneEncoders {
     codec: Option<CodecEncoder>,
     /// The rate the speaker encoder hears (the codec encoder's too).
     sample_rate: u32,
-    on_gpu: bool,
+    device: Device,
 }
 
 impl CloneEncoders {
@@ -219,7 +219,7 @@ impl CloneEncoders {
             speaker,
             codec,
             sample_rate: se.sample_rate,
-            on_gpu: device.is_cuda(),
+            device: device.clone(),
         }))
     }
 
@@ -232,9 +232,9 @@ impl CloneEncoders {
         self.codec.as_ref()
     }
 
-    /// Whether the encoders run on a GPU.
-    pub fn on_gpu(&self) -> bool {
-        self.on_gpu
+    /// Where the encoders run.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// The rate the encoders hear a clip at.

@@ -99,13 +99,15 @@ def batches() -> tuple[int, int]:
 
 def test_clips_encoded_together_are_each_as_alone(client):
     """Uploads at once share the encoders' batches (clips of different lengths,
-    in context and not), and each voice speaks as the same clip uploaded alone."""
+    in context and not), and each voice speaks as the same clip uploaded alone,
+    one at a time and all at once."""
     from concurrent.futures import ThreadPoolExecutor
 
     samples = load_safetensors(FIXTURES / "qwen3_tts" / "encoder" / "io.safetensors")[f"pcm16_{CASE['ref_clip']}"]
     other = load_safetensors(FIXTURES / "qwen3_tts" / "speaker" / "io.safetensors")["pcm"]  # 2 s
-    clips = [  # (samples, in context)
-        (samples, True), (samples[:60_000], True), (other, False), (samples[:64_321], False)]
+    clips = [  # (samples, in context); two in context of one length, told apart
+        (samples, True), (samples[:60_000], True), (samples[4_000:64_000], True),
+        (other, False), (samples[:64_321], False)]
 
     def upload(i: int) -> str:
         wav, in_context = pcm16_wav(clips[i][0]), clips[i][1]
@@ -136,6 +138,12 @@ def test_clips_encoded_together_are_each_as_alone(client):
     assert 1 <= after[0] - before[0] <= len(order), (before, after)
     for i, voice in zip(order, ids):
         got = speak(voice)
+        assert got.shape == alone[i].shape and float(np.abs(got - alone[i]).max()) < TOL, i
+    # Spoken at once, the in-context streams are seeded with their clips'
+    # codes together (those of one length in one pass): each as alone.
+    with ThreadPoolExecutor(len(order)) as pool:
+        together = list(pool.map(speak, ids))
+    for i, got in zip(order, together):
         assert got.shape == alone[i].shape and float(np.abs(got - alone[i]).max()) < TOL, i
 
 

@@ -116,6 +116,9 @@ impl<R> Requests<R> {
     pub(crate) fn any(&self, f: impl Fn(&R) -> bool) -> bool {
         self.reqs.values().any(f)
     }
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (RequestId, &mut R)> {
+        self.reqs.iter_mut().map(|(id, r)| (*id, r))
+    }
 
     /// One step: up to `max` ready requests (round-robin) advance together:
     /// `advance` gets them all at once and returns, in order, whether each

@@ -65,6 +65,9 @@ struct Req {
     pending_frames: usize,
     upstream_done: bool,
     chunks: u64,
+    /// A cloned voice's reference codes `(1, groups, frames)`, until the stream
+    /// is seeded with them ([`Qwen3OmniCode2Wav::seed_pending`]).
+    seed: Option<Tensor>,
 }
 
 pub struct Qwen3OmniCode2Wav {
@@ -79,6 +82,10 @@ pub struct Qwen3OmniCode2Wav {
     /// Captured steps (a CUDA device, unless the stage's `enforce_eager`).
     graphs: Option<Code2WavGraphs>,
 }
+
+/// The most reference frames one pass of [`Qwen3OmniCode2Wav::seed_pending`]
+/// decodes: 16 clips of 5 s (63 frames), twice a graphed step's 64 x 8.
+const SEED_BATCH_FRAMES: usize = 1024;
 
 /// The sample rate of Qwen3-Omni's audio.
 pub const QWEN3_OMNI_SAMPLE_RATE: u32 = 24_000;
@@ -129,8 +136,9 @@ impl Qwen3OmniCode2Wav {
     /// stream starts from the decoder state after the clip's codes, whose audio
     /// is dropped (qwen-tts decodes the clip's codes and the new ones together
     /// and cuts the clip's share: the same samples, F x 1920 of them, or one
-    /// more where its float cut rounds down; see `voice_clone_cut`).
-    fn seed(&mut self, slot: usize, reference: &VoiceReference) -> Result<()> {
+    /// more where its float cut rounds down; see `voice_clone_cut`). Checked
+    /// here; decoded by the next step, with the other streams' of its length.
+    fn seed_codes(&self, reference: &VoiceReference) -> Result<Tensor> {
         let groups = self.model.groups();
         let frames = reference.codes.len();
         if frames == 0 || reference.codes.iter().any(|f| f.len() != groups) {
@@ -140,14 +148,52 @@ impl Qwen3OmniCode2Wav {
         }
         // (frames, groups) to the decoder's (1, groups, frames).
         let flat: Vec<u32> = reference.codes.iter().flatten().copied().collect();
-        let codes = Tensor::from_vec(flat, (frames, groups), &candle_core::Device::Cpu)?
-            .t()?
-            .contiguous()?
-            .unsqueeze(0)?;
-        self.model
-            .decoder()?
-            .step_slots(&mut self.slots, &[slot], &codes)?;
-        Ok(())
+        Ok(
+            Tensor::from_vec(flat, (frames, groups), &candle_core::Device::Cpu)?
+                .t()?
+                .contiguous()?
+                .unsqueeze(0)?,
+        )
+    }
+
+    /// Decodes the reference codes of every stream admitted since the last step,
+    /// those of one length together (up to [`SEED_BATCH_FRAMES`] frames a pass):
+    /// one by one, 64 clones arriving at once held every running stream back for
+    /// 64 eager decodes of a whole clip each. A pass that fails fails its streams.
+    fn seed_pending(&mut self, out: &mut StepOutput) {
+        let mut waiting: Vec<(RequestId, usize, Tensor)> = self
+            .reqs
+            .iter_mut()
+            .filter_map(|(id, r)| r.seed.take().map(|c| (id, r.slot, c)))
+            .collect();
+        let frames = |c: &Tensor| c.dim(2).unwrap_or(0);
+        waiting.sort_by_key(|(id, _, c)| (frames(c), *id));
+        let mut rest = waiting.as_slice();
+        while let Some((_, _, first)) = rest.first() {
+            let n = frames(first);
+            let most = (SEED_BATCH_FRAMES / n.max(1)).max(1);
+            let len = rest
+                .iter()
+                .take(most)
+                .take_while(|(_, _, c)| frames(c) == n)
+                .count();
+            let (group, next) = rest.split_at(len);
+            rest = next;
+            let slots: Vec<usize> = group.iter().map(|(_, s, _)| *s).collect();
+            let codes: Vec<&Tensor> = group.iter().map(|(_, _, c)| c).collect();
+            let seeded = self.model.decoder().and_then(|c2w| {
+                let codes = Tensor::cat(&codes, 0)?;
+                c2w.step_slots(&mut self.slots, &slots, &codes)?;
+                Ok(())
+            });
+            if let Err(e) = seeded {
+                for (id, _, _) in group {
+                    self.reqs.remove(*id);
+                    let msg = format!("code2wav: decoding the voice reference: {e}");
+                    out.failed.push((*id, ModelError::Invalid(msg)));
+                }
+            }
+        }
     }
 
     fn chunk(policy: &ChunkPolicy, r: &Req) -> usize {
@@ -155,7 +201,9 @@ impl Qwen3OmniCode2Wav {
     }
 
     fn is_ready(policy: &ChunkPolicy, r: &Req) -> bool {
-        r.upstream_done || (policy.async_chunk && r.pending_frames >= Self::chunk(policy, r))
+        r.seed.is_none()
+            && (r.upstream_done
+                || (policy.async_chunk && r.pending_frames >= Self::chunk(policy, r)))
     }
 
     /// Takes the next chunk's codes `(groups, n)` (everything left once upstream is
@@ -258,10 +306,11 @@ impl Qwen3OmniCode2Wav {
 
 impl StageModel for Qwen3OmniCode2Wav {
     fn admit(&mut self, ctx: Arc<RequestCtx>) -> Result<()> {
+        let seed = match &ctx.spec.style.reference {
+            Some(reference) => Some(self.seed_codes(reference)?),
+            None => None,
+        };
         let slot = self.take_slot(ctx.id)?;
-        if let Some(reference) = &ctx.spec.style.reference {
-            self.seed(slot, reference)?;
-        }
         self.reqs.insert(
             ctx.id,
             Req {
@@ -271,6 +320,7 @@ impl StageModel for Qwen3OmniCode2Wav {
                 pending_frames: 0,
                 upstream_done: false,
                 chunks: 0,
+                seed,
             },
         );
         Ok(())
@@ -302,6 +352,7 @@ impl StageModel for Qwen3OmniCode2Wav {
         // Ahead of the Thinker's next step on a shared GPU (graphs::yield_to_urgent).
         let dev = self.model.device();
         let _urgent = graphs::UrgentSection::decoder_step(dev, self.graphs.is_some());
+        self.seed_pending(out);
         let mut reqs = std::mem::take(&mut self.reqs);
         let policy = self.policy;
         reqs.step(
@@ -318,7 +369,8 @@ impl StageModel for Qwen3OmniCode2Wav {
     }
 
     fn has_ready_work(&self) -> bool {
-        self.reqs.any(|r| Self::is_ready(&self.policy, r))
+        self.reqs
+            .any(|r| r.seed.is_some() || Self::is_ready(&self.policy, r))
     }
 
     fn start(&mut self) {

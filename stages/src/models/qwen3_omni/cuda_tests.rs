@@ -1786,7 +1786,7 @@ fn profile_talker(
         let code0: Vec<u32> = (0..b as u32).map(|i| i * 7 % 2048).collect();
         let text = bf16_randn((b, 1, tc.hidden_size), &dev);
         let mut samplers: Vec<Sampler> = (0..b).map(|_| Sampler::new(sampled.clone())).collect();
-        let step = time(&mut || {
+        let mut whole_step = || {
             let (s, _) = talker
                 .step_slots(
                     &slots,
@@ -1798,23 +1798,14 @@ fn profile_talker(
                 )
                 .unwrap();
             s.logits.to_vec2::<f32>().unwrap();
-        });
+        };
+        let step = time(&mut whole_step);
         if std::env::var_os("OMNISTREAM_PROFILE_RANGE").is_some() {
             // One more whole step inside a profiler range: `ncu --profile-from-start
             // off` sees only these kernels (scripts/qwen3_tts/talker_profile.sh).
             dev.synchronize().unwrap();
             let range = candle_core::cuda::cudarc::driver::Profiler::new().unwrap();
-            let (s, _) = talker
-                .step_slots(
-                    &slots,
-                    &rows,
-                    &code0,
-                    &text,
-                    &mut samplers,
-                    Some(&mut graphs),
-                )
-                .unwrap();
-            s.logits.to_vec2::<f32>().unwrap();
+            whole_step();
             dev.synchronize().unwrap();
             drop(range);
         }

@@ -324,6 +324,26 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// A free port whose next one is free too, for TCP and UDP (baresip 1.0 opens
+/// its SIP/TLS transport on the port after its SIP one, whatever
+/// `sip_transports` says: a busy neighbour failed its start).
+pub fn free_port_pair() -> u16 {
+    use std::net::{TcpListener, UdpSocket};
+    for _ in 0..100 {
+        let port = free_port();
+        let Some(next) = port.checked_add(1) else {
+            continue;
+        };
+        let free = |p: u16| {
+            TcpListener::bind(("127.0.0.1", p)).is_ok() && UdpSocket::bind(("127.0.0.1", p)).is_ok()
+        };
+        if free(port) && free(next) {
+            return port;
+        }
+    }
+    panic!("no two free ports side by side");
+}
+
 /// Starts `omnistream serve` (default profile) with `extra` arguments and waits
 /// until it listens (models loaded and warmed up).
 pub fn spawn_server(extra: &[&str]) -> Server {

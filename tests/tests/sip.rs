@@ -18,8 +18,8 @@ use serde_json::Value;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 use omnistream_e2e::{
-    eventually, free_port, metric_keyed, own_voice, resample, spawn_server, whisper_wer, Server,
-    TempProfile,
+    eventually, free_port, free_port_pair, metric_keyed, own_voice, resample, spawn_server,
+    whisper_wer, Server, TempProfile,
 };
 
 const KEY: &str = "sip-test-key";
@@ -40,7 +40,7 @@ struct Baresip {
 impl Baresip {
     fn dial(uri: &str, password: &str, wav: &Path) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (sip, ctrl) = (free_port(), free_port());
+        let (sip, ctrl) = (free_port_pair(), free_port());
         std::fs::create_dir_all(dir.path().join("rec")).expect("rec dir");
         let config = format!(
             "poll_method epoll\n\

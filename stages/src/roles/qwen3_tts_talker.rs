@@ -47,6 +47,7 @@ const MIN_FRAMES: usize = 2;
 
 /// The longest a step waits for the clip encodes in flight.
 const ENCODE_WAIT_CAP: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// A VoiceDesign checkpoint's voice: the one the instructions describe.
 pub const DESCRIBED: &str = "described";
 
@@ -783,11 +784,10 @@ impl StageModel for Qwen3TtsTalker {
 
     fn step(&mut self, out: &mut StepOutput) {
         let dev = self.model.device().clone();
-        if dev.is_cuda() {
-            // The reference clips being encoded go first: each cloned request
-            // waits for its clip, and beside these steps an encode ran 30x slower.
-            graphs::yield_to_encodes(ENCODE_WAIT_CAP);
-        }
+        // The reference clips being encoded go first: each cloned request waits
+        // for its clip, and beside these steps an encode ran 30x slower (only a
+        // GPU's encodes are counted, so on the CPU this returns at once).
+        graphs::yield_to_encodes(ENCODE_WAIT_CAP);
         for id in self.lost.drain(..) {
             out.failed
                 .push((id, ModelError::Invalid("its KV slot was lost".into())));

@@ -159,11 +159,12 @@ impl Qwen3OmniCode2Wav {
     /// Decodes the reference codes of every stream admitted since the last step,
     /// those of one length together (up to [`SEED_BATCH_FRAMES`] frames a pass):
     /// one by one, 64 clones arriving at once held every running stream back for
-    /// 64 eager decodes of a whole clip each. A pass goes in the chunks a stream
-    /// takes (1, 2, 4, then 8 frames by the default policy), so on a GPU it
-    /// replays the stage's captured steps (an eager decode of a 5 s clip was
-    /// most of a clone's first audio at c=1); the stream is exact, so the state
-    /// is the one-shot decode's. A pass that fails fails its streams.
+    /// 64 eager decodes of a whole clip each. A pass ([`Code2Wav::seed_slots`])
+    /// runs the clip through the transformer and only its last frames through
+    /// the convolutions, those in the chunk lengths the stage captured, so on a
+    /// GPU it replays captured steps (an eager decode of a whole 5 s clip was
+    /// most of a clone's first audio at c=1); the state is the one-shot
+    /// decode's. A pass that fails fails its streams.
     fn seed_pending(&mut self, out: &mut StepOutput) {
         let mut waiting: Vec<(RequestId, usize, Tensor)> = self
             .reqs
@@ -185,21 +186,11 @@ impl Qwen3OmniCode2Wav {
             rest = next;
             let slots: Vec<usize> = group.iter().map(|(_, s, _)| *s).collect();
             let codes: Vec<&Tensor> = group.iter().map(|(_, _, c)| c).collect();
-            let policy = self.policy;
+            let sizes = self.policy.sizes();
             let seeded = self.model.decoder().and_then(|c2w| {
                 let codes = Tensor::cat(&codes, 0)?;
-                let (mut done, mut k) = (0, 0);
-                while done < n {
-                    let take = policy.frames(k).max(1).min(n - done);
-                    let piece = codes.narrow(2, done, take)?;
-                    match &mut self.graphs {
-                        Some(g) => c2w.step_slots_graphed(&mut self.slots, g, &slots, &piece)?,
-                        None => c2w.step_slots(&mut self.slots, &slots, &piece)?,
-                    };
-                    done += take;
-                    k += 1;
-                }
-                Ok(())
+                let graphs = self.graphs.as_mut();
+                Ok(c2w.seed_slots(&mut self.slots, graphs, &slots, &codes, &sizes)?)
             });
             if let Err(e) = seeded {
                 for (id, _, _) in group {

@@ -1687,6 +1687,133 @@ impl Code2Wav {
         Ok(graphs.chunks.len())
     }
 
+    /// Frames of the pre-transformer's output that decide the convolutional
+    /// path's state at the end of a stream: the sum of every layer's left
+    /// context, each in frames at its own rate (for the released decoder
+    /// 3 + 1.5 for the ConvNeXt blocks, 1.5 for `decoder_in`, about 3.4 for the
+    /// decoder blocks), rounded up. Every layer after the transformer is a
+    /// causal conv, a transposed conv or pointwise (SnakeBeta, the LayerNorm over
+    /// channels), so nothing older reaches that state.
+    pub fn conv_context_frames(&self) -> usize {
+        let spf = self.samples_per_frame;
+        // In samples at the output rate: a layer at `rate` samples a frame with
+        // `c` samples of context adds c * spf / rate.
+        let mut rate = 1;
+        let mut total = 0;
+        for (up, convnext) in &self.upsample {
+            rate *= up.stride;
+            total += convnext.dwconv.context * spf / rate;
+        }
+        total += self.decoder_in.context * spf / rate;
+        for block in &self.blocks {
+            // A k = 2s transposed conv's block j reads input j - 1.
+            total += spf / rate;
+            rate *= block.upsample.stride;
+            total += block.units.iter().map(|u| u.conv1.context).sum::<usize>() * spf / rate;
+        }
+        total += self.decoder_out.context * spf / rate.max(1);
+        total.div_ceil(spf)
+    }
+
+    /// Decodes `codes` (slots.len(), num_quantizers, n) into fresh streams whose
+    /// audio is not wanted, only their state (a cloned voice's reference clip,
+    /// which the new speech continues). The state after n frames is that of
+    /// the pre-transformer over all n (its K/V window and `pre_conv` context)
+    /// and of the convolutional path over the last [`Self::conv_context_frames`]
+    /// only, so for Qwen3-TTS the frames before those go through the front and
+    /// the transformer alone, and the last ones through the whole decoder, from
+    /// a zero state (the same as a fresh one: its zero padding), in the chunk
+    /// lengths of `sizes` (later chunks' lengths, as [`Self::warm_up_graphs`]
+    /// took them) so that on a GPU they replay captured steps. A 5 s clip's 63
+    /// frames cost 12 frames of the convolutions, not 63. Qwen3-Omni's decoder
+    /// (whose first chunk is trimmed) and clips within the context go through
+    /// the whole decoder in chunks.
+    pub fn seed_slots(
+        &self,
+        state: &mut Code2WavSlots,
+        mut graphs: Option<&mut Code2WavGraphs>,
+        slots: &[usize],
+        codes: &Tensor,
+        sizes: &[(usize, bool)],
+    ) -> Result<()> {
+        let b = state.check(slots, codes)?;
+        let n = codes.dim(2)?;
+        if b == 0 || n == 0 {
+            return Ok(());
+        }
+        if slots.iter().any(|&s| state.frames[s] > 0) {
+            candle_core::bail!("code2wav: a seed goes into fresh streams only")
+        }
+        let later: Vec<usize> = sizes
+            .iter()
+            .filter(|(f, first)| !first && *f > 0)
+            .map(|s| s.0)
+            .collect();
+        let step = later.iter().copied().min().unwrap_or(1);
+        // The conv path's part, whole chunks of the shortest later length.
+        let tail = self.conv_context_frames().max(1).next_multiple_of(step);
+        let mut done = 0;
+        if self.delay == 0 && n > tail && !state.kv.is_empty() {
+            done = n - tail;
+            self.transform_slots(state, slots, &codes.narrow(2, 0, done)?)?;
+        }
+        while done < n {
+            let rest = n - done;
+            let take = match (&graphs, done) {
+                // A fresh stream's first chunk is the one length captured fresh.
+                (Some(_), 0) => sizes.iter().find(|s| s.1).map_or(1, |s| s.0),
+                (Some(_), _) => later
+                    .iter()
+                    .copied()
+                    .filter(|&f| f <= rest)
+                    .max()
+                    .unwrap_or(rest),
+                (None, _) => rest,
+            };
+            let piece = codes.narrow(2, done, take.clamp(1, rest))?;
+            match graphs.as_deref_mut() {
+                Some(g) => self.step_slots_graphed(state, g, slots, &piece)?,
+                None => self.step_slots(state, slots, &piece)?,
+            };
+            done += take.clamp(1, rest);
+        }
+        Ok(())
+    }
+
+    /// The front and the pre-transformer alone over fresh `slots`: their K/V and
+    /// `pre_conv` context advance by `codes`' n frames; the convolutional path's
+    /// state stays zero, a fresh stream's.
+    fn transform_slots(
+        &self,
+        state: &mut Code2WavSlots,
+        slots: &[usize],
+        codes: &Tensor,
+    ) -> Result<()> {
+        let b = state.check(slots, codes)?;
+        let n = codes.dim(2)?;
+        let device = self.decoder_out.weight.device();
+        let ids = Tensor::from_vec(
+            slots.iter().map(|&s| s as u32).collect::<Vec<_>>(),
+            b,
+            device,
+        )?;
+        let codes = self.device_codes(codes)?;
+        let mut batch = self.new_state();
+        self.transform(&mut batch, &codes, Pos::Host(&[0]), &mut |_| Ok(()))?;
+        for (dst, like) in batch.tensors_mut().into_iter().zip(&state.conv) {
+            if dst.is_none() {
+                let mut dims = like.dims().to_vec();
+                dims[0] = b;
+                *dst = Some(Tensor::zeros(dims, like.dtype(), like.device())?);
+            }
+        }
+        state.scatter(&ids, &mut batch)?;
+        for &s in slots {
+            state.frames[s] = n;
+        }
+        Ok(())
+    }
+
     /// [`Self::step`] before the final clamp (tests compare the signal itself).
     fn step_unclamped(
         &self,
@@ -1721,8 +1848,10 @@ impl Code2Wav {
         codes.to_device(self.decoder_out.weight.device())
     }
 
-    /// One forward of `codes` (checked, u32, on the device) on batched `state`.
-    fn step_parts(
+    /// The front (the codes' embedding, and Qwen3-TTS's `pre_conv`) and the
+    /// pre-transformer over `codes` (checked, u32, on the device, at least one
+    /// frame): (batch, n, hidden).
+    fn transform(
         &self,
         state: &mut Code2WavState,
         codes: &Tensor,
@@ -1730,11 +1859,7 @@ impl Code2Wav {
         mark: &mut dyn FnMut(Part) -> Result<()>,
     ) -> Result<Tensor> {
         let (b, nq, n) = codes.dims3()?;
-        let dtype = self.decoder_out.weight.dtype();
         let device = self.decoder_out.weight.device();
-        if n == 0 {
-            return Tensor::zeros((b, 1, 0), dtype, device);
-        }
         let h = match &self.front {
             Front::Mean(table) => {
                 let offsets: Vec<u32> = (0..nq as u32)
@@ -1762,9 +1887,26 @@ impl Code2Wav {
             }
         };
         mark(Part::whole("embed"))?;
-
         let h = self.pre_transformer.step(&h, pos, &mut state.kv)?;
         mark(Part::whole("pre_transformer"))?;
+        Ok(h)
+    }
+
+    /// One forward of `codes` (checked, u32, on the device) on batched `state`.
+    fn step_parts(
+        &self,
+        state: &mut Code2WavState,
+        codes: &Tensor,
+        pos: Pos,
+        mark: &mut dyn FnMut(Part) -> Result<()>,
+    ) -> Result<Tensor> {
+        let (b, _, n) = codes.dims3()?;
+        let dtype = self.decoder_out.weight.dtype();
+        let device = self.decoder_out.weight.device();
+        if n == 0 {
+            return Tensor::zeros((b, 1, 0), dtype, device);
+        }
+        let h = self.transform(state, codes, pos, mark)?;
         let mut h = h.transpose(1, 2)?.contiguous()?;
         for ((up, convnext), s) in self.upsample.iter().zip(state.upsample.iter_mut()) {
             h = up.step(&h, &mut None)?;

@@ -141,6 +141,56 @@ mod tests {
         assert!(tail > 1e-3, "later chunks lose the long context: {tail}");
     }
 
+    /// A cloned voice's clip seeds a stream (the transformer over the clip, the
+    /// convolutions over its last frames only), and what follows is the
+    /// one-shot decode of the clip and the new codes together, past the clip;
+    /// two clips seeded at once, for clips longer and shorter than the
+    /// convolutions' context and than the K/V window.
+    #[test]
+    fn seeded_streams_continue_the_one_shot_decode() {
+        let dec = decoder();
+        let tail = dec.conv_context_frames();
+        assert_eq!(tail, 10, "the released rates' context");
+        let sizes = [(1, true), (2, false), (4, false), (8, false)];
+        let mut x = 7u64;
+        let mut codes = |frames: usize| {
+            let v: Vec<u32> = (0..2 * 4 * frames)
+                .map(|_| {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((x >> 33) % 64) as u32
+                })
+                .collect();
+            Tensor::from_vec(v, (2, 4, frames), &Device::Cpu).unwrap()
+        };
+        for clip in [3usize, tail, tail + 1, 19, 40] {
+            let (seed, next) = (codes(clip), codes(6));
+            let whole = dec
+                .decode(&Tensor::cat(&[&seed, &next], 2).unwrap())
+                .unwrap();
+            let want = whole.narrow(2, clip * 1920, 6 * 1920).unwrap();
+            let mut slots = dec.new_slots(4);
+            // A stream already in slot 0, so the slots have their shapes.
+            dec.step_slots(&mut slots, &[0], &codes(2).narrow(0, 0, 1).unwrap())
+                .unwrap();
+            dec.seed_slots(&mut slots, None, &[3, 1], &seed, &sizes)
+                .unwrap();
+            assert_eq!((slots.frames(3), slots.frames(1)), (clip, clip));
+            let got = dec.step_slots(&mut slots, &[3, 1], &next).unwrap();
+            let e = max_abs_diff(&got, &want);
+            assert!(e < 1e-4, "a clip of {clip} frames: {e}");
+        }
+        // Only fresh streams take a seed.
+        let mut slots = dec.new_slots(2);
+        dec.step_slots(&mut slots, &[0], &codes(2).narrow(0, 0, 1).unwrap())
+            .unwrap();
+        let seed = codes(12).narrow(0, 0, 1).unwrap();
+        assert!(dec
+            .seed_slots(&mut slots, None, &[0], &seed, &sizes)
+            .is_err());
+    }
+
     #[test]
     fn bad_codes_are_refused() {
         let dec = decoder();

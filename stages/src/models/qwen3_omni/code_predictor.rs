@@ -20,7 +20,7 @@
 
 use super::graphs;
 use super::layers::{
-    attention_mask, new_slots, run_decoder, Attention, DecoderConfig, DecoderLayer, KvCache,
+    self, attention_mask, new_slots, run_decoder, Attention, DecoderConfig, DecoderLayer, KvCache,
     KvSlots, RmsNorm, RotaryEmbedding, SlotBatch,
 };
 use super::sampling::{self, sample_on_device_with, samples_on_device, Sampler, SamplingConfig};
@@ -196,7 +196,7 @@ impl CodePredictor {
     /// Talker-wide inputs `(b, s, talker_hidden)` at the code predictor's width.
     fn project(&self, x: &Tensor) -> Result<Tensor> {
         match &self.small_to_mtp_projection {
-            Some(p) => p.forward(x),
+            Some(p) => layers::project(p, x),
             None => Ok(x.clone()),
         }
     }
@@ -461,7 +461,7 @@ impl CodePredictor {
             if g > 0 {
                 h = self.model.forward_step(&self.project(&input)?, frame, g)?;
             }
-            let logits = head.forward(&h.squeeze(1)?)?.to_dtype(DType::F32)?;
+            let logits = layers::project(head, &h.squeeze(1)?)?.to_dtype(DType::F32)?;
             let ids = match &mut draw {
                 Draw::Host(samplers) => {
                     let rows = logits.to_vec2::<f32>()?;

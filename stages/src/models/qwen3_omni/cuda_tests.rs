@@ -1174,6 +1174,53 @@ fn causal_conv_kernel_matches_f32() {
     assert!(err.to_string().contains("multiple of 32"), "{err}");
 }
 
+/// The dense GEMV (kernels/dense.cu) against candle's matmul (cuBLAS) at the
+/// Qwen3-TTS Talker's and code predictor's decode shapes, 1 to 8 rows, and its
+/// SwiGLU against `silu_mul` of the matmul: within a bf16 rounding or two of
+/// the largest output (the sums run in another order); 9 rows are refused.
+#[test]
+fn dense_gemv_matches_matmul() {
+    use super::kernels;
+    let dev = gpu();
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let mut worst = 0f32;
+    for (n, k) in [
+        (1024, 1024),
+        (4096, 1024),
+        (1024, 3072),
+        (2048, 2048),
+        (4096, 2048),
+        (2048, 6144),
+        (3072, 1024),
+        (1000, 1032),
+    ] {
+        let w = bf16_randn((n, k), &dev);
+        for m in [1usize, 2, 3, 8] {
+            let x = bf16_randn((m, k), &dev);
+            let want = x.matmul(&w.t().unwrap()).unwrap();
+            let got = kernels::dense_gemv(&x, &w, false).unwrap();
+            assert_eq!(got.dims(), &[m, n]);
+            let scale = max_abs_diff(&f(&want), &f(&want).zeros_like().unwrap());
+            let e = max_abs_diff(&f(&got), &f(&want)) / scale;
+            assert!(e < 2e-2, "{m} rows of {n} x {k}: {e}");
+            worst = worst.max(e);
+            if n.is_multiple_of(2) {
+                let want = kernels::silu_mul(&want).unwrap();
+                let got = kernels::dense_gemv(&x, &w, true).unwrap();
+                assert_eq!(got.dims(), &[m, n / 2]);
+                let scale = max_abs_diff(&f(&want), &f(&want).zeros_like().unwrap());
+                let e = max_abs_diff(&f(&got), &f(&want)) / scale;
+                assert!(e < 2e-2, "{m} rows of {n} x {k}, SwiGLU: {e}");
+                worst = worst.max(e);
+            }
+        }
+    }
+    eprintln!("dense GEMV vs matmul: max |diff| {worst:.2e} of the largest output");
+    let nine = bf16_randn((9, 1024), &dev);
+    let w = bf16_randn((1024, 1024), &dev);
+    assert!(kernels::dense_gemv(&nine, &w, false).is_err());
+}
+
 /// Code2Wav at the released shapes with random bf16 weights on `dev`.
 fn released_code2wav(dev: &Device) -> super::code2wav::Code2Wav {
     use super::code2wav::{Code2Wav, Code2WavConfig};

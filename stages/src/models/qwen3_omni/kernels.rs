@@ -97,6 +97,17 @@ impl Variant {
     }
 }
 
+/// Whether a decode step's dense projections (attention, MLP, heads) of up to
+/// [`DENSE_GEMV_MAX_ROWS`] rows go through [`dense_gemv`] (1) or candle's
+/// matmul, cuBLAS (0, the default until measured on the GPU side by side:
+/// `OMNISTREAM_DENSE_GEMV`). cuBLAS read the Qwen3-TTS code predictor's
+/// weights at about 40% of the H100's memory rate, splitting k and reducing
+/// after (docs/bench/qwen3-tts-gpu.md).
+pub static DENSE_GEMV: Variant = Variant::new("OMNISTREAM_DENSE_GEMV", &[0, 1], 0);
+
+/// The most rows [`dense_gemv`] takes (kernels/dense.cu, `GEMV_MAX_ROWS`).
+pub const DENSE_GEMV_MAX_ROWS: usize = 8;
+
 /// The register budget of the MoE GEMV launches: the kernels are built for at
 /// least 1, 4, 6 or 8 resident blocks a multiprocessor at 4 rows a warp, 1 to 4
 /// at 8 (kernels/moe.cu, `MOE_GEMV_KERNELS`); more blocks keep more loads in
@@ -235,6 +246,8 @@ mod imp {
     const CODE2WAV_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/code2wav.ptx"));
     const DENSE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/dense.ptx"));
     const DENSE_THREADS: u32 = 256;
+    /// Warps a block of the dense GEMV (kernels/dense.cu, `GEMV_WARPS`).
+    const GEMV_WARPS: u32 = 4;
     const ARGMAX_THREADS: u32 = 1024;
     const TC_THREADS: u32 = 256;
     // kernels/code2wav.cu's conv tiles (its block is TC_THREADS too).
@@ -1229,6 +1242,55 @@ mod imp {
         Ok(wrap(out, dev, dims))
     }
 
+    pub fn dense_gemv(x: &Tensor, w: &Tensor, swiglu: bool) -> Result<Tensor> {
+        let (x, w) = (
+            checked(x, DType::BF16, "dense_gemv x")?,
+            checked(w, DType::BF16, "dense_gemv w")?,
+        );
+        let (m, k) = x.dims2()?;
+        let (rows, kw) = w.dims2()?;
+        let n = if swiglu { rows / 2 } else { rows };
+        if kw != k
+            || !k.is_multiple_of(8)
+            || !(1..=DENSE_GEMV_MAX_ROWS).contains(&m)
+            || (swiglu && !rows.is_multiple_of(2))
+            || n == 0
+        {
+            candle_core::bail!(
+                "dense_gemv: x {:?}, w {:?} (1 to {DENSE_GEMV_MAX_ROWS} rows, k a multiple of 8)",
+                x.dims(),
+                w.dims()
+            );
+        }
+        let dev = x.device().as_cuda_device()?;
+        let name = if swiglu {
+            "dense_gate_up_bf16"
+        } else {
+            "dense_gemv_bf16"
+        };
+        let func = dev.get_or_load_custom_func(name, "omnistream_dense", DENSE_PTX)?;
+        let out = unsafe { dev.alloc::<half::bf16>(m * n) }?;
+        let (x_st, x_l) = x.storage_and_layout();
+        let (w_st, w_l) = w.storage_and_layout();
+        let (xs, ws) = (
+            view::<half::bf16>(&x_st, x_l)?,
+            view::<half::bf16>(&w_st, w_l)?,
+        );
+        let (m_i, n_i, k8) = (m as i32, n as i32, (k / 8) as i32);
+        let mut b = func.builder();
+        b.arg(&xs).arg(&ws).arg(&out).arg(&m_i).arg(&n_i).arg(&k8);
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(GEMV_WARPS), 1, 1),
+            block_dim: (GEMV_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one warp a weight row below n (2n rows with the SwiGLU), m <= the
+        // kernel's rows, k a multiple of 8 over checked, aligned, contiguous inputs.
+        unsafe { b.launch(cfg) }.w()?;
+        drop(b);
+        Ok(wrap(out, dev, (m, n)))
+    }
+
     pub fn add_rms_norm(
         x: &Tensor,
         h: &Tensor,
@@ -1342,6 +1404,10 @@ mod imp {
         no_cuda()
     }
 
+    pub fn dense_gemv(_x: &Tensor, _w: &Tensor, _swiglu: bool) -> Result<Tensor> {
+        no_cuda()
+    }
+
     pub fn add_rms_norm(
         _x: &Tensor,
         _h: &Tensor,
@@ -1449,6 +1515,13 @@ pub use imp::moe_down;
 /// Each token's routed experts summed: `(tokens * top_k, n)` rows in choice order
 /// to `(tokens, n)`, in f32.
 pub use imp::moe_sum;
+
+/// A decode step's projection `x` `(m, k)` by `w` `(n, k)`: `(m, n)`, one warp a
+/// weight row (kernels/dense.cu), for m up to [`DENSE_GEMV_MAX_ROWS`]; with
+/// `swiglu`, `w` is gate rows then up rows `(2n, k)` and the result
+/// `silu(gate) * up` `(m, n)`, rounded as [`silu_mul`] after the projection.
+/// bf16, k a multiple of 8.
+pub use imp::dense_gemv;
 
 /// SwiGLU on a fused gate/up projection `(.., 2 * n)` bf16 (gate first, n a
 /// multiple of 8): `silu(gate) * up` `(.., n)`, in f32, rounded once.

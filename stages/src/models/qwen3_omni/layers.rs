@@ -161,6 +161,42 @@ pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Resu
     candle_nn::linear_b(in_dim, out_dim, bias, vb)
 }
 
+/// The rows of `x` `(.., k)` when a projection of it by `w` `(n, k)` goes
+/// through the engine's GEMV ([`kernels::DENSE_GEMV`]: a GPU in bf16, a decode
+/// step's few rows); `None`: candle's matmul.
+fn gemv_rows(x: &Tensor, w: &Tensor) -> Option<usize> {
+    let on = x.device().is_cuda()
+        && x.dtype() == DType::BF16
+        && w.dtype() == DType::BF16
+        && kernels::enabled()
+        && kernels::DENSE_GEMV.get() == 1;
+    let k = x.dims().last().copied().filter(|&k| on && k > 0)?;
+    let m = x.elem_count() / k;
+    ((1..=kernels::DENSE_GEMV_MAX_ROWS).contains(&m) && k.is_multiple_of(8)).then_some(m)
+}
+
+/// `x`'s rows `(m, k)` through `kernels::dense_gemv`, back in `x`'s leading dims.
+fn gemv(x: &Tensor, m: usize, w: &Tensor, swiglu: bool) -> Result<Tensor> {
+    let y = kernels::dense_gemv(&x.reshape((m, ()))?, w, swiglu)?;
+    let mut dims = x.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = y.dim(1)?;
+    }
+    y.reshape(dims)
+}
+
+/// `l.forward(x)`, a decode step's few rows by the engine's GEMV where it is on.
+pub fn project(l: &Linear, x: &Tensor) -> Result<Tensor> {
+    let Some(m) = gemv_rows(x, l.weight()) else {
+        return l.forward(x);
+    };
+    let y = gemv(x, m, l.weight(), false)?;
+    match l.bias() {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
 /// Qwen3 RMSNorm: normalised in f32, scaled by `weight`.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
@@ -784,7 +820,7 @@ impl Attention {
         let (b, s, _) = x.dims3()?;
         let (hd, heads, kvh) = (self.head_dim, self.num_heads, self.num_kv_heads);
         let (q, k, v) = kernels::qk_norm_rope_prefill(
-            &qkv.forward(x)?,
+            &project(qkv, x)?,
             &self.q_norm.weight_native,
             &self.k_norm.weight_native,
             self.q_norm.eps,
@@ -807,7 +843,7 @@ impl Attention {
             .matmul(&v.contiguous()?)?
             .reshape((b, heads, s, hd))?;
         let out = out.transpose(1, 2)?.reshape((b, s, heads * hd))?;
-        self.o_proj.forward(&out)
+        project(&self.o_proj, &out)
     }
 
     /// One decode step of a running batch: `x` `(b, 1, hidden)`, cos/sin `(b, 1, d / 2)` at
@@ -834,7 +870,7 @@ impl Attention {
         if let Some(qkv) = self.fused_qkv() {
             // Three launches (kernels/attention.cu): the q/k/v projection, norms +
             // rotary + KV writes, attention over each row's own positions.
-            let qkv = qkv.forward(x)?.reshape((b, ()))?;
+            let qkv = project(qkv, x)?.reshape((b, ()))?;
             let q = kernels::qk_norm_rope(
                 &qkv,
                 &self.q_norm.weight_native,
@@ -851,9 +887,7 @@ impl Attention {
             let rows = batch.gather.as_ref();
             let out =
                 kernels::decode_attention(&q, &slots.k, &slots.v, &batch.mask, rows, self.scaling)?;
-            return self
-                .o_proj
-                .forward(&out.reshape((b, 1, self.num_heads * hd))?);
+            return project(&self.o_proj, &out.reshape((b, 1, self.num_heads * hd))?);
         }
         let q = self
             .q_proj
@@ -884,8 +918,7 @@ impl Attention {
         let scores = (q.matmul(&k.t()?)? * self.scaling)?.to_dtype(DType::F32)?;
         let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&batch.mask)?)?;
         let out = probs.to_dtype(dtype)?.matmul(v)?;
-        self.o_proj
-            .forward(&out.reshape((b, 1, self.num_heads * hd))?)
+        project(&self.o_proj, &out.reshape((b, 1, self.num_heads * hd))?)
     }
 }
 
@@ -943,7 +976,11 @@ impl Mlp {
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if let Some(gu) = self.gate_up.as_ref().filter(|_| kernels::enabled()) {
-            return self.down_proj.forward(&kernels::silu_mul(&gu.forward(x)?)?);
+            let h = match gemv_rows(x, gu.weight()) {
+                Some(m) => gemv(x, m, gu.weight(), true)?,
+                None => kernels::silu_mul(&gu.forward(x)?)?,
+            };
+            return project(&self.down_proj, &h);
         }
         let g = self.gate_proj.forward(x)?.apply(&self.act)?;
         let u = self.up_proj.forward(x)?;

@@ -939,8 +939,7 @@ impl Talker {
     }
 
     fn codec_logits(&self, last_hidden: &Tensor) -> Result<Tensor> {
-        self.codec_head
-            .forward(&last_hidden.squeeze(1)?.contiguous()?)?
+        layers::project(&self.codec_head, &last_hidden.squeeze(1)?.contiguous()?)?
             .to_dtype(DType::F32)
     }
 }

@@ -13,3 +13,17 @@ __device__ __forceinline__ unsigned short to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u); // round to nearest even
     return (unsigned short)(u >> 16);
 }
+
+// The dot product of 8 packed bf16 pairs, in f32.
+__device__ __forceinline__ float dot8(uint4 a, uint4 b) {
+    return bf_lo(a.x) * bf_lo(b.x) + bf_hi(a.x) * bf_hi(b.x)
+         + bf_lo(a.y) * bf_lo(b.y) + bf_hi(a.y) * bf_hi(b.y)
+         + bf_lo(a.z) * bf_lo(b.z) + bf_hi(a.z) * bf_hi(b.z)
+         + bf_lo(a.w) * bf_lo(b.w) + bf_hi(a.w) * bf_hi(b.w);
+}
+
+// The sum over a warp's lanes, in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}

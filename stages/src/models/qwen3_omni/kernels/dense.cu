@@ -5,6 +5,8 @@
 #include "bf16.cuh"
 
 #define DENSE_THREADS 256
+#define GEMV_WARPS 4
+#define GEMV_MAX_ROWS 8
 
 // SwiGLU on the fused gate/up projection: gu (rows, 2 * n) bf16, gate in columns
 // [0, n), up in [n, 2 * n); y (rows, n) = silu(gate) * up, with gate and up
@@ -73,4 +75,67 @@ extern "C" __global__ void __launch_bounds__(DENSE_THREADS) add_rms_norm_bf16(
         }
         y[base + c] = make_uint4(o[0], o[1], o[2], o[3]);
     }
+}
+
+// A decode step's projection of m <= GEMV_MAX_ROWS rows: y (m, n) = x (m, k) .
+// w (n, k)^T, bf16 in and out, f32 sums rounded once (as cuBLAS's bf16 GEMM
+// with f32 accumulation). One warp a weight row, its lanes over k in 16-byte
+// loads, so a whole matrix's loads are in flight at once (cuBLAS's kernels at
+// these shapes split k and reduce after, at about 40% of the memory's rate).
+// With SWIGLU w is (2n, k), gate rows then up rows, and the warp takes gate row
+// r and up row n + r: y = silu(gate) * up, each projection rounded to bf16 and
+// the product in f32 rounded once, as silu_mul_bf16 after the projection.
+// x4 and w4 as 16-byte groups, k8 = k / 8.
+template <bool SWIGLU>
+__device__ __forceinline__ void gemv_rows(
+    const uint4* __restrict__ x4, const uint4* __restrict__ w4, unsigned short* __restrict__ y,
+    int m, int n, int k8) {
+    const int lane = threadIdx.x % 32;
+    const int row = blockIdx.x * GEMV_WARPS + threadIdx.x / 32;
+    if (row >= n) return;
+    const uint4* g = w4 + (size_t)row * k8;
+    const uint4* u = w4 + ((size_t)n + row) * k8;
+    float acc[GEMV_MAX_ROWS], up[GEMV_MAX_ROWS];
+#pragma unroll
+    for (int j = 0; j < GEMV_MAX_ROWS; ++j) acc[j] = up[j] = 0.f;
+#pragma unroll 4
+    for (int c = lane; c < k8; c += 32) {
+        const uint4 gv = __ldg(g + c);
+        const uint4 uv = SWIGLU ? __ldg(u + c) : gv;
+#pragma unroll
+        for (int j = 0; j < GEMV_MAX_ROWS; ++j) {
+            if (j < m) {
+                const uint4 xv = x4[(size_t)j * k8 + c];
+                acc[j] += dot8(gv, xv);
+                if (SWIGLU) up[j] += dot8(uv, xv);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < GEMV_MAX_ROWS; ++j) {
+        if (j >= m) break;
+        const float a = warp_sum(acc[j]);
+        const float b = SWIGLU ? warp_sum(up[j]) : 0.f;
+        if (lane != 0) continue;
+        if (SWIGLU) {
+            const float gr = bf(to_bf16(a)), ur = bf(to_bf16(b));
+            y[(size_t)j * n + row] = to_bf16(gr / (1.f + expf(-gr)) * ur);
+        } else {
+            y[(size_t)j * n + row] = to_bf16(a);
+        }
+    }
+}
+
+// Grid: ceil(n / GEMV_WARPS); block: GEMV_WARPS * 32.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) dense_gemv_bf16(
+    const uint4* __restrict__ x, const uint4* __restrict__ w, unsigned short* __restrict__ y,
+    int m, int n, int k8) {
+    gemv_rows<false>(x, w, y, m, n, k8);
+}
+
+// The same over gate/up rows with the SwiGLU: n is the intermediate width.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) dense_gate_up_bf16(
+    const uint4* __restrict__ x, const uint4* __restrict__ w, unsigned short* __restrict__ y,
+    int m, int n, int k8) {
+    gemv_rows<true>(x, w, y, m, n, k8);
 }

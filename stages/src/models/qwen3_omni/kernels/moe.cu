@@ -28,18 +28,6 @@
 
 #include "bf16.cuh"
 
-__device__ __forceinline__ float dot8(uint4 a, uint4 b) {
-    return bf_lo(a.x) * bf_lo(b.x) + bf_hi(a.x) * bf_hi(b.x)
-         + bf_lo(a.y) * bf_lo(b.y) + bf_hi(a.y) * bf_hi(b.y)
-         + bf_lo(a.z) * bf_lo(b.z) + bf_hi(a.z) * bf_hi(b.z)
-         + bf_lo(a.w) * bf_lo(b.w) + bf_hi(a.w) * bf_hi(b.w);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // First index in experts[0..p) not below e.
 __device__ __forceinline__ int lower_bound(const unsigned int* experts, int p, unsigned int e) {
     int lo = 0, hi = p;

@@ -1828,7 +1828,9 @@ impl Code2Wav {
 
     /// `codes` (batch, num_quantizers, n), u32 or i64, checked where they are (the
     /// host, from the Talker: on the device the check would wait for the stream
-    /// every step), as u32 on the model's device.
+    /// every step), as contiguous u32 on the model's device (a graphed step
+    /// copies them into its input with `slice_set`, which takes no strided
+    /// tensor, and a seed's pieces are narrowed views).
     fn device_codes(&self, codes: &Tensor) -> Result<Tensor> {
         let (_, nq, n) = codes.dims3()?;
         if nq != self.num_quantizers {
@@ -1845,7 +1847,9 @@ impl Code2Wav {
                 candle_core::bail!("code2wav: code {max} outside the codebook")
             }
         }
-        codes.to_device(self.decoder_out.weight.device())
+        codes
+            .contiguous()?
+            .to_device(self.decoder_out.weight.device())
     }
 
     /// The front (the codes' embedding, and Qwen3-TTS's `pre_conv`) and the

@@ -1204,7 +1204,8 @@ fn dense_gemv_matches_matmul() {
             let e = max_abs_diff(&f(&got), &f(&want)) / scale;
             assert!(e < 2e-2, "{m} rows of {n} x {k}: {e}");
             worst = worst.max(e);
-            if n.is_multiple_of(2) {
+            // silu_mul takes gate/up widths of multiples of 16.
+            if n.is_multiple_of(16) {
                 let want = kernels::silu_mul(&want).unwrap();
                 let got = kernels::dense_gemv(&x, &w, true).unwrap();
                 assert_eq!(got.dims(), &[m, n / 2]);
@@ -1301,6 +1302,19 @@ fn code2wav_graphed_steps_match_eager() {
     );
 }
 
+/// A released Qwen3-TTS variant's folder of deploy/qwen3_tts_released/bench:
+/// from the repository root (as the GPU scripts run the tests), else where the
+/// binary was built.
+fn tts_bench_dir(variant: &str) -> std::path::PathBuf {
+    let bench = std::path::Path::new("deploy/qwen3_tts_released/bench");
+    match bench.is_dir() {
+        true => bench.to_path_buf(),
+        false => std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/qwen3_tts_released/bench"),
+    }
+    .join(variant)
+}
+
 /// Qwen3-TTS's decoder at the released shapes (random bf16): two streams seeded
 /// with a 5 s clip through the captured steps (the transformer over the clip,
 /// the convolutions over its last frames) continue as two seeded by one eager
@@ -1310,9 +1324,9 @@ fn code2wav_graphed_steps_match_eager() {
 fn tts_code2wav_seed_matches_eager() {
     use super::code2wav::{Code2Wav, Code2WavGraphs};
     use crate::models::qwen3_tts::config::SpeechTokenizerConfig;
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../deploy/qwen3_tts_released/bench/1.7b-base");
-    let cfg = SpeechTokenizerConfig::load(&dir).unwrap();
+    let dir = tts_bench_dir("1.7b-base");
+    let cfg =
+        SpeechTokenizerConfig::load(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     let dev = gpu();
     let c2w = Code2Wav::new(
         &cfg.decoder_config,
@@ -1781,15 +1795,7 @@ fn profile_tts_talker_steps() {
     use crate::models::qwen3_tts::talker::Qwen3TtsTalker;
     let variant =
         std::env::var("OMNISTREAM_TTS_VARIANT").unwrap_or_else(|_| "1.7b-customvoice".into());
-    // From the repository root (as scripts/qwen3_tts/talker_profile.sh runs
-    // it), else where the binary was built.
-    let bench = std::path::Path::new("deploy/qwen3_tts_released/bench");
-    let dir = match bench.is_dir() {
-        true => bench.to_path_buf(),
-        false => std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../deploy/qwen3_tts_released/bench"),
-    }
-    .join(&variant);
+    let dir = tts_bench_dir(&variant);
     let rows: Vec<usize> = std::env::var("OMNISTREAM_PROFILE_ROWS")
         .unwrap_or_else(|_| "1,8,16,32,48,64".into())
         .split(',')

@@ -99,10 +99,9 @@ impl Variant {
 
 /// Whether a decode step's dense projections (attention, MLP, heads) of up to
 /// [`DENSE_GEMV_MAX_ROWS`] rows go through [`dense_gemv`] (1) or candle's
-/// matmul, cuBLAS (0, the default until measured on the GPU side by side:
-/// `OMNISTREAM_DENSE_GEMV`). cuBLAS read the Qwen3-TTS code predictor's
-/// weights at about 40% of the H100's memory rate, splitting k and reducing
-/// after (docs/bench/qwen3-tts-gpu.md).
+/// matmul, cuBLAS (0, the default: `OMNISTREAM_DENSE_GEMV`). On an H100 the
+/// GEMV tied cuBLAS at one row inside a CUDA graph and was twice as slow at 8
+/// (docs/bench/qwen3-tts-gpu.md); kept for the side-by-side of later kernels.
 pub static DENSE_GEMV: Variant = Variant::new("OMNISTREAM_DENSE_GEMV", &[0, 1], 0);
 
 /// The most rows [`dense_gemv`] takes (kernels/dense.cu, `GEMV_MAX_ROWS`).

@@ -1725,7 +1725,8 @@ impl Code2Wav {
     /// a zero state (the same as a fresh one: its zero padding), in the chunk
     /// lengths of `sizes` (later chunks' lengths, as [`Self::warm_up_graphs`]
     /// took them) so that on a GPU they replay captured steps. A 5 s clip's 63
-    /// frames cost 12 frames of the convolutions, not 63. Qwen3-Omni's decoder
+    /// frames cost 10 frames of the convolutions (8 + 2 with the released
+    /// profiles' chunks), not 63. Qwen3-Omni's decoder
     /// (whose first chunk is trimmed) and clips within the context go through
     /// the whole decoder in chunks.
     pub fn seed_slots(

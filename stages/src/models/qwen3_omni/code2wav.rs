@@ -1770,13 +1770,14 @@ impl Code2Wav {
                     .max()
                     .unwrap_or(rest),
                 (None, _) => rest,
-            };
-            let piece = codes.narrow(2, done, take.clamp(1, rest))?;
+            }
+            .clamp(1, rest);
+            let piece = codes.narrow(2, done, take)?;
             match graphs.as_deref_mut() {
                 Some(g) => self.step_slots_graphed(state, g, slots, &piece)?,
                 None => self.step_slots(state, slots, &piece)?,
             };
-            done += take.clamp(1, rest);
+            done += take;
         }
         Ok(())
     }

@@ -8,7 +8,9 @@
 #    bf16 weights at the released shapes), the step parts alone on the GPU at
 #    ROWS rows (`profile_tts_talker_steps`): the code predictor's graphed frame,
 #    the graphed Talker decode, each eagerly, and the whole step the stage runs;
-#    once for each of GEMV (OMNISTREAM_DENSE_GEMV: "0 1" for both).
+#    once for each of KNOBS, space-separated settings of the kernels' variables
+#    (`VAR=value`, several joined by commas; "-" for the defaults), e.g.
+#    KNOBS="OMNISTREAM_FUSED_DECODE_ROWS=0 OMNISTREAM_FUSED_DECODE_ROWS=8".
 # 2. Nsight Compute over one whole step of the first variant at each of NCU_ROWS
 #    rows (a profiler range around it: nothing else is profiled), summed by
 #    kernel (scripts/cuda/ncu_table.py --by-name): which kernels a frame
@@ -19,8 +21,7 @@ OUT=${OUT:-bench-out/talker-profile}
 VARIANTS=${VARIANTS:-1.7b-customvoice 0.6b-customvoice}
 ROWS=${ROWS:-1,8,16,32,48,64}
 NCU_ROWS=${NCU_ROWS-1 48}
-# The decode projections by cuBLAS (0) or the engine's GEMV (1), each in turn.
-GEMV=${GEMV:-0}
+KNOBS=${KNOBS:--}
 mkdir -p "$OUT"
 xz -dkf cuda-bin/stages-tests.xz && chmod +x cuda-bin/stages-tests
 # The test binary reads deploy/ where it was built: that path leads here.
@@ -30,10 +31,11 @@ mkdir -p "$(dirname "$built")" && { [ -e "$built" ] || ln -s "$PWD" "$built"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 t=cuda-bin/stages-tests
 for v in $VARIANTS; do
-  for g in $GEMV; do
-    echo "=== steps: $v, OMNISTREAM_DENSE_GEMV=$g ($(date +%T))"
-    OMNISTREAM_DENSE_GEMV=$g OMNISTREAM_TTS_VARIANT=$v OMNISTREAM_PROFILE_ROWS=$ROWS timeout 300 \
-      $t profile_tts_talker_steps --ignored --nocapture 2>&1 | grep -E "^talker|^[0-9.]+b-|panicked|error"
+  for k in $KNOBS; do
+    echo "=== steps: $v, $k ($(date +%T))"
+    # shellcheck disable=SC2046
+    env $([ "$k" = - ] || echo "${k//,/ }") OMNISTREAM_TTS_VARIANT=$v OMNISTREAM_PROFILE_ROWS=$ROWS \
+      timeout 300 $t profile_tts_talker_steps --ignored --nocapture 2>&1 | grep -E "^talker|^[0-9.]+b-|panicked|error"
   done
 done
 first=${VARIANTS%% *}

@@ -93,11 +93,16 @@ impl CodePredictorModel {
             .steps
             .get(i)
             .ok_or_else(|| candle_core::Error::Msg(format!("no frame step {i}")))?;
-        let attn = |i: usize, a: &Attention, h: &Tensor| match frame.kv.get(i) {
-            Some(kv) => a.forward_slots(h, &step.cos, &step.sin, kv, &step.batch),
-            None => candle_core::bail!("no KV slots for layer {i}"),
-        };
-        run_decoder(&self.layers, &self.norm, x, attn, |_, _| {})
+        let (cos, sin) = (&step.cos, &step.sin);
+        layers::run_decoder_slots(
+            &self.layers,
+            &self.norm,
+            x,
+            cos,
+            sin,
+            &frame.kv,
+            &step.batch,
+        )
     }
 }
 
@@ -150,6 +155,10 @@ pub struct CodePredictor {
     small_to_mtp_projection: Option<Linear>,
     /// The Talker's width: its hidden states and the code embeddings.
     embedding_dim: usize,
+    /// With `small_to_mtp_projection`: each code table through it, once at load
+    /// (`(vocab, hidden)`), so a step's input is one lookup instead of a
+    /// projection of the looked-up row (the same sums, row by row).
+    projected_embedding: Option<Vec<Embedding>>,
     /// `lm_head.{i}` predicts code `i + 1`.
     lm_head: Vec<Linear>,
     cfg: CodePredictorConfig,
@@ -184,10 +193,22 @@ impl CodePredictor {
                 )
             })
             .transpose()?;
+        let model = CodePredictorModel::new(cfg, talker_hidden, vb.pp("model"))?;
+        let projected_embedding = small_to_mtp_projection
+            .as_ref()
+            .map(|p| {
+                model
+                    .codec_embedding
+                    .iter()
+                    .map(|e| Ok(Embedding::new(p.forward(e.embeddings())?, d.hidden_size)))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .transpose()?;
         Ok(Self {
-            model: CodePredictorModel::new(cfg, talker_hidden, vb.pp("model"))?,
+            model,
             small_to_mtp_projection,
             embedding_dim: talker_hidden,
+            projected_embedding,
             lm_head,
             cfg: cfg.clone(),
         })
@@ -456,10 +477,11 @@ impl CodePredictor {
         // Positions 0 and 1 in one step; position 0 only leaves its keys and values.
         let first = self.project(&Tensor::cat(&[&past_hidden, &code0_embed], 0)?)?;
         let mut h = self.model.forward_step(&first, frame, 0)?.narrow(0, b, b)?;
-        let mut input = code0_embed;
+        // The next step's input at the code predictor's width.
+        let mut input = first.narrow(0, b, b)?;
         for (g, head) in self.lm_head.iter().enumerate() {
             if g > 0 {
-                h = self.model.forward_step(&self.project(&input)?, frame, g)?;
+                h = self.model.forward_step(&input, frame, g)?;
             }
             let logits = layers::project(head, &h.squeeze(1)?)?.to_dtype(DType::F32)?;
             let ids = match &mut draw {
@@ -489,7 +511,10 @@ impl CodePredictor {
                 Some(s) => (s + &e)?,
                 None => e.clone(),
             });
-            input = e.to_dtype(dtype)?;
+            input = match &self.projected_embedding {
+                Some(tables) => tables[g].forward(&ids)?.to_dtype(dtype)?,
+                None => e.to_dtype(dtype)?,
+            };
         }
         let embed_sum = match embed_sum {
             Some(s) => s,

@@ -1222,6 +1222,139 @@ fn dense_gemv_matches_matmul() {
     assert!(kernels::dense_gemv(&nine, &w, false).is_err());
 }
 
+/// The fused decode step (`run_decoder_slots` with `FUSED_DECODE_ROWS`: norms in
+/// the projections after them, residual adds in the ones before) against the
+/// unfused one, at the Qwen3-TTS 1.7B shapes (random bf16, 200 cached positions):
+/// the Talker's decode (28 layers) at 1, 2, 4 and 8 rows and its code
+/// predictor's greedy frame (5 layers, 15 steps) at 1 and 2 rows. First the
+/// kernels alone against candle's ops; then the hidden states and logits within
+/// a few bf16 roundings of their scale (the GEMVs sum in another order than
+/// cuBLAS; a wrong norm, residual or row would be off by the scale itself), and
+/// the frame's codes the same until a draw's logits tie within that rounding.
+#[test]
+fn fused_decode_step_matches_unfused() {
+    use super::kernels;
+    use super::layers::KvCache;
+    use super::sampling::SamplingConfig;
+    use super::talker::SlotRows;
+    use crate::models::qwen3_tts::config::Qwen3TtsConfig;
+    use crate::models::qwen3_tts::talker::Qwen3TtsTalker;
+    let dev = gpu();
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let rel = |got: &Tensor, want: &Tensor| {
+        let scale = max_abs_diff(&f(want), &f(want).zeros_like().unwrap());
+        max_abs_diff(&f(got), &f(want)) / scale
+    };
+    // The kernels alone: the normed GEMV (plain and SwiGLU) and the residual one.
+    for (n, k) in [(4096usize, 1024usize), (4096, 2048), (2048, 6144)] {
+        let w = bf16_randn((n, k), &dev);
+        let nw = (bf16_randn(k, &dev) * 0.1)
+            .unwrap()
+            .affine(1.0, 1.0)
+            .unwrap();
+        let nw = nw.to_dtype(DType::BF16).unwrap();
+        for m in [1usize, 2, 8] {
+            let x = bf16_randn((m, k), &dev);
+            let normed = candle_nn::ops::rms_norm(&x, &nw, 1e-6).unwrap();
+            let want = normed.matmul(&w.t().unwrap()).unwrap();
+            if k <= kernels::NORM_GEMV_MAX_K {
+                let got = kernels::norm_gemv(&x, &nw, 1e-6, &w, false).unwrap();
+                assert!(rel(&got, &want) < 2e-2, "norm_gemv {m} x {k} -> {n}");
+                let got = kernels::norm_gemv(&x, &nw, 1e-6, &w, true).unwrap();
+                let want = kernels::silu_mul(&want).unwrap();
+                assert!(rel(&got, &want) < 2e-2, "norm_gemv SwiGLU {m} x {k} -> {n}");
+            }
+            let r = bf16_randn((m, n), &dev);
+            let want = (x.matmul(&w.t().unwrap()).unwrap() + &r).unwrap();
+            let got = kernels::dense_gemv_residual(&x, &w, &r).unwrap();
+            assert!(
+                rel(&got, &want) < 2e-2,
+                "dense_gemv_residual {m} x {k} -> {n}"
+            );
+        }
+    }
+
+    let dir = tts_bench_dir("1.7b-customvoice");
+    let cfg = Qwen3TtsConfig::load(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let talker = Qwen3TtsTalker::new(&cfg, weights::random(DType::BF16, &dev)).unwrap();
+    let talker = talker.talker();
+    let tc = cfg.talker();
+    let tc = &tc.text_config;
+    let cached = 200usize;
+    let slots = talker.new_slots(8, 1024).unwrap();
+    for slot in 0..8 {
+        for s in &slots {
+            let kv = bf16_randn((1, tc.num_key_value_heads, cached, tc.head_dim()), &dev);
+            let mut c = KvCache::new();
+            c.append(&kv, &kv).unwrap();
+            s.load(slot, &c, 0, 0).unwrap();
+        }
+    }
+    let both = |run: &mut dyn FnMut() -> Vec<Tensor>| {
+        kernels::FUSED_DECODE_ROWS.set(Some(0));
+        let want = run();
+        kernels::FUSED_DECODE_ROWS.set(Some(8));
+        let got = run();
+        kernels::FUSED_DECODE_ROWS.set(None);
+        (want, got)
+    };
+    let mut worst = 0f32;
+    for b in [1usize, 2, 4, 8] {
+        let ids: Vec<usize> = (0..b).collect();
+        let (lens, pos) = (vec![cached; b], vec![cached as u32; b]);
+        let hidden = bf16_randn((b, 1, tc.hidden_size), &dev);
+        let rows = SlotRows {
+            slots: &ids,
+            lens: &lens,
+            pos: &pos,
+            last_hidden: &hidden,
+        };
+        // Both write the same position's keys and values: the second overwrites.
+        let (want, got) = both(&mut || {
+            let (h, logits) = talker.decode_slots(&slots, &rows, &hidden, None).unwrap();
+            vec![h, logits]
+        });
+        for (w, g) in want.iter().zip(&got) {
+            let e = rel(g, w);
+            assert!(e < 3e-2, "Talker decode, {b} rows: {e}");
+            worst = worst.max(e);
+        }
+    }
+    eprintln!("fused Talker decode vs unfused: max |diff| {worst:.2e} of the largest value");
+    let cp = talker.code_predictor();
+    let greedy = SamplingConfig::greedy();
+    let mut worst = 0f32;
+    for b in [1usize, 2] {
+        let (ph, e0) = (
+            bf16_randn((b, 1, tc.hidden_size), &dev),
+            bf16_randn((b, 1, tc.hidden_size), &dev),
+        );
+        let mut frames = Vec::new();
+        both(&mut || {
+            frames.push(cp.generate_on_device(&ph, &e0, &greedy).unwrap());
+            Vec::new()
+        });
+        let (want, got) = (&frames[0], &frames[1]);
+        // Compared up to the first code the two paths drew differently.
+        let same = (0..want.logits.len())
+            .take_while(|&g| (0..b).all(|r| want.codes[r][g] == got.codes[r][g]))
+            .count();
+        for g in 0..(same + 1).min(want.logits.len()) {
+            let e = rel(&got.logits[g], &want.logits[g]);
+            assert!(e < 3e-2, "code predictor, {b} rows, code {}: {e}", g + 1);
+            worst = worst.max(e);
+        }
+        eprintln!("code predictor, {b} rows: the first {same} of 15 codes the same");
+        assert!(
+            same >= 1,
+            "the first code differs: {:?} / {:?}",
+            want.codes,
+            got.codes
+        );
+    }
+    eprintln!("fused code predictor vs unfused: max |diff| {worst:.2e} of the largest logit");
+}
+
 /// Code2Wav at the released shapes with random bf16 weights on `dev`.
 fn released_code2wav(dev: &Device) -> super::code2wav::Code2Wav {
     use super::code2wav::{Code2Wav, Code2WavConfig};

@@ -107,6 +107,19 @@ pub static DENSE_GEMV: Variant = Variant::new("OMNISTREAM_DENSE_GEMV", &[0, 1], 
 /// The most rows [`dense_gemv`] takes (kernels/dense.cu, `GEMV_MAX_ROWS`).
 pub const DENSE_GEMV_MAX_ROWS: usize = 8;
 
+/// The widest input [`norm_gemv`] takes: its rows sit in a block's shared
+/// memory ([`DENSE_GEMV_MAX_ROWS`] x 2048 bf16, 32 KiB, within the 48 KiB a
+/// launch gets without opting in).
+pub const NORM_GEMV_MAX_K: usize = 2048;
+
+/// A decode step's dense layers of up to this many rows run fused
+/// (`OMNISTREAM_FUSED_DECODE_ROWS`; [`crate::models::qwen3_omni::layers::run_decoder_slots`]):
+/// each norm inside the projection after it and each residual add inside the
+/// projection before it, through kernels/dense.cu's GEMVs (six launches a
+/// layer instead of nine to thirteen). 0 turns it off.
+pub static FUSED_DECODE_ROWS: Variant =
+    Variant::new("OMNISTREAM_FUSED_DECODE_ROWS", &[0, 1, 2, 4, 8], 0);
+
 /// The register budget of the MoE GEMV launches: the kernels are built for at
 /// least 1, 4, 6 or 8 resident blocks a multiprocessor at 4 rows a warp, 1 to 4
 /// at 8 (kernels/moe.cu, `MOE_GEMV_KERNELS`); more blocks keep more loads in
@@ -247,6 +260,8 @@ mod imp {
     const DENSE_THREADS: u32 = 256;
     /// Warps a block of the dense GEMV (kernels/dense.cu, `GEMV_WARPS`).
     const GEMV_WARPS: u32 = 4;
+    /// Warps a block of the normed GEMV (`NORM_GEMV_WARPS`).
+    const NORM_GEMV_WARPS: u32 = 8;
     const ARGMAX_THREADS: u32 = 1024;
     const TC_THREADS: u32 = 256;
     // kernels/code2wav.cu's conv tiles (its block is TC_THREADS too).
@@ -1242,12 +1257,42 @@ mod imp {
     }
 
     pub fn dense_gemv(x: &Tensor, w: &Tensor, swiglu: bool) -> Result<Tensor> {
+        gemv_launch(x, w, Gemv::Plain(swiglu))
+    }
+
+    pub fn dense_gemv_residual(x: &Tensor, w: &Tensor, resid: &Tensor) -> Result<Tensor> {
+        gemv_launch(x, w, Gemv::Residual(resid))
+    }
+
+    pub fn norm_gemv(
+        x: &Tensor,
+        norm: &Tensor,
+        eps: f32,
+        w: &Tensor,
+        swiglu: bool,
+    ) -> Result<Tensor> {
+        gemv_launch(x, w, Gemv::Norm(norm, eps, swiglu))
+    }
+
+    /// What a [`gemv_launch`] adds to the projection.
+    enum Gemv<'a> {
+        /// Nothing; or the SwiGLU (true).
+        Plain(bool),
+        /// The residual `(m, n)` added after.
+        Residual(&'a Tensor),
+        /// The RMSNorm of `x` by this weight and eps before; the SwiGLU after (true).
+        Norm(&'a Tensor, f32, bool),
+    }
+
+    /// kernels/dense.cu's GEMVs: `x` `(m, k)` by `w` `(n, k)` (`(2n, k)` with the SwiGLU).
+    fn gemv_launch(x: &Tensor, w: &Tensor, op: Gemv) -> Result<Tensor> {
         let (x, w) = (
             checked(x, DType::BF16, "dense_gemv x")?,
             checked(w, DType::BF16, "dense_gemv w")?,
         );
         let (m, k) = x.dims2()?;
         let (rows, kw) = w.dims2()?;
+        let swiglu = matches!(op, Gemv::Plain(true) | Gemv::Norm(_, _, true));
         let n = if swiglu { rows / 2 } else { rows };
         if kw != k
             || !k.is_multiple_of(8)
@@ -1261,12 +1306,33 @@ mod imp {
                 w.dims()
             );
         }
-        let dev = x.device().as_cuda_device()?;
-        let name = if swiglu {
-            "dense_gate_up_bf16"
-        } else {
-            "dense_gemv_bf16"
+        let extra = match op {
+            Gemv::Residual(r) => {
+                let r = checked(r, DType::BF16, "dense_gemv residual")?;
+                if r.dims() != [m, n] {
+                    candle_core::bail!("dense_gemv: residual {:?} for ({m}, {n})", r.dims());
+                }
+                Some(r)
+            }
+            Gemv::Norm(nw, ..) => {
+                let nw = checked(nw, DType::BF16, "norm_gemv weight")?;
+                if nw.elem_count() != k || k > NORM_GEMV_MAX_K {
+                    candle_core::bail!(
+                        "norm_gemv: norm weight {:?} for k {k} (at most {NORM_GEMV_MAX_K})",
+                        nw.dims()
+                    );
+                }
+                Some(nw)
+            }
+            Gemv::Plain(_) => None,
         };
+        let (name, warps) = match op {
+            Gemv::Plain(false) | Gemv::Residual(_) => ("dense_gemv_bf16", GEMV_WARPS),
+            Gemv::Plain(true) => ("dense_gate_up_bf16", GEMV_WARPS),
+            Gemv::Norm(_, _, false) => ("norm_gemv_bf16", NORM_GEMV_WARPS),
+            Gemv::Norm(_, _, true) => ("norm_gate_up_bf16", NORM_GEMV_WARPS),
+        };
+        let dev = x.device().as_cuda_device()?;
         let func = dev.get_or_load_custom_func(name, "omnistream_dense", DENSE_PTX)?;
         let out = unsafe { dev.alloc::<half::bf16>(m * n) }?;
         let (x_st, x_l) = x.storage_and_layout();
@@ -1275,16 +1341,52 @@ mod imp {
             view::<half::bf16>(&x_st, x_l)?,
             view::<half::bf16>(&w_st, w_l)?,
         );
+        let guard = extra.as_ref().map(|t| t.storage_and_layout());
+        let es = match &guard {
+            Some((st, l)) => Some(view::<half::bf16>(st, l)?),
+            None => None,
+        };
         let (m_i, n_i, k8) = (m as i32, n as i32, (k / 8) as i32);
+        let null = 0u64;
         let mut b = func.builder();
-        b.arg(&xs).arg(&ws).arg(&out).arg(&m_i).arg(&n_i).arg(&k8);
+        let mut shared = 0u32;
+        match (&op, &es) {
+            (Gemv::Norm(_, eps, _), Some(nw)) => {
+                b.arg(&xs).arg(nw).arg(&ws).arg(&out);
+                b.arg(&m_i).arg(&n_i).arg(&k8).arg(eps);
+                shared = (m * k * 2) as u32;
+            }
+            (Gemv::Residual(_), Some(r)) => {
+                b.arg(&xs)
+                    .arg(&ws)
+                    .arg(r)
+                    .arg(&out)
+                    .arg(&m_i)
+                    .arg(&n_i)
+                    .arg(&k8);
+            }
+            (Gemv::Plain(false), _) => {
+                b.arg(&xs)
+                    .arg(&ws)
+                    .arg(&null)
+                    .arg(&out)
+                    .arg(&m_i)
+                    .arg(&n_i)
+                    .arg(&k8);
+            }
+            _ => {
+                b.arg(&xs).arg(&ws).arg(&out).arg(&m_i).arg(&n_i).arg(&k8);
+            }
+        }
         let cfg = LaunchConfig {
-            grid_dim: ((n as u32).div_ceil(GEMV_WARPS), 1, 1),
-            block_dim: (GEMV_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
+            grid_dim: ((n as u32).div_ceil(warps), 1, 1),
+            block_dim: (warps * 32, 1, 1),
+            shared_mem_bytes: shared,
         };
         // SAFETY: one warp a weight row below n (2n rows with the SwiGLU), m <= the
-        // kernel's rows, k a multiple of 8 over checked, aligned, contiguous inputs.
+        // kernel's rows, k a multiple of 8 over checked, aligned, contiguous inputs;
+        // the residual is (m, n), the norm weight k long, the shared memory m * k
+        // bf16.
         unsafe { b.launch(cfg) }.w()?;
         drop(b);
         Ok(wrap(out, dev, (m, n)))
@@ -1407,6 +1509,20 @@ mod imp {
         no_cuda()
     }
 
+    pub fn dense_gemv_residual(_x: &Tensor, _w: &Tensor, _resid: &Tensor) -> Result<Tensor> {
+        no_cuda()
+    }
+
+    pub fn norm_gemv(
+        _x: &Tensor,
+        _norm: &Tensor,
+        _eps: f32,
+        _w: &Tensor,
+        _swiglu: bool,
+    ) -> Result<Tensor> {
+        no_cuda()
+    }
+
     pub fn add_rms_norm(
         _x: &Tensor,
         _h: &Tensor,
@@ -1521,6 +1637,16 @@ pub use imp::moe_sum;
 /// `silu(gate) * up` `(m, n)`, rounded as [`silu_mul`] after the projection.
 /// bf16, k a multiple of 8.
 pub use imp::dense_gemv;
+
+/// [`dense_gemv`] plus `resid` `(m, n)`: the projection rounded to bf16, then
+/// the sum (as the unfused add after it). A residual block's last projection.
+pub use imp::dense_gemv_residual;
+
+/// [`dense_gemv`] (with `swiglu`) of the RMSNorm of `x` `(m, k)` by `norm` `(k)`
+/// and `eps`, normed in f32 and rounded once as candle's bf16 `rms_norm`, in one
+/// launch: a decode step's projection after a norm. m up to
+/// [`DENSE_GEMV_MAX_ROWS`], k a multiple of 8 and at most [`NORM_GEMV_MAX_K`].
+pub use imp::norm_gemv;
 
 /// SwiGLU on a fused gate/up projection `(.., 2 * n)` bf16 (gate first, n a
 /// multiple of 8): `silu(gate) * up` `(.., n)`, in f32, rounded once.

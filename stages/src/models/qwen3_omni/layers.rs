@@ -871,22 +871,7 @@ impl Attention {
             // Three launches (kernels/attention.cu): the q/k/v projection, norms +
             // rotary + KV writes, attention over each row's own positions.
             let qkv = project(qkv, x)?.reshape((b, ()))?;
-            let q = kernels::qk_norm_rope(
-                &qkv,
-                &self.q_norm.weight_native,
-                &self.k_norm.weight_native,
-                self.q_norm.eps,
-                cos,
-                sin,
-                &batch.scatter,
-                &slots.k,
-                &slots.v,
-                self.num_heads,
-                kvh,
-            )?;
-            let rows = batch.gather.as_ref();
-            let out =
-                kernels::decode_attention(&q, &slots.k, &slots.v, &batch.mask, rows, self.scaling)?;
+            let out = self.slot_core(&qkv, cos, sin, slots, batch)?;
             return project(&self.o_proj, &out.reshape((b, 1, self.num_heads * hd))?);
         }
         let q = self
@@ -900,6 +885,34 @@ impl Attention {
         let (q, k) = apply_rotary_pos_emb(&q, &k, cos, sin)?;
         let (k, v) = slots.append(batch, &k, &v)?;
         self.slot_attention(&q, &k, &v, batch)
+    }
+
+    /// The engine's kernels between the q/k/v projection `(b, q + 2 * kv)` and
+    /// `o_proj`: the norms, rotary and KV writes, then each row's attention over
+    /// its own positions: `(b, heads, d)`.
+    fn slot_core(
+        &self,
+        qkv: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        slots: &KvSlots,
+        batch: &SlotBatch,
+    ) -> Result<Tensor> {
+        let q = kernels::qk_norm_rope(
+            qkv,
+            &self.q_norm.weight_native,
+            &self.k_norm.weight_native,
+            self.q_norm.eps,
+            cos,
+            sin,
+            &batch.scatter,
+            &slots.k,
+            &slots.v,
+            self.num_heads,
+            self.num_kv_heads,
+        )?;
+        let rows = batch.gather.as_ref();
+        kernels::decode_attention(&q, &slots.k, &slots.v, &batch.mask, rows, self.scaling)
     }
 
     /// Attention of one query per row `(b, heads, 1, d)` over the rows' keys/values
@@ -1623,6 +1636,85 @@ pub fn run_decoder(
         }
     }
     Ok(normed)
+}
+
+impl DecoderLayer {
+    /// The stacked q/k/v, gate/up and down projections where [`run_decoder_slots`]'s
+    /// fused step takes this layer: the engine's attention kernels, a dense SwiGLU
+    /// MLP with gate and up stacked, no biases, bf16 norms no wider than
+    /// [`kernels::NORM_GEMV_MAX_K`].
+    fn fused_decode(&self) -> Option<(&Linear, &Linear, &Linear)> {
+        let a = &self.self_attn;
+        let qkv = a.fused_qkv()?;
+        let FeedForward::Dense(mlp) = &self.mlp else {
+            return None;
+        };
+        let gate_up = mlp.gate_up.as_ref()?;
+        let hidden = self.input_layernorm.weight_native.elem_count();
+        let bf16 = |t: &Tensor| t.dtype() == DType::BF16;
+        let ok = qkv.bias().is_none()
+            && a.o_proj.bias().is_none()
+            && mlp.down_proj.bias().is_none()
+            && (8..=kernels::NORM_GEMV_MAX_K).contains(&hidden)
+            && hidden.is_multiple_of(8)
+            && bf16(&self.input_layernorm.weight_native)
+            && bf16(&self.post_attention_layernorm.weight_native)
+            && [qkv, gate_up, &a.o_proj, &mlp.down_proj]
+                .iter()
+                .all(|l| bf16(l.weight()) && l.weight().dim(1).is_ok_and(|k| k % 8 == 0));
+        ok.then_some((qkv, gate_up, &mlp.down_proj))
+    }
+}
+
+/// One decode step of a running batch `x` `(b, 1, hidden)` through `layers` over
+/// their KV `slots` (one per layer) and `norm`: [`run_decoder`] with each layer's
+/// [`Attention::forward_slots`]; or, for batches of up to
+/// [`kernels::FUSED_DECODE_ROWS`] rows where every layer is dense and takes the
+/// engine's kernels, fused: each RMSNorm inside the projection after it
+/// ([`kernels::norm_gemv`]) and each residual add inside the projection before it
+/// ([`kernels::dense_gemv_residual`]), six launches a layer.
+pub fn run_decoder_slots(
+    layers: &[DecoderLayer],
+    norm: &RmsNorm,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    slots: &[KvSlots],
+    batch: &SlotBatch,
+) -> Result<Tensor> {
+    let (b, s, hidden) = x.dims3()?;
+    let fused = s == 1
+        && b <= kernels::FUSED_DECODE_ROWS.get() as usize
+        && b <= kernels::DENSE_GEMV_MAX_ROWS
+        && x.device().is_cuda()
+        && x.dtype() == DType::BF16
+        && kernels::enabled()
+        && slots.len() >= layers.len()
+        && layers.iter().all(|l| l.fused_decode().is_some());
+    if !fused {
+        let attn = |i: usize, a: &Attention, h: &Tensor| match slots.get(i) {
+            Some(kv) => a.forward_slots(h, cos, sin, kv, batch),
+            None => candle_core::bail!("no KV slots for layer {i}"),
+        };
+        return run_decoder(layers, norm, x, attn, |_, _| {});
+    }
+    let mut x = x.reshape((b, hidden))?;
+    for (layer, kv) in layers.iter().zip(slots) {
+        let Some((qkv, gate_up, down)) = layer.fused_decode() else {
+            candle_core::bail!("run_decoder_slots: a layer the fused step cannot take");
+        };
+        let (a, n1, n2) = (
+            &layer.self_attn,
+            &layer.input_layernorm,
+            &layer.post_attention_layernorm,
+        );
+        let qkv = kernels::norm_gemv(&x, &n1.weight_native, n1.eps, qkv.weight(), false)?;
+        let out = a.slot_core(&qkv, cos, sin, kv, batch)?.reshape((b, ()))?;
+        x = kernels::dense_gemv_residual(&out, a.o_proj.weight(), &x)?;
+        let h = kernels::norm_gemv(&x, &n2.weight_native, n2.eps, gate_up.weight(), true)?;
+        x = kernels::dense_gemv_residual(&h, down.weight(), &x)?;
+    }
+    norm.forward(&x)?.reshape((b, 1, hidden))
 }
 
 /// KV slots for `layers`: a running batch of up to `slots` requests of `max_len`

@@ -210,11 +210,7 @@ impl TalkerModel {
         batch: &SlotBatch,
     ) -> Result<Tensor> {
         let (cos, sin) = self.rotary_emb.forward(position_ids, x.dtype())?;
-        let attn = |i: usize, a: &Attention, h: &Tensor| match slots.get(i) {
-            Some(s) => a.forward_slots(h, &cos, &sin, s, batch),
-            None => candle_core::bail!("no KV slots for layer {i}"),
-        };
-        layers::run_decoder(&self.layers, &self.norm, x, attn, |_, _| {})
+        layers::run_decoder_slots(&self.layers, &self.norm, x, &cos, &sin, slots, batch)
     }
 }
 

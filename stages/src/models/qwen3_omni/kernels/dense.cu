@@ -85,13 +85,16 @@ extern "C" __global__ void __launch_bounds__(DENSE_THREADS) add_rms_norm_bf16(
 // With SWIGLU w is (2n, k), gate rows then up rows, and the warp takes gate row
 // r and up row n + r: y = silu(gate) * up, each projection rounded to bf16 and
 // the product in f32 rounded once, as silu_mul_bf16 after the projection.
-// x4 and w4 as 16-byte groups, k8 = k / 8.
-template <bool SWIGLU>
+// With `resid` (m, n), y = resid + the projection, the projection rounded to
+// bf16 first and the sum rounded again (as the unfused add after it).
+// x4 (global or shared memory) and w4 as 16-byte groups, k8 = k / 8.
+template <int WARPS, bool SWIGLU>
 __device__ __forceinline__ void gemv_rows(
-    const uint4* __restrict__ x4, const uint4* __restrict__ w4, unsigned short* __restrict__ y,
+    const uint4* __restrict__ x4, const uint4* __restrict__ w4,
+    const unsigned short* __restrict__ resid, unsigned short* __restrict__ y,
     int m, int n, int k8) {
     const int lane = threadIdx.x % 32;
-    const int row = blockIdx.x * GEMV_WARPS + threadIdx.x / 32;
+    const int row = blockIdx.x * WARPS + threadIdx.x / 32;
     if (row >= n) return;
     const uint4* g = w4 + (size_t)row * k8;
     const uint4* u = w4 + ((size_t)n + row) * k8;
@@ -117,25 +120,91 @@ __device__ __forceinline__ void gemv_rows(
         const float a = warp_sum(acc[j]);
         const float b = SWIGLU ? warp_sum(up[j]) : 0.f;
         if (lane != 0) continue;
+        const size_t at = (size_t)j * n + row;
         if (SWIGLU) {
             const float gr = bf(to_bf16(a)), ur = bf(to_bf16(b));
-            y[(size_t)j * n + row] = to_bf16(gr / (1.f + expf(-gr)) * ur);
+            y[at] = to_bf16(gr / (1.f + expf(-gr)) * ur);
+        } else if (resid != nullptr) {
+            y[at] = to_bf16(bf(resid[at]) + bf(to_bf16(a)));
         } else {
-            y[(size_t)j * n + row] = to_bf16(a);
+            y[at] = to_bf16(a);
         }
     }
 }
 
-// Grid: ceil(n / GEMV_WARPS); block: GEMV_WARPS * 32.
+// Grid: ceil(n / GEMV_WARPS); block: GEMV_WARPS * 32. `resid` may be null.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) dense_gemv_bf16(
-    const uint4* __restrict__ x, const uint4* __restrict__ w, unsigned short* __restrict__ y,
+    const uint4* __restrict__ x, const uint4* __restrict__ w,
+    const unsigned short* __restrict__ resid, unsigned short* __restrict__ y,
     int m, int n, int k8) {
-    gemv_rows<false>(x, w, y, m, n, k8);
+    gemv_rows<GEMV_WARPS, false>(x, w, resid, y, m, n, k8);
 }
 
 // The same over gate/up rows with the SwiGLU: n is the intermediate width.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) dense_gate_up_bf16(
     const uint4* __restrict__ x, const uint4* __restrict__ w, unsigned short* __restrict__ y,
     int m, int n, int k8) {
-    gemv_rows<true>(x, w, y, m, n, k8);
+    gemv_rows<GEMV_WARPS, true>(x, w, nullptr, y, m, n, k8);
+}
+
+// The RMSNorm of a decode step's residual rows and the projection after it in
+// one launch: every block normalises the m rows of x (m, k) into shared memory
+// (y = x * rsqrt(mean(x^2) + eps) * nw in f32, rounded once, as candle's bf16
+// rms_norm and add_rms_norm_bf16), then its warps project them as
+// dense_gemv_bf16 (or with the SwiGLU). The rows are re-normed by each block:
+// k values read from L2, cheap beside the block's weight rows, and one launch
+// fewer (and no normed copy written) for each projection after a norm.
+// Dynamic shared memory: m * k bf16. Grid: ceil(n / NORM_GEMV_WARPS).
+#define NORM_GEMV_WARPS 8
+template <bool SWIGLU>
+__device__ __forceinline__ void norm_gemv(
+    const uint4* __restrict__ x, const uint4* __restrict__ nw, const uint4* __restrict__ w,
+    unsigned short* __restrict__ y, int m, int n, int k8, float eps) {
+    extern __shared__ uint4 xs[];
+    __shared__ float part[NORM_GEMV_WARPS];
+    for (int j = 0; j < m; ++j) {
+        const uint4* xr = x + (size_t)j * k8;
+        float ss = 0.f;
+        for (int c = threadIdx.x; c < k8; c += NORM_GEMV_WARPS * 32) {
+            const uint4 a = xr[c];
+            const unsigned int aw[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+            for (int q = 0; q < 4; q++) ss += bf_lo(aw[q]) * bf_lo(aw[q]) + bf_hi(aw[q]) * bf_hi(aw[q]);
+        }
+        ss = warp_sum(ss);
+        if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
+        __syncthreads();
+        float total = 0.f;
+#pragma unroll
+        for (int i = 0; i < NORM_GEMV_WARPS; i++) total += part[i];
+        // Every thread has read `part` before the next row writes it.
+        __syncthreads();
+        const float scale = rsqrtf(total / (float)(k8 * 8) + eps);
+        for (int c = threadIdx.x; c < k8; c += NORM_GEMV_WARPS * 32) {
+            const uint4 a = xr[c], g = nw[c];
+            const unsigned int aw[4] = {a.x, a.y, a.z, a.w}, gw[4] = {g.x, g.y, g.z, g.w};
+            unsigned int o[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const float lo = bf_lo(aw[q]) * scale * bf_lo(gw[q]);
+                const float hi = bf_hi(aw[q]) * scale * bf_hi(gw[q]);
+                o[q] = (unsigned int)to_bf16(lo) | ((unsigned int)to_bf16(hi) << 16);
+            }
+            xs[(size_t)j * k8 + c] = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+    }
+    __syncthreads();
+    gemv_rows<NORM_GEMV_WARPS, SWIGLU>(xs, w, nullptr, y, m, n, k8);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_GEMV_WARPS * 32) norm_gemv_bf16(
+    const uint4* __restrict__ x, const uint4* __restrict__ nw, const uint4* __restrict__ w,
+    unsigned short* __restrict__ y, int m, int n, int k8, float eps) {
+    norm_gemv<false>(x, nw, w, y, m, n, k8, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_GEMV_WARPS * 32) norm_gate_up_bf16(
+    const uint4* __restrict__ x, const uint4* __restrict__ nw, const uint4* __restrict__ w,
+    unsigned short* __restrict__ y, int m, int n, int k8, float eps) {
+    norm_gemv<true>(x, nw, w, y, m, n, k8, eps);
 }

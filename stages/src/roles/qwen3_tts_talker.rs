@@ -45,9 +45,6 @@ const DEFAULT_MAX_FRAMES: usize = 8192;
 /// The reference's `min_new_tokens`: no end code in the first frames.
 const MIN_FRAMES: usize = 2;
 
-/// The longest a step waits for the clip encodes in flight.
-const ENCODE_WAIT_CAP: std::time::Duration = std::time::Duration::from_millis(50);
-
 /// A VoiceDesign checkpoint's voice: the one the instructions describe.
 pub const DESCRIBED: &str = "described";
 
@@ -787,7 +784,7 @@ impl StageModel for Qwen3TtsTalker {
         // The reference clips being encoded go first: each cloned request waits
         // for its clip, and beside these steps an encode ran 30x slower (only a
         // GPU's encodes are counted, so on the CPU this returns at once).
-        graphs::yield_to_encodes(ENCODE_WAIT_CAP);
+        graphs::yield_to_encodes(graphs::ENCODE_WAIT_CAP, false);
         for id in self.lost.drain(..) {
             out.failed
                 .push((id, ModelError::Invalid("its KV slot was lost".into())));

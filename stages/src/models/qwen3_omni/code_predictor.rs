@@ -19,6 +19,7 @@
 //!   `embed(group, &ids)`, `forward_hidden(&inputs_embeds)`, `num_code_groups()`.
 
 use super::graphs;
+use super::kernels;
 use super::layers::{
     self, attention_mask, new_slots, run_decoder, Attention, DecoderConfig, DecoderLayer, KvCache,
     KvSlots, RmsNorm, RotaryEmbedding, SlotBatch,
@@ -93,16 +94,9 @@ impl CodePredictorModel {
             .steps
             .get(i)
             .ok_or_else(|| candle_core::Error::Msg(format!("no frame step {i}")))?;
-        let (cos, sin) = (&step.cos, &step.sin);
-        layers::run_decoder_slots(
-            &self.layers,
-            &self.norm,
-            x,
-            cos,
-            sin,
-            &frame.kv,
-            &step.batch,
-        )
+        let (cos, sin, kv) = (&step.cos, &step.sin, &frame.kv);
+        let fuse = kernels::FUSED_DECODE_ROWS.get() as usize;
+        layers::run_decoder_slots(&self.layers, &self.norm, x, cos, sin, kv, &step.batch, fuse)
     }
 }
 

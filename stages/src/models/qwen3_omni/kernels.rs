@@ -112,13 +112,19 @@ pub const DENSE_GEMV_MAX_ROWS: usize = 8;
 /// launch gets without opting in).
 pub const NORM_GEMV_MAX_K: usize = 2048;
 
-/// A decode step's dense layers of up to this many rows run fused
+/// A code predictor step of up to this many rows runs its dense layers fused
 /// (`OMNISTREAM_FUSED_DECODE_ROWS`; [`crate::models::qwen3_omni::layers::run_decoder_slots`]):
 /// each norm inside the projection after it and each residual add inside the
 /// projection before it, through kernels/dense.cu's GEMVs (six launches a
 /// layer instead of nine to thirteen). 0 turns it off.
 pub static FUSED_DECODE_ROWS: Variant =
     Variant::new("OMNISTREAM_FUSED_DECODE_ROWS", &[0, 1, 2, 4, 8], 0);
+
+/// Whether the Talker's decode steps fuse as the code predictor's do
+/// (`OMNISTREAM_FUSED_DECODE_TALKER=1`): off, as the GEMVs read its wider
+/// weights slower than cuBLAS (docs/bench/qwen3-tts-gpu.md).
+pub static FUSED_DECODE_TALKER: Variant =
+    Variant::new("OMNISTREAM_FUSED_DECODE_TALKER", &[0, 1], 0);
 
 /// The register budget of the MoE GEMV launches: the kernels are built for at
 /// least 1, 4, 6 or 8 resident blocks a multiprocessor at 4 rows a warp, 1 to 4

@@ -1668,11 +1668,12 @@ impl DecoderLayer {
 
 /// One decode step of a running batch `x` `(b, 1, hidden)` through `layers` over
 /// their KV `slots` (one per layer) and `norm`: [`run_decoder`] with each layer's
-/// [`Attention::forward_slots`]; or, for batches of up to
-/// [`kernels::FUSED_DECODE_ROWS`] rows where every layer is dense and takes the
+/// [`Attention::forward_slots`]; or, for batches of up to `fuse_rows` rows (see
+/// [`kernels::FUSED_DECODE_ROWS`]) where every layer is dense and takes the
 /// engine's kernels, fused: each RMSNorm inside the projection after it
 /// ([`kernels::norm_gemv`]) and each residual add inside the projection before it
 /// ([`kernels::dense_gemv_residual`]), six launches a layer.
+#[allow(clippy::too_many_arguments)]
 pub fn run_decoder_slots(
     layers: &[DecoderLayer],
     norm: &RmsNorm,
@@ -1681,10 +1682,11 @@ pub fn run_decoder_slots(
     sin: &Tensor,
     slots: &[KvSlots],
     batch: &SlotBatch,
+    fuse_rows: usize,
 ) -> Result<Tensor> {
     let (b, s, hidden) = x.dims3()?;
     let fused = s == 1
-        && b <= kernels::FUSED_DECODE_ROWS.get() as usize
+        && b <= fuse_rows
         && b <= kernels::DENSE_GEMV_MAX_ROWS
         && x.device().is_cuda()
         && x.dtype() == DType::BF16

@@ -25,6 +25,7 @@
 
 use super::code_predictor::{CodePredictor, CodePredictorConfig, PredictorGraphs};
 use super::graphs;
+use super::kernels;
 use super::layers::{
     self, Attention, DecoderConfig, DecoderLayer, FeedForward, KvCache, KvSlots, RmsNorm,
     RotaryEmbedding, SlotBatch, SparseMoe,
@@ -210,7 +211,13 @@ impl TalkerModel {
         batch: &SlotBatch,
     ) -> Result<Tensor> {
         let (cos, sin) = self.rotary_emb.forward(position_ids, x.dtype())?;
-        layers::run_decoder_slots(&self.layers, &self.norm, x, &cos, &sin, slots, batch)
+        // The Talker's wide projections read faster through cuBLAS than the
+        // fused step's GEMVs (docs/bench/qwen3-tts-gpu.md): fused only on request.
+        let fuse = match kernels::FUSED_DECODE_TALKER.get() {
+            1 => kernels::FUSED_DECODE_ROWS.get() as usize,
+            _ => 0,
+        };
+        layers::run_decoder_slots(&self.layers, &self.norm, x, &cos, &sin, slots, batch, fuse)
     }
 }
 

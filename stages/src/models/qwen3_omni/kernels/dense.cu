@@ -88,11 +88,15 @@ extern "C" __global__ void __launch_bounds__(DENSE_THREADS) add_rms_norm_bf16(
 // With `resid` (m, n), y = resid + the projection, the projection rounded to
 // bf16 first and the sum rounded again (as the unfused add after it).
 // x4 (global or shared memory) and w4 as 16-byte groups, k8 = k / 8.
+// `pre_g`/`pre_u`: the lane's first GEMV_PREFETCH weight groups, loaded by the
+// caller before it had x (norm_gemv loads them before its norm, so the weights'
+// latency runs under it); null: loaded here.
+#define GEMV_PREFETCH 4
 template <int WARPS, bool SWIGLU>
 __device__ __forceinline__ void gemv_rows(
     const uint4* __restrict__ x4, const uint4* __restrict__ w4,
     const unsigned short* __restrict__ resid, unsigned short* __restrict__ y,
-    int m, int n, int k8) {
+    int m, int n, int k8, const uint4* pre_g = nullptr, const uint4* pre_u = nullptr) {
     const int lane = threadIdx.x % 32;
     const int row = blockIdx.x * WARPS + threadIdx.x / 32;
     if (row >= n) return;
@@ -101,8 +105,23 @@ __device__ __forceinline__ void gemv_rows(
     float acc[GEMV_MAX_ROWS], up[GEMV_MAX_ROWS];
 #pragma unroll
     for (int j = 0; j < GEMV_MAX_ROWS; ++j) acc[j] = up[j] = 0.f;
+    int c = lane;
+    if (pre_g != nullptr) {
+#pragma unroll
+        for (int p = 0; p < GEMV_PREFETCH; ++p, c += 32) {
+            if (c >= k8) break;
+#pragma unroll
+            for (int j = 0; j < GEMV_MAX_ROWS; ++j) {
+                if (j < m) {
+                    const uint4 xv = x4[(size_t)j * k8 + c];
+                    acc[j] += dot8(pre_g[p], xv);
+                    if (SWIGLU) up[j] += dot8(pre_u[p], xv);
+                }
+            }
+        }
+    }
 #pragma unroll 4
-    for (int c = lane; c < k8; c += 32) {
+    for (; c < k8; c += 32) {
         const uint4 gv = __ldg(g + c);
         const uint4 uv = SWIGLU ? __ldg(u + c) : gv;
 #pragma unroll
@@ -162,6 +181,20 @@ __device__ __forceinline__ void norm_gemv(
     unsigned short* __restrict__ y, int m, int n, int k8, float eps) {
     extern __shared__ uint4 xs[];
     __shared__ float part[NORM_GEMV_WARPS];
+    // The warp's first weight groups, in flight while the block norms x.
+    uint4 pre_g[GEMV_PREFETCH], pre_u[GEMV_PREFETCH];
+    {
+        const int lane = threadIdx.x % 32;
+        const int row = blockIdx.x * NORM_GEMV_WARPS + threadIdx.x / 32;
+        const uint4* g = w + (size_t)min(row, n - 1) * k8;
+        const uint4* u = w + ((size_t)n + min(row, n - 1)) * k8;
+#pragma unroll
+        for (int p = 0; p < GEMV_PREFETCH; ++p) {
+            const int c = lane + 32 * p;
+            pre_g[p] = c < k8 ? __ldg(g + c) : make_uint4(0, 0, 0, 0);
+            pre_u[p] = SWIGLU && c < k8 ? __ldg(u + c) : pre_g[p];
+        }
+    }
     for (int j = 0; j < m; ++j) {
         const uint4* xr = x + (size_t)j * k8;
         float ss = 0.f;
@@ -194,7 +227,7 @@ __device__ __forceinline__ void norm_gemv(
         }
     }
     __syncthreads();
-    gemv_rows<NORM_GEMV_WARPS, SWIGLU>(xs, w, nullptr, y, m, n, k8);
+    gemv_rows<NORM_GEMV_WARPS, SWIGLU>(xs, w, nullptr, y, m, n, k8, pre_g, pre_u);
 }
 
 extern "C" __global__ void __launch_bounds__(NORM_GEMV_WARPS * 32) norm_gemv_bf16(

@@ -355,9 +355,9 @@ impl StageModel for Qwen3OmniCode2Wav {
     }
 
     fn step(&mut self, out: &mut StepOutput) {
-        // The reference clips being encoded go first, as for the Talker: beside
-        // this stage's convolutions a batch of clips ran ten times slower, and
-        // every cloned request waits for its clip (none in flight: no wait).
+        // With OMNISTREAM_ENCODE_PRIORITY=all the reference clips being encoded
+        // go first, as for the Talker: beside this stage's convolutions a batch
+        // of clips ran ten times slower, and every cloned request waits for it.
         graphs::yield_to_encodes(graphs::ENCODE_WAIT_CAP, true);
         // Ahead of the Thinker's next step on a shared GPU (graphs::yield_to_urgent).
         let dev = self.model.device();

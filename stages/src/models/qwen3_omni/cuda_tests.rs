@@ -1234,7 +1234,6 @@ fn dense_gemv_matches_matmul() {
 #[test]
 fn fused_decode_step_matches_unfused() {
     use super::kernels;
-    use super::layers::KvCache;
     use super::sampling::SamplingConfig;
     use super::talker::SlotRows;
     use crate::models::qwen3_tts::config::Qwen3TtsConfig;
@@ -1281,15 +1280,7 @@ fn fused_decode_step_matches_unfused() {
     let tc = cfg.talker();
     let tc = &tc.text_config;
     let cached = 200usize;
-    let slots = talker.new_slots(8, 1024).unwrap();
-    for slot in 0..8 {
-        for s in &slots {
-            let kv = bf16_randn((1, tc.num_key_value_heads, cached, tc.head_dim()), &dev);
-            let mut c = KvCache::new();
-            c.append(&kv, &kv).unwrap();
-            s.load(slot, &c, 0, 0).unwrap();
-        }
-    }
+    let slots = talker_slots(talker, tc, 8, 8, cached);
     let both = |run: &mut dyn FnMut() -> Vec<Tensor>| {
         kernels::FUSED_DECODE_ROWS.set(Some(0));
         let want = run();
@@ -1950,6 +1941,28 @@ fn profile_tts_talker_steps() {
     profile_talker(talker.talker(), &cfg.talker(), &sampled, &rows, 200);
 }
 
+/// A Talker's KV slots, `total` of 1,024 positions, the first `filled` holding
+/// `cached` random positions each.
+fn talker_slots(
+    talker: &super::talker::Talker,
+    tc: &DecoderConfig,
+    total: usize,
+    filled: usize,
+    cached: usize,
+) -> Vec<super::layers::KvSlots> {
+    let dev = gpu();
+    let slots = talker.new_slots(total, 1024).unwrap();
+    for slot in 0..filled {
+        for s in &slots {
+            let kv = bf16_randn((1, tc.num_key_value_heads, cached, tc.head_dim()), &dev);
+            let mut c = super::layers::KvCache::new();
+            c.append(&kv, &kv).unwrap();
+            s.load(slot, &c, 0, 0).unwrap();
+        }
+    }
+    slots
+}
+
 /// Times a Talker's step parts at each row count in `batches` (see
 /// [`profile_talker_steps`]), every row with `cached` positions in its slot.
 fn profile_talker(
@@ -1959,7 +1972,6 @@ fn profile_talker(
     batches: &[usize],
     cached: usize,
 ) {
-    use super::layers::KvCache;
     use super::sampling::{Sampler, SamplingConfig};
     use super::talker::{SlotRows, TalkerGraphs};
     use std::time::Instant;
@@ -1967,17 +1979,8 @@ fn profile_talker(
     let tc = &cfg.text_config;
     const ITERS: usize = 10;
     let max_rows = batches.iter().copied().max().unwrap_or(1);
-    let max_len = 1024usize;
     let scratch = TalkerGraphs::scratch_slots(max_rows);
-    let slots = talker.new_slots(max_rows + scratch, max_len).unwrap();
-    for slot in 0..max_rows {
-        for s in &slots {
-            let kv = bf16_randn((1, tc.num_key_value_heads, cached, tc.head_dim()), &dev);
-            let mut c = KvCache::new();
-            c.append(&kv, &kv).unwrap();
-            s.load(slot, &c, 0, 0).unwrap();
-        }
-    }
+    let slots = talker_slots(talker, tc, max_rows + scratch, max_rows, cached);
     let mut graphs = TalkerGraphs::new(max_rows);
     let time = |f: &mut dyn FnMut()| {
         for _ in 0..3 {

@@ -303,8 +303,9 @@ pub const ENCODE_WAIT_CAP: std::time::Duration = std::time::Duration::from_milli
 
 /// Which stages wait for the clip encodes in flight, and how long at most:
 /// `OMNISTREAM_ENCODE_PRIORITY` (for measurement) `off` (none), `talker` (the
-/// Talker only) or `all` (the Talker and Code2Wav, the default), and
-/// `OMNISTREAM_ENCODE_WAIT_MS` in place of the caller's cap.
+/// Talker only, the default: measured, docs/bench/qwen3-tts-gpu.md) or `all`
+/// (the Talker and Code2Wav: not measured yet), and `OMNISTREAM_ENCODE_WAIT_MS`
+/// in place of the caller's cap.
 #[derive(Debug, Clone, Copy)]
 struct EncodePriority {
     talker: bool,
@@ -319,7 +320,7 @@ fn encode_priority() -> EncodePriority {
         let cap = std::env::var("OMNISTREAM_ENCODE_WAIT_MS").ok();
         EncodePriority {
             talker: v != "off",
-            decoder: v != "off" && v != "talker",
+            decoder: v == "all",
             cap: cap
                 .and_then(|v| v.parse().ok())
                 .map(std::time::Duration::from_millis),

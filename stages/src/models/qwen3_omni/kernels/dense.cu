@@ -31,6 +31,20 @@ extern "C" __global__ void silu_mul_bf16(
     }
 }
 
+// 8 packed bf16 values `a` times `scale` times their norm weights `g`, in f32,
+// each rounded once: an RMSNorm's output.
+__device__ __forceinline__ uint4 scaled8(uint4 a, uint4 g, float scale) {
+    const unsigned int aw[4] = {a.x, a.y, a.z, a.w}, gw[4] = {g.x, g.y, g.z, g.w};
+    unsigned int o[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float lo = bf_lo(aw[j]) * scale * bf_lo(gw[j]);
+        const float hi = bf_hi(aw[j]) * scale * bf_hi(gw[j]);
+        o[j] = (unsigned int)to_bf16(lo) | ((unsigned int)to_bf16(hi) << 16);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // The residual add and the RMSNorm after it: s = x + h rounded to bf16 (as the
 // unfused add), y = s * rsqrt(mean(s^2) + eps) * w in f32, rounded once (as
 // candle's bf16 rms_norm). Rows of `hidden` = n8 * 8 values; a block a row.
@@ -64,16 +78,7 @@ extern "C" __global__ void __launch_bounds__(DENSE_THREADS) add_rms_norm_bf16(
     const float scale = rsqrtf(total / (float)(n8 * 8) + eps);
     // Each thread reads back only the sums it wrote itself.
     for (int c = threadIdx.x; c < n8; c += DENSE_THREADS) {
-        const uint4 a = s[base + c], g = w[c];
-        const unsigned int aw[4] = {a.x, a.y, a.z, a.w}, gw[4] = {g.x, g.y, g.z, g.w};
-        unsigned int o[4];
-        #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float lo = bf_lo(aw[j]) * scale * bf_lo(gw[j]);
-            const float hi = bf_hi(aw[j]) * scale * bf_hi(gw[j]);
-            o[j] = (unsigned int)to_bf16(lo) | ((unsigned int)to_bf16(hi) << 16);
-        }
-        y[base + c] = make_uint4(o[0], o[1], o[2], o[3]);
+        y[base + c] = scaled8(s[base + c], w[c], scale);
     }
 }
 
@@ -214,16 +219,7 @@ __device__ __forceinline__ void norm_gemv(
         __syncthreads();
         const float scale = rsqrtf(total / (float)(k8 * 8) + eps);
         for (int c = threadIdx.x; c < k8; c += NORM_GEMV_WARPS * 32) {
-            const uint4 a = xr[c], g = nw[c];
-            const unsigned int aw[4] = {a.x, a.y, a.z, a.w}, gw[4] = {g.x, g.y, g.z, g.w};
-            unsigned int o[4];
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const float lo = bf_lo(aw[q]) * scale * bf_lo(gw[q]);
-                const float hi = bf_hi(aw[q]) * scale * bf_hi(gw[q]);
-                o[q] = (unsigned int)to_bf16(lo) | ((unsigned int)to_bf16(hi) << 16);
-            }
-            xs[(size_t)j * k8 + c] = make_uint4(o[0], o[1], o[2], o[3]);
+            xs[(size_t)j * k8 + c] = scaled8(xr[c], nw[c], scale);
         }
     }
     __syncthreads();

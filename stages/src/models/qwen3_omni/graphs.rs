@@ -303,9 +303,9 @@ pub const ENCODE_WAIT_CAP: std::time::Duration = std::time::Duration::from_milli
 
 /// Which stages wait for the clip encodes in flight, and how long at most:
 /// `OMNISTREAM_ENCODE_PRIORITY` (for measurement) `off` (none), `talker` (the
-/// Talker only, the default: measured, docs/bench/qwen3-tts-gpu.md) or `all`
-/// (the Talker and Code2Wav: not measured yet), and `OMNISTREAM_ENCODE_WAIT_MS`
-/// in place of the caller's cap.
+/// Talker only, the default) or `all` (the Talker and Code2Wav: first audio
+/// 10% later at c=64 on an H100, docs/bench/qwen3-tts-gpu.md), and
+/// `OMNISTREAM_ENCODE_WAIT_MS` in place of the caller's cap.
 #[derive(Debug, Clone, Copy)]
 struct EncodePriority {
     talker: bool,
